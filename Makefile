@@ -1,0 +1,40 @@
+# kvoffload developer entry points. Every install step lives here so that a fresh
+# machine (and CI) needs nothing but python3.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvoffload-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-gpu bench lint clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: it is the CPU build, so the unpinned "torch" extra below
+# is already satisfied and never pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev]'
+	touch $(STAMP)
+
+# Start the daemon in the foreground with embedded defaults (1 GiB region).
+run: $(STAMP)
+	$(BIN)/kvoffloadd $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q tests/gpu $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m kvoffloadctl.bench $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check daemon libclient tools tests
+	$(BIN)/ruff format --check daemon libclient tools tests
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,183 @@
+"""Slot allocation: the region is cut into extents, extents into per-namespace slots.
+
+Memory is split like memcached's slab allocator:
+
+    region data area
+    +----------+----------+----------+----------+-----
+    | extent 0 | extent 1 | extent 2 | extent 3 | ...     equal-size extents
+    +----------+----------+----------+----------+-----
+      ns A       ns B       free       ns A             one owner each, or free
+
+A namespace owns whole extents and cuts each into slots of its own ``slot_bytes``
+(``extent_bytes // slot_bytes`` slots per extent, the tail unused). Slot ids are local
+to the namespace: slot ``s`` lives in the namespace's ``s // slots_per_extent``-th
+extent at ``(s % slots_per_extent) * slot_bytes``.
+
+Rules:
+- Allocation order (vLLM's CPU manager): fresh ids of the extents already owned first,
+  then the most recently freed id (LIFO), then a new extent from the shared pool.
+- ``num_free`` counts what allocation could hand out now, shared pool included.
+- A freed slot whose copy is still running (``busy``) is not reusable until the copy
+  drains; it is parked in ``deferred`` (invariant 3: no two copies share a slot).
+- A namespace gives extents back from its top only (``release_free_tail``), so slot
+  ids never have holes; the index evicts a whole top extent when the pool must move
+  memory between namespaces.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+
+class ExtentPool:
+    """The region's extents: which are free, which namespace owns each."""
+
+    def __init__(self, num_extents: int, extent_bytes: int, data_offset: int = 0) -> None:
+        if num_extents <= 0 or extent_bytes <= 0:
+            raise ValueError("an extent pool needs at least one extent of positive size")
+        self.num_extents = num_extents
+        self.extent_bytes = extent_bytes
+        self.data_offset = data_offset
+        # Lowest index first, so a fresh region fills from its start.
+        self._free: list[int] = list(range(num_extents - 1, -1, -1))
+        self.owner: list[int | None] = [None] * num_extents
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, owner: int) -> int | None:
+        if not self._free:
+            return None
+        ext = self._free.pop()
+        self.owner[ext] = owner
+        return ext
+
+    def give_back(self, ext: int) -> None:
+        if self.owner[ext] is None:
+            raise AssertionError(f"extent {ext} freed twice")
+        self.owner[ext] = None
+        self._free.append(ext)
+        self._free.sort(reverse=True)
+
+
+class SlotPool:
+    """One namespace's slots over the extents it owns."""
+
+    def __init__(self, pool: ExtentPool, owner: int, slot_bytes: int) -> None:
+        if slot_bytes <= 0 or slot_bytes > pool.extent_bytes:
+            raise ValueError(
+                f"slot of {slot_bytes} bytes does not fit an extent of {pool.extent_bytes} bytes"
+            )
+        self.pool = pool
+        self.owner = owner
+        self.slot_bytes = slot_bytes
+        self.slots_per_extent = pool.extent_bytes // slot_bytes
+        self.extents: list[int] = []
+        self._fresh = 0  # ids below this have been handed out at least once
+        self._free: list[int] = []
+        self._used_per_extent: list[int] = []
+        self.busy: dict[int, int] = {}
+        self.deferred: set[int] = set()
+        self._extent_array: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.extents) * self.slots_per_extent
+
+    @property
+    def num_used(self) -> int:
+        return sum(self._used_per_extent)
+
+    @property
+    def num_free(self) -> int:
+        own = self.capacity - self._fresh + len(self._free)
+        return own + self.pool.num_free * self.slots_per_extent
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out ``n`` slot ids; the caller checked ``num_free`` first."""
+        if n > self.num_free:
+            raise AssertionError(f"allocate({n}) with only {self.num_free} free")
+        out: list[int] = []
+        while len(out) < n:
+            if self._fresh < self.capacity:
+                slot = self._fresh
+                self._fresh += 1
+            elif self._free:
+                slot = self._free.pop()
+            else:
+                self._grow()
+                continue
+            self._used_per_extent[slot // self.slots_per_extent] += 1
+            out.append(slot)
+        return out
+
+    def free(self, slot: int) -> None:
+        if self.busy.get(slot, 0) > 0:
+            self.deferred.add(slot)
+            return
+        self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        self._used_per_extent[slot // self.slots_per_extent] -= 1
+        self._free.append(slot)
+
+    def mark_busy(self, slots: npt.NDArray[np.int64]) -> None:
+        busy = self.busy
+        for s in slots.tolist():
+            busy[s] = busy.get(s, 0) + 1
+
+    def unmark_busy(self, slots: npt.NDArray[np.int64]) -> None:
+        busy = self.busy
+        for s in slots.tolist():
+            left = busy[s] - 1
+            if left:
+                busy[s] = left
+            else:
+                del busy[s]
+                if s in self.deferred:
+                    self.deferred.discard(s)
+                    self._release(s)
+
+    def _grow(self) -> None:
+        ext = self.pool.take(self.owner)
+        if ext is None:
+            raise AssertionError("extent pool exhausted during allocate")
+        self.extents.append(ext)
+        self._used_per_extent.append(0)
+        self._extent_array = np.asarray(self.extents, dtype=np.int64)
+
+    def top_extent_slots(self) -> range:
+        """Slot ids of the namespace's last extent (empty when it owns none)."""
+        if not self.extents:
+            return range(0)
+        start = (len(self.extents) - 1) * self.slots_per_extent
+        return range(start, start + self.slots_per_extent)
+
+    def release_free_tail(self) -> int:
+        """Give every completely unused top extent back to the pool; returns how many."""
+        released = 0
+        while self.extents and self._used_per_extent[-1] == 0:
+            start = (len(self.extents) - 1) * self.slots_per_extent
+            self._free = [s for s in self._free if s < start]
+            self._fresh = min(self._fresh, start)
+            self.pool.give_back(self.extents.pop())
+            self._used_per_extent.pop()
+            released += 1
+        if released:
+            self._extent_array = np.asarray(self.extents, dtype=np.int64)
+        return released
+
+    def region_offsets(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Byte offset in the region of each slot."""
+        spe = self.slots_per_extent
+        ext = self._extent_array[slots // spe]
+        return (
+            self.pool.data_offset
+            + ext * self.pool.extent_bytes
+            + (slots % spe) * self.slot_bytes
+        )
+
+    def is_valid(self, slots: npt.NDArray[np.int64]) -> bool:
+        return bool(slots.size == 0 or (slots.min() >= 0 and slots.max() < self.capacity))

@@ -1,0 +1,357 @@
+"""Per-namespace block index: the offloading-manager contract of vLLM, with owners.
+
+Semantics follow vLLM's CPU offloading manager (research/vllm_kv_offload.md section 3)
+so that engines see exactly the behaviour of the built-in offloader:
+
+- ``ref`` is -1 while a block is being written, 0 when ready and evictable, N > 0 while
+  N loads are in flight. ``lookup`` counts the leading keys that are present *and*
+  ready (invariant 1: a block is visible only after ``complete_store(success=True)``).
+- ``prepare_store`` skips keys already present; when only such keys are given it
+  returns an empty plan, not None. It evicts atomically, never its own input keys and
+  never a block with ``ref != 0`` (invariant 2); ``None`` means no space.
+- Events are emitted only when a store completes and when blocks are evicted.
+
+On top of that the daemon needs owners: every block being written belongs to the
+client that prepared it, every pin to the client that took it. Completing someone
+else's store or load is ``NOT_LEASED``; ``release_client`` fails a dead client's
+stores and drops its pins at once (invariant 5). ``check_store_slots`` and
+``check_load_slots`` are how the data path proves a slot was leased (invariant 4).
+
+Everything here runs on the daemon's loop thread only: no locks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.protocol.errors import NotFoundError, NotLeasedError
+from kvoffload.protocol.messages import KVLayout
+
+from .allocator import SlotPool
+from .policies import Block, make_policy
+
+MAX_PENDING_EVENTS = 65536
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    keys_to_store: list[bytes]
+    slots: list[int]
+    evicted_keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class OffloadEvent:
+    keys: list[bytes]
+    removed: bool
+
+
+@dataclass(frozen=True)
+class NamespaceStatistics:
+    name: str
+    fingerprint: str
+    policy: str
+    slot_bytes: int
+    extents: int
+    capacity_blocks: int
+    stored_blocks: int
+    writing_blocks: int
+    pinned_blocks: int
+    lookups_total: int
+    lookup_keys_total: int
+    hit_keys_total: int
+    stores_prepared_total: int
+    stored_blocks_total: int
+    store_failures_total: int
+    loads_prepared_total: int
+    evicted_blocks_total: int
+    events_dropped_total: int
+
+
+class SlotJournal:
+    """Receives every slot state change (the region's slot table implements it)."""
+
+    def writing(self, slot: int, key: bytes) -> None: ...
+    def ready(self, slot: int, key: bytes) -> None: ...
+    def freed(self, slot: int) -> None: ...
+
+
+class NamespaceIndex:
+    def __init__(
+        self,
+        ns_id: int,
+        name: str,
+        layout: KVLayout,
+        fingerprint: str,
+        slots: SlotPool,
+        policy: str = "lru",
+        journal: SlotJournal | None = None,
+        reclaim: Callable[[NamespaceIndex, int], None] | None = None,
+    ) -> None:
+        self.ns_id = ns_id
+        self.name = name
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.slots = slots
+        self.policy_name = policy
+        ghost_capacity = slots.pool.num_extents * slots.slots_per_extent
+        self._policy = make_policy(policy, ghost_capacity)
+        self._journal = journal or SlotJournal()
+        self._reclaim = reclaim
+        self._num_evictable = 0
+        self._slot_key: dict[int, bytes] = {}
+        self._writers: dict[bytes, int] = {}
+        self._pins: dict[int, Counter[bytes]] = {}
+        self._events: deque[OffloadEvent] = deque()
+        # statistics
+        self._lookups = self._lookup_keys = self._hit_keys = 0
+        self._stores_prepared = self._stored = self._store_failures = 0
+        self._loads_prepared = self._evicted = self._events_dropped = 0
+
+    # ------------------------------------------------------------ scheduler side
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        hits = 0
+        get = self._policy.get
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref < 0:
+                break
+            hits += 1
+        self._lookups += 1
+        self._lookup_keys += len(keys)
+        self._hit_keys += hits
+        return hits
+
+    def prepare_store(self, keys: Sequence[bytes], client: int) -> StorePlan | None:
+        get = self._policy.get
+        to_store = [k for k in dict.fromkeys(keys) if get(k) is None]
+        if not to_store:
+            return StorePlan([], [], [])
+        need = len(to_store)
+        if need > self.slots.num_free and self._reclaim is not None:
+            self._reclaim(self, need)
+        evicted: list[bytes] = []
+        n = need - self.slots.num_free
+        if n > 0:
+            if n > self._num_evictable:
+                return None
+            victims = self._policy.evict(n, set(keys))
+            if victims is None:
+                return None
+            evicted = self._drop(victims)
+        slots = self.slots.allocate(need)
+        for key, slot in zip(to_store, slots):
+            self._policy.insert(key, Block(slot))
+            self._slot_key[slot] = key
+            self._writers[key] = client
+            self._journal.writing(slot, key)
+        self._stores_prepared += need
+        return StorePlan(to_store, slots, evicted)
+
+    def complete_store(self, keys: Sequence[bytes], success: bool, client: int) -> None:
+        get = self._policy.get
+        mine: list[tuple[bytes, Block]] = []
+        for key in dict.fromkeys(keys):
+            block = get(key)
+            if block is None or block.ref != -1:
+                continue  # unknown or already complete: ignored, as in vLLM
+            if self._writers.get(key) != client:
+                raise NotLeasedError(f"key {key.hex()} is being stored by another client")
+            mine.append((key, block))
+        self._finish_stores(mine, success)
+
+    def _finish_stores(self, blocks: list[tuple[bytes, Block]], success: bool) -> None:
+        stored: list[bytes] = []
+        for key, block in blocks:
+            del self._writers[key]
+            if success:
+                block.ref = 0
+                self._num_evictable += 1
+                stored.append(key)
+                self._journal.ready(block.slot, key)
+            else:
+                self._policy.remove(key)
+                self._free_slot(block.slot)
+                self._store_failures += 1
+        if stored:
+            self._stored += len(stored)
+            self._emit(OffloadEvent(stored, removed=False))
+
+    def prepare_load(self, keys: Sequence[bytes], client: int) -> list[int]:
+        get = self._policy.get
+        blocks: list[Block] = []
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref < 0:
+                state = "not stored" if block is None else "still being written"
+                raise NotFoundError(f"cannot load key {key.hex()}: {state}")
+            blocks.append(block)
+        pins = self._pins.setdefault(client, Counter())
+        for key, block in zip(keys, blocks):
+            if block.ref == 0:
+                self._num_evictable -= 1
+            block.ref += 1
+            pins[key] += 1
+        self._loads_prepared += len(keys)
+        return [b.slot for b in blocks]
+
+    def complete_load(self, keys: Sequence[bytes], client: int) -> None:
+        pins = self._pins.get(client)
+        wanted = Counter(keys)
+        for key, count in wanted.items():
+            if pins is None or pins[key] < count:
+                raise NotLeasedError(f"key {key.hex()} is not pinned by this client")
+        assert pins is not None
+        for key in keys:
+            self._unpin(key, pins)
+        if not pins:
+            del self._pins[client]
+
+    def _unpin(self, key: bytes, pins: Counter[bytes]) -> None:
+        block = self._policy.get(key)
+        assert block is not None and block.ref > 0, f"pinned key {key.hex()} lost its block"
+        block.ref -= 1
+        if block.ref == 0:
+            self._num_evictable += 1
+        pins[key] -= 1
+        if not pins[key]:
+            del pins[key]
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self._policy.touch(keys)
+
+    def take_events(self) -> list[OffloadEvent]:
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    # ------------------------------------------------------------ leases (data path)
+
+    def check_store_slots(self, slots: npt.NDArray[np.int64]) -> None:
+        """Every slot must be leased for writing (prepared, not yet completed)."""
+        self._check_slots(slots, lambda ref: ref == -1, "leased for a store")
+
+    def check_load_slots(self, slots: npt.NDArray[np.int64]) -> None:
+        """Every slot must hold a block pinned by an outstanding prepare_load."""
+        self._check_slots(slots, lambda ref: ref > 0, "pinned by a prepare_load")
+
+    def _check_slots(
+        self, slots: npt.NDArray[np.int64], ok: Callable[[int], bool], what: str
+    ) -> None:
+        get = self._policy.get
+        for slot in slots.tolist():
+            key = self._slot_key.get(slot)
+            block = get(key) if key is not None else None
+            if block is None or block.slot != slot or not ok(block.ref):
+                raise NotLeasedError(f"slot {slot} of namespace {self.name!r} is not {what}")
+
+    # ------------------------------------------------------------ owners, admin
+
+    def release_client(self, client: int) -> tuple[int, int]:
+        """Fail the client's in-flight stores and drop its pins; returns both counts."""
+        writes = [(k, self._policy.get(k)) for k, c in self._writers.items() if c == client]
+        self._finish_stores([(k, b) for k, b in writes if b is not None], success=False)
+        pins = self._pins.pop(client, Counter())
+        dropped = sum(pins.values())
+        for key in list(pins.elements()):
+            self._unpin(key, pins)
+        return len(writes), dropped
+
+    def pinned_by(self, client: int) -> int:
+        return sum(self._pins.get(client, Counter()).values())
+
+    def writing_by(self, client: int) -> int:
+        return sum(1 for c in self._writers.values() if c == client)
+
+    def evict(self, keys: Sequence[bytes] | None = None, prefix: bytes | None = None) -> int:
+        """Admin eviction of ready, unpinned blocks (all, given keys, or a key prefix)."""
+        if keys is None:
+            candidates = [k for k, b in self._policy.items() if b.ref == 0]
+        else:
+            candidates = [k for k in dict.fromkeys(keys) if (b := self._policy.get(k)) and b.ref == 0]
+        if prefix is not None:
+            candidates = [k for k in candidates if k.startswith(prefix)]
+        victims = []
+        for key in candidates:
+            block = self._policy.get(key)
+            assert block is not None
+            self._policy.remove(key)
+            victims.append((key, block))
+        self._drop(victims)
+        self.slots.release_free_tail()
+        return len(victims)
+
+    def evict_top_extent(self) -> bool:
+        """Evict every block of the top extent so it can go back to the pool.
+
+        Refused (False) when any block there is being written, pinned or copied.
+        """
+        slots = self.slots.top_extent_slots()
+        if not slots:
+            return False
+        victims: list[tuple[bytes, Block]] = []
+        for slot in slots:
+            if slot in self.slots.busy:
+                return False
+            key = self._slot_key.get(slot)
+            if key is None:
+                continue
+            block = self._policy.get(key)
+            if block is None or block.ref != 0:
+                return False
+            victims.append((key, block))
+        for key, _ in victims:
+            self._policy.remove(key)
+        self._drop(victims)
+        return self.slots.release_free_tail() > 0
+
+    def _drop(self, victims: list[tuple[bytes, Block]]) -> list[bytes]:
+        keys = []
+        for key, block in victims:
+            self._num_evictable -= 1
+            self._free_slot(block.slot)
+            keys.append(key)
+        if keys:
+            self._evicted += len(keys)
+            self._emit(OffloadEvent(keys, removed=True))
+        return keys
+
+    def _free_slot(self, slot: int) -> None:
+        del self._slot_key[slot]
+        self._journal.freed(slot)
+        self.slots.free(slot)
+
+    def _emit(self, event: OffloadEvent) -> None:
+        if len(self._events) >= MAX_PENDING_EVENTS:
+            self._events.popleft()
+            self._events_dropped += 1
+        self._events.append(event)
+
+    def statistics(self) -> NamespaceStatistics:
+        blocks = list(self._policy.items())
+        return NamespaceStatistics(
+            name=self.name,
+            fingerprint=self.fingerprint,
+            policy=self.policy_name,
+            slot_bytes=self.slots.slot_bytes,
+            extents=len(self.slots.extents),
+            capacity_blocks=self.slots.capacity,
+            stored_blocks=sum(1 for _, b in blocks if b.ref >= 0),
+            writing_blocks=len(self._writers),
+            pinned_blocks=sum(1 for _, b in blocks if b.ref > 0),
+            lookups_total=self._lookups,
+            lookup_keys_total=self._lookup_keys,
+            hit_keys_total=self._hit_keys,
+            stores_prepared_total=self._stores_prepared,
+            stored_blocks_total=self._stored,
+            store_failures_total=self._store_failures,
+            loads_prepared_total=self._loads_prepared,
+            evicted_blocks_total=self._evicted,
+            events_dropped_total=self._events_dropped,
+        )

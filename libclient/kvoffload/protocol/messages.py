@@ -1,0 +1,401 @@
+"""Wire messages: msgspec Structs in two tagged unions, one per direction.
+
+Rules (msgspec schema evolution, see research/aesthetics.md section 4):
+- Every Struct is ``array_like``: field order is the wire format. Only append fields,
+  always with a default; never reorder, retype or remove one.
+- Tags are explicit short strings, so renaming a class never changes the wire.
+- Every request carries ``rid``, the request id its reply echoes; ids let a client
+  pipeline requests and let both sides reject replies nobody asked for.
+- Keys travel packed: all keys of one message have the same length ``key_bytes`` and
+  are concatenated into one ``bytes`` field. Block ids and slots travel as packed
+  little-endian int64 (``pack_ids``). Decoding a list of Python ints costs ~15 ns per
+  element; a packed field costs nothing until it is used (research/stack.md section 4).
+- File descriptors never appear here: a message says how many it expects
+  (``AttachWorker.caches[i].fd_index``) and the I/O layer moves them with SCM_RIGHTS.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+MAX_KEY_BYTES = 64
+
+
+class _Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="t", omit_defaults=False):
+    pass
+
+
+class KVLayout(msgspec.Struct, frozen=True, array_like=True):
+    """How one engine's KV blocks look; the namespace fingerprint is derived from it.
+
+    ``tensor_page_bytes`` lists the bytes one engine block occupies in each canonical
+    KV tensor of one rank. One offloaded block holds ``block_size_factor`` engine blocks
+    of every tensor of every one of the ``world_size`` ranks.
+    """
+
+    tensor_page_bytes: list[int]
+    world_size: int = 1
+    block_size_factor: int = 1
+    model: str = ""
+    kv_dtype: str = ""
+    salt: str = ""
+
+    @property
+    def rank_bytes(self) -> int:
+        """Bytes of one rank's share of one offloaded block."""
+        return sum(self.tensor_page_bytes) * self.block_size_factor
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one offloaded block, all ranks together (before slot alignment)."""
+        return self.rank_bytes * self.world_size
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class Hello(_Msg, tag="hello"):
+    rid: int
+    protocol_version: int
+    client_name: str = ""
+    pid: int = 0
+
+
+class Ping(_Msg, tag="ping"):
+    rid: int
+
+
+class OpenNamespace(_Msg, tag="open_ns"):
+    rid: int
+    name: str
+    layout: KVLayout
+
+
+class Lookup(_Msg, tag="lookup"):
+    rid: int
+    ns: int
+    keys: bytes
+    key_bytes: int
+
+
+class PrepareStore(_Msg, tag="prep_store"):
+    rid: int
+    ns: int
+    keys: bytes
+    key_bytes: int
+
+
+class CompleteStore(_Msg, tag="done_store"):
+    rid: int
+    ns: int
+    keys: bytes
+    key_bytes: int
+    success: bool = True
+
+
+class PrepareLoad(_Msg, tag="prep_load"):
+    rid: int
+    ns: int
+    keys: bytes
+    key_bytes: int
+
+
+class CompleteLoad(_Msg, tag="done_load"):
+    rid: int
+    ns: int
+    keys: bytes
+    key_bytes: int
+
+
+class Touch(_Msg, tag="touch"):
+    rid: int
+    ns: int
+    keys: bytes
+    key_bytes: int
+
+
+class TakeEvents(_Msg, tag="events"):
+    rid: int
+    ns: int
+
+
+class CacheDesc(msgspec.Struct, frozen=True, array_like=True):
+    """One canonical KV tensor of a worker: ``num_blocks`` rows of ``page_bytes``.
+
+    ``kind`` is ``"memfd"`` (the descriptor at ``fd_index`` of the message's
+    SCM_RIGHTS payload is mapped by the daemon). Rows start at ``offset_bytes`` and are
+    ``row_stride_bytes`` apart (0 means ``page_bytes``).
+    """
+
+    kind: str
+    num_blocks: int
+    page_bytes: int
+    fd_index: int = -1
+    offset_bytes: int = 0
+    row_stride_bytes: int = 0
+
+
+class AttachWorker(_Msg, tag="attach"):
+    rid: int
+    ns: int
+    rank: int
+    caches: list[CacheDesc]
+
+
+class DetachWorker(_Msg, tag="detach"):
+    rid: int
+    worker: int
+
+
+class SubmitStore(_Msg, tag="sub_store"):
+    rid: int
+    worker: int
+    job_id: int
+    block_ids: bytes
+    slots: bytes
+
+
+class SubmitLoad(_Msg, tag="sub_load"):
+    rid: int
+    worker: int
+    job_id: int
+    slots: bytes
+    block_ids: bytes
+    skip: int = 0
+
+
+class GetFinished(_Msg, tag="finished"):
+    rid: int
+    worker: int
+
+
+class WaitJobs(_Msg, tag="wait"):
+    rid: int
+    worker: int
+    job_ids: list[int]
+
+
+class GetStats(_Msg, tag="stats"):
+    rid: int
+
+
+class ListClients(_Msg, tag="clients"):
+    rid: int
+
+
+class Evict(_Msg, tag="evict"):
+    """Evict unpinned blocks: of one namespace (or all), optionally only given keys."""
+
+    rid: int
+    namespace: str | None = None
+    keys: bytes | None = None
+    key_bytes: int = 0
+
+
+Request = Union[
+    Hello,
+    Ping,
+    OpenNamespace,
+    Lookup,
+    PrepareStore,
+    CompleteStore,
+    PrepareLoad,
+    CompleteLoad,
+    Touch,
+    TakeEvents,
+    AttachWorker,
+    DetachWorker,
+    SubmitStore,
+    SubmitLoad,
+    GetFinished,
+    WaitJobs,
+    GetStats,
+    ListClients,
+    Evict,
+]
+
+# ---------------------------------------------------------------------------- replies
+
+
+class Welcome(_Msg, tag="welcome"):
+    rid: int
+    protocol_version: int
+    daemon_version: str
+    instance: str
+    pid: int
+    region_name: str
+    region_bytes: int
+
+
+class Pong(_Msg, tag="pong"):
+    rid: int
+
+
+class OkReply(_Msg, tag="ok"):
+    rid: int
+
+
+class ErrorReply(_Msg, tag="error"):
+    rid: int
+    code: int
+    message: str
+
+
+class NamespaceOpened(_Msg, tag="ns"):
+    rid: int
+    ns: int
+    slot_bytes: int
+    fingerprint: str
+
+
+class LookupReply(_Msg, tag="hits"):
+    """``hits`` leading keys are stored and ready; ``None`` means ask again later."""
+
+    rid: int
+    hits: int | None
+
+
+class StorePlanReply(_Msg, tag="store_plan"):
+    rid: int
+    keys: bytes
+    key_bytes: int
+    slots: bytes
+    evicted_keys: bytes
+
+
+class LoadPlanReply(_Msg, tag="load_plan"):
+    rid: int
+    slots: bytes
+
+
+class EventMsg(msgspec.Struct, frozen=True, array_like=True):
+    keys: bytes
+    key_bytes: int
+    removed: bool
+
+
+class EventsReply(_Msg, tag="ev"):
+    rid: int
+    events: list[EventMsg]
+
+
+class WorkerAttached(_Msg, tag="attached"):
+    rid: int
+    worker: int
+
+
+class JobResult(msgspec.Struct, frozen=True, array_like=True):
+    job_id: int
+    success: bool
+    nbytes: int
+    seconds: float
+
+
+class FinishedReply(_Msg, tag="results"):
+    rid: int
+    results: list[JobResult]
+
+
+class StatsReply(_Msg, tag="stats_r"):
+    """Named sections of snake_case fields with units (see kvoffloadd.stats)."""
+
+    rid: int
+    sections: dict[str, Any]
+
+
+class ClientInfo(msgspec.Struct, frozen=True, array_like=True):
+    client_id: int
+    pid: int
+    uid: int
+    name: str
+    namespaces: list[str]
+    workers: int
+    pinned_blocks: int
+    writing_blocks: int
+    inflight_jobs: int
+    bytes_stored: int
+    bytes_loaded: int
+
+
+class ClientsReply(_Msg, tag="clients_r"):
+    rid: int
+    clients: list[ClientInfo]
+
+
+class EvictReply(_Msg, tag="evicted"):
+    rid: int
+    evicted: int
+
+
+Reply = Union[
+    Welcome,
+    Pong,
+    OkReply,
+    ErrorReply,
+    NamespaceOpened,
+    LookupReply,
+    StorePlanReply,
+    LoadPlanReply,
+    EventsReply,
+    WorkerAttached,
+    FinishedReply,
+    StatsReply,
+    ClientsReply,
+    EvictReply,
+]
+
+
+# ------------------------------------------------------------------------ packing
+
+
+def pack_keys(keys: list[bytes] | tuple[bytes, ...]) -> tuple[bytes, int]:
+    """Concatenate equal-length keys; returns ``(packed, key_bytes)``.
+
+    Raises ValueError for keys of different lengths, empty keys or keys longer than
+    ``MAX_KEY_BYTES``.
+    """
+    if not keys:
+        return b"", 0
+    key_bytes = len(keys[0])
+    packed = b"".join(keys)
+    if len(packed) != key_bytes * len(keys):
+        raise ValueError("all keys of one call must have the same length")
+    if not 0 < key_bytes <= MAX_KEY_BYTES:
+        raise ValueError(f"keys must be 1..{MAX_KEY_BYTES} bytes long, got {key_bytes}")
+    return packed, key_bytes
+
+
+def unpack_keys(packed: bytes, key_bytes: int) -> list[bytes]:
+    """Split a packed key field; raises ValueError when it is malformed."""
+    if not packed:
+        return []
+    if not 0 < key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes:
+        raise ValueError(
+            f"packed keys of {len(packed)} bytes do not split into keys of {key_bytes} bytes"
+        )
+    if key_bytes == len(packed):
+        return [packed]
+    # A void dtype keeps every byte (an "S" dtype would strip trailing NULs).
+    keys: list[bytes] = np.frombuffer(packed, dtype=np.dtype((np.void, key_bytes))).tolist()
+    return keys
+
+
+_ID_DTYPE = np.dtype("<i8")
+
+
+def pack_ids(ids: npt.ArrayLike) -> bytes:
+    """Pack block ids or slots as little-endian int64."""
+    return np.ascontiguousarray(ids, dtype=_ID_DTYPE).tobytes()
+
+
+def unpack_ids(packed: bytes) -> npt.NDArray[np.int64]:
+    """Inverse of ``pack_ids`` (a read-only view); ValueError when malformed."""
+    if len(packed) % 8:
+        raise ValueError(f"packed ids of {len(packed)} bytes are not a multiple of 8")
+    return np.frombuffer(packed, dtype=_ID_DTYPE)
