@@ -26,14 +26,24 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
+
+ExtentListener = Callable[[int, "int | None", int], None]
 
 
 class ExtentPool:
     """The region's extents: which are free, which namespace owns each."""
 
-    def __init__(self, num_extents: int, extent_bytes: int, data_offset: int = 0) -> None:
+    def __init__(
+        self,
+        num_extents: int,
+        extent_bytes: int,
+        data_offset: int = 0,
+        on_change: ExtentListener | None = None,
+    ) -> None:
         if num_extents <= 0 or extent_bytes <= 0:
             raise ValueError("an extent pool needs at least one extent of positive size")
         self.num_extents = num_extents
@@ -42,16 +52,19 @@ class ExtentPool:
         # Lowest index first, so a fresh region fills from its start.
         self._free: list[int] = list(range(num_extents - 1, -1, -1))
         self.owner: list[int | None] = [None] * num_extents
+        self._on_change = on_change
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def take(self, owner: int) -> int | None:
+    def take(self, owner: int, slot_bytes: int) -> int | None:
         if not self._free:
             return None
         ext = self._free.pop()
         self.owner[ext] = owner
+        if self._on_change is not None:
+            self._on_change(ext, owner, slot_bytes)
         return ext
 
     def give_back(self, ext: int) -> None:
@@ -60,6 +73,8 @@ class ExtentPool:
         self.owner[ext] = None
         self._free.append(ext)
         self._free.sort(reverse=True)
+        if self._on_change is not None:
+            self._on_change(ext, None, 0)
 
 
 class SlotPool:
@@ -141,7 +156,7 @@ class SlotPool:
                     self._release(s)
 
     def _grow(self) -> None:
-        ext = self.pool.take(self.owner)
+        ext = self.pool.take(self.owner, self.slot_bytes)
         if ext is None:
             raise AssertionError("extent pool exhausted during allocate")
         self.extents.append(ext)

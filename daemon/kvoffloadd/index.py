@@ -10,6 +10,8 @@ so that engines see exactly the behaviour of the built-in offloader:
   returns an empty plan, not None. It evicts atomically, never its own input keys and
   never a block with ``ref != 0`` (invariant 2); ``None`` means no space.
 - Events are emitted only when a store completes and when blocks are evicted.
+- A store can only complete successfully once every rank's copy into its slot has
+  finished (``mark_written``): a key never becomes visible over bytes nobody wrote.
 
 On top of that the daemon needs owners: every block being written belongs to the
 client that prepared it, every pin to the client that took it. Completing someone
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.protocol.errors import NotFoundError, NotLeasedError
+from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 
 from .allocator import SlotPool
@@ -105,6 +107,8 @@ class NamespaceIndex:
         self._reclaim = reclaim
         self._num_evictable = 0
         self._slot_key: dict[int, bytes] = {}
+        self._written: dict[int, int] = {}  # slot -> bit mask of ranks that wrote it
+        self._all_ranks = (1 << layout.world_size) - 1
         self._writers: dict[bytes, int] = {}
         self._pins: dict[int, Counter[bytes]] = {}
         self._events: deque[OffloadEvent] = deque()
@@ -164,7 +168,22 @@ class NamespaceIndex:
             if self._writers.get(key) != client:
                 raise NotLeasedError(f"key {key.hex()} is being stored by another client")
             mine.append((key, block))
+        if success:
+            unwritten = [k for k, b in mine if self._written.get(b.slot) != self._all_ranks]
+            if unwritten:
+                raise InvalidArgumentError(
+                    f"{len(unwritten)} of the keys (first {unwritten[0].hex()}) have not been "
+                    f"copied by all {self.layout.world_size} ranks yet; complete them after "
+                    "their store jobs finished, or with success=False"
+                )
         self._finish_stores(mine, success)
+
+    def mark_written(self, slots: Sequence[int], rank: int) -> None:
+        """A store copy of ``rank`` into these slots finished successfully."""
+        bit = 1 << rank
+        for slot in slots:
+            if slot in self._slot_key:
+                self._written[slot] = self._written.get(slot, 0) | bit
 
     def _finish_stores(self, blocks: list[tuple[bytes, Block]], success: bool) -> None:
         stored: list[bytes] = []
@@ -324,6 +343,7 @@ class NamespaceIndex:
 
     def _free_slot(self, slot: int) -> None:
         del self._slot_key[slot]
+        self._written.pop(slot, None)
         self._journal.freed(slot)
         self.slots.free(slot)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.protocol.errors import NotFoundError, NotLeasedError
+from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.allocator import ExtentPool, SlotPool
 from kvoffloadd.index import NamespaceIndex, OffloadEvent
@@ -25,11 +25,21 @@ def ks(*ids: int) -> list[bytes]:
     return [k(i) for i in ids]
 
 
+class CopyingIndex(NamespaceIndex):
+    """The index as the daemon drives it: every prepared slot is copied before completion."""
+
+    def prepare_store(self, keys, client):  # type: ignore[no-untyped-def]
+        plan = super().prepare_store(keys, client)
+        if plan is not None:
+            self.mark_written(plan.slots, rank=0)
+        return plan
+
+
 def make_index(policy: str, num_blocks: int = 4) -> NamespaceIndex:
     pool = ExtentPool(num_extents=1, extent_bytes=num_blocks * 4096)
     slots = SlotPool(pool, owner=0, slot_bytes=4096)
     layout = KVLayout(tensor_page_bytes=[4096])
-    return NamespaceIndex(0, "story", layout, "fp", slots, policy=policy)
+    return CopyingIndex(0, "story", layout, "fp", slots, policy=policy)
 
 
 def stored(*ids: int) -> OffloadEvent:
@@ -186,3 +196,21 @@ def test_owners_are_enforced_and_dead_client_released() -> None:
     plan = idx.prepare_store(ks(5, 6, 7, 8), CLIENT)
     assert plan is not None
     assert plan.evicted_keys == ks(1)
+
+
+def test_store_cannot_complete_before_every_rank_copied() -> None:
+    """Invariant 1/3: success=True over a slot nobody (or not every rank) wrote is refused."""
+    pool = ExtentPool(num_extents=1, extent_bytes=4 * 4096)
+    layout = KVLayout(tensor_page_bytes=[2048], world_size=2)
+    idx = NamespaceIndex(0, "tp2", layout, "fp", SlotPool(pool, 0, 4096))
+    plan = idx.prepare_store(ks(1), CLIENT)
+    assert plan is not None
+    with pytest.raises(InvalidArgumentError):
+        idx.complete_store(ks(1), True, CLIENT)
+    idx.mark_written(plan.slots, rank=0)
+    with pytest.raises(InvalidArgumentError):
+        idx.complete_store(ks(1), True, CLIENT)
+    assert idx.lookup(ks(1)) == 0
+    idx.mark_written(plan.slots, rank=1)
+    idx.complete_store(ks(1), True, CLIENT)
+    assert idx.lookup(ks(1)) == 1

@@ -144,6 +144,8 @@ class ClientConnection:
             if not isinstance(req, Hello) or self._hello_rid is not None:
                 raise ProtocolError("the first request must be a single Hello")
             self._hello_rid = req.rid
+        if req.rid <= 0:
+            raise ProtocolError("request ids start at 1 (0 is reserved for connection errors)")
         if req.rid in self._outstanding:
             raise ProtocolError(f"request id {req.rid} is already outstanding")
         frame = encode_frame(req)
@@ -165,6 +167,9 @@ class ClientConnection:
             msg = self._reader.next()
             if isinstance(msg, _NeedData):
                 return msg
+            if msg.rid == 0 and isinstance(msg, ErrorReply):
+                # rid 0 is the server's last word before it closes the connection.
+                raise ProtocolError(f"kvoffloadd closed the connection: {msg.message}")
             if msg.rid not in self._outstanding:
                 raise ProtocolError(f"reply to unknown request id {msg.rid}")
             self._outstanding.discard(msg.rid)

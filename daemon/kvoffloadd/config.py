@@ -1,0 +1,129 @@
+"""Daemon configuration: one typed record, embedded defaults, TOML file, flag overrides.
+
+Rules:
+- Every key has a default, so the daemon starts with no file at all.
+- Unknown keys and bad values are refused at start with the key, the value and what
+  is allowed (msgspec validation, plus the checks in ``validate``).
+- Precedence: defaults < config file < command-line flags.
+- Sizes accept integers (bytes) or strings with a binary unit: "1GiB", "512MiB".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+import msgspec
+
+from kvoffload.paths import default_socket_path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    """Bytes from an int or a string such as ``1GiB``, ``64MiB``, ``4096``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ConfigError(f"{key}: {value!r} is not a size (examples: 4096, 64MiB, 1GiB)")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ConfigError(f"{key}: size must be positive, got {value!r}")
+    return n
+
+
+class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    instance: str = "default"
+    socket: str = ""  # empty: default_socket_path(instance)
+    region_size: int | str = "1GiB"
+    extent_size: int | str = 0  # 0: about 64 extents per region
+    min_slot_size: int | str = "16KiB"
+    policy: str = "lru"
+    copy_threads: int = 2
+    log_level: str = "info"
+    max_frame_bytes: int = 16 * 1024 * 1024
+    max_clients: int = 1024
+    prefault: bool = True
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket or default_socket_path(self.instance)
+
+    @property
+    def region_bytes(self) -> int:
+        return parse_size(self.region_size, "region_size")
+
+    @property
+    def min_slot_bytes(self) -> int:
+        return parse_size(self.min_slot_size, "min_slot_size")
+
+    @property
+    def extent_bytes(self) -> int:
+        if self.extent_size in (0, "0"):
+            from .region import default_extent_bytes
+
+            return default_extent_bytes(self.region_bytes)
+        return parse_size(self.extent_size, "extent_size")
+
+    @property
+    def region_name(self) -> str:
+        return f"/kvoffload-{self.instance}"
+
+    def validate(self) -> DaemonConfig:
+        from .policies import POLICIES
+
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.instance):
+            raise ConfigError(
+                f"instance: {self.instance!r} must be 1-64 letters, digits, '_', '.' or '-'"
+            )
+        self.region_bytes  # noqa: B018 - parse for the error message
+        self.min_slot_bytes  # noqa: B018
+        self.extent_bytes  # noqa: B018
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                f"policy: {self.policy!r} is not one of {', '.join(sorted(POLICIES))}"
+            )
+        if not 1 <= self.copy_threads <= 64:
+            raise ConfigError(f"copy_threads: {self.copy_threads} is not in 1..64")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(
+                f"log_level: {self.log_level!r} is not one of debug, info, warning, error"
+            )
+        if self.max_frame_bytes < 4096:
+            raise ConfigError(f"max_frame_bytes: {self.max_frame_bytes} is below 4096")
+        return self
+
+
+def load_config(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        cfg = msgspec.convert(data, DaemonConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+    return cfg.validate()

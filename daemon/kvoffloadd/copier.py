@@ -1,0 +1,127 @@
+"""CPU copier: threads that execute copy runs and report completions to the loop.
+
+Rules:
+- The loop thread builds absolute (dst, src, nbytes) address lists and hands them to
+  ``submit``; copier threads only run ``memmove`` (ctypes releases the GIL during the
+  copy) and never touch daemon metadata.
+- A large job is split by bytes across the threads; it completes when every part has.
+- Completions go into a deque and one eventfd write wakes the loop, which calls
+  ``drain()``: completions are processed on the loop thread only.
+- Memory behind the addresses must stay mapped until the job's completion has been
+  drained; the daemon guarantees it by counting in-flight jobs per mapping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+log = logging.getLogger(__name__)
+
+I64 = npt.NDArray[np.int64]
+_memmove = ctypes.memmove
+
+
+@dataclass(frozen=True)
+class Completion:
+    token: int
+    success: bool
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class _Job:
+    token: int
+    nbytes: int
+    parts_left: int
+    started_s: float
+    failed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def split_by_bytes(nbytes: I64, parts: int) -> list[tuple[int, int]]:
+    """Index ranges cutting the runs into at most ``parts`` chunks of similar bytes."""
+    if nbytes.size == 0:
+        return [(0, 0)]
+    parts = max(1, min(parts, nbytes.size))
+    cum = np.cumsum(nbytes)
+    bounds = np.searchsorted(cum, cum[-1] * np.arange(1, parts) / parts, side="right")
+    edges = [0, *sorted(set(int(b) for b in bounds if 0 < b < nbytes.size)), nbytes.size]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+class CpuCopier:
+    MIN_SPLIT_BYTES = 4 * 1024 * 1024
+
+    def __init__(self, threads: int) -> None:
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._queue: queue.SimpleQueue[tuple[_Job, list[int], list[int], list[int]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._done: deque[Completion] = deque()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvoffload-copy-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        self.inflight = 0
+        for t in self._threads:
+            t.start()
+
+    def submit(self, token: int, dst: I64, src: I64, nbytes: I64) -> None:
+        total = int(nbytes.sum())
+        parts = len(self._threads) if total >= self.MIN_SPLIT_BYTES else 1
+        ranges = split_by_bytes(nbytes, parts)
+        job = _Job(token, total, len(ranges), time.perf_counter())
+        self.inflight += 1
+        for a, b in ranges:
+            self._queue.put((job, dst[a:b].tolist(), src[a:b].tolist(), nbytes[a:b].tolist()))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, dst, src, sizes = item
+            ok = True
+            try:
+                for d, s, n in zip(dst, src, sizes):
+                    _memmove(d, s, n)
+            except Exception:  # pragma: no cover - memmove of validated ranges
+                log.exception("copy job %d failed", job.token)
+                ok = False
+            with job.lock:
+                job.failed |= not ok
+                job.parts_left -= 1
+                last = job.parts_left == 0
+            if last:
+                seconds = time.perf_counter() - job.started_s
+                self._done.append(Completion(job.token, not job.failed, job.nbytes, seconds))
+                os.eventfd_write(self.wake_fd, 1)
+
+    def drain(self) -> list[Completion]:
+        try:
+            os.eventfd_read(self.wake_fd)
+        except BlockingIOError:
+            pass
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        self.inflight -= len(out)
+        return out
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+        os.close(self.wake_fd)

@@ -1,0 +1,122 @@
+"""Copy descriptors: which bytes of which engine cache go to which bytes of the region.
+
+Slot layout (one offloaded block), for world size W, block size factor f and
+canonical tensors with engine-block page sizes p_0..p_{T-1}::
+
+    slot: | rank 0 | rank 1 | ... | rank W-1 |            rank area = f * sum(p)
+    rank: | tensor 0: f pages of p_0 | tensor 1: f pages of p_1 | ...
+
+Engine block ids map to sub-blocks in order, as vLLM's ``expand_block_ids``: slot i
+holds sub-blocks ``i*f .. i*f+f-1``. A load may start inside the first slot by skipping
+its first ``skip`` sub-blocks (``0 <= skip < f``); stores are always aligned.
+
+Descriptors are built with numpy on the loop thread, adjacent runs are merged (both
+sides contiguous), and the copier (CPU threads here, CUDA streams elsewhere) only
+executes them. Everything here is pure: it is unit-tested without a daemon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import KVLayout
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Where engine block ``b`` of one cache starts: ``offset + b * row_stride``."""
+
+    num_blocks: int
+    page_bytes: int
+    offset_bytes: int
+    row_stride_bytes: int
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Merged copy runs for one cache: region offsets, cache offsets, lengths."""
+
+    region: I64
+    cache: I64
+    nbytes: I64
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+
+def rank_tensor_offsets(layout: KVLayout) -> list[int]:
+    """Offset of each tensor's first page inside one rank's area of a slot."""
+    f = layout.block_size_factor
+    offsets, acc = [], 0
+    for p in layout.tensor_page_bytes:
+        offsets.append(acc)
+        acc += p * f
+    return offsets
+
+
+def expand_positions(num_slots: int, f: int, skip: int) -> tuple[I64, I64]:
+    """(slot index, sub-block index) for every engine block of a transfer."""
+    sub = np.arange(skip, num_slots * f, dtype=np.int64)
+    return sub // f, sub % f
+
+
+def check_transfer(
+    layout: KVLayout, num_slots: int, block_ids: I64, skip: int, caches: list[CacheGeometry]
+) -> None:
+    """Validate sizes and engine block ids (invariant 4); InvalidArgumentError if wrong."""
+    f = layout.block_size_factor
+    if not 0 <= skip < f:
+        raise InvalidArgumentError(f"skip {skip} is not in 0..{f - 1}")
+    expected = num_slots * f - skip
+    if block_ids.size != expected:
+        raise InvalidArgumentError(
+            f"{num_slots} slots with block_size_factor {f} and skip {skip} need "
+            f"{expected} engine block ids, got {block_ids.size}"
+        )
+    if block_ids.size:
+        limit = min(c.num_blocks for c in caches)
+        lo, hi = int(block_ids.min()), int(block_ids.max())
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise InvalidArgumentError(
+                f"engine block id {bad} is outside the registered caches (0..{limit - 1})"
+            )
+
+
+def build_runs(
+    layout: KVLayout,
+    rank: int,
+    slot_offsets: I64,
+    block_ids: I64,
+    skip: int,
+    caches: list[CacheGeometry],
+) -> list[Runs]:
+    """Merged copy runs per cache for one transfer (the caller validated the inputs)."""
+    f = layout.block_size_factor
+    slot_idx, sub_idx = expand_positions(slot_offsets.size, f, skip)
+    base = slot_offsets[slot_idx] + rank * layout.rank_bytes
+    out = []
+    for t_off, cache in zip(rank_tensor_offsets(layout), caches):
+        p = cache.page_bytes
+        region = base + t_off + sub_idx * p
+        cache_off = cache.offset_bytes + block_ids * cache.row_stride_bytes
+        out.append(merge_runs(region, cache_off, p))
+    return out
+
+
+def merge_runs(region: I64, cache: I64, page_bytes: int) -> Runs:
+    """Merge consecutive pages whose region and cache offsets both continue."""
+    if region.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Runs(empty, empty, empty)
+    cont = (np.diff(region) == page_bytes) & (np.diff(cache) == page_bytes)
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    ends = np.concatenate((starts[1:], [region.size]))
+    return Runs(region[starts], cache[starts], (ends - starts) * page_bytes)

@@ -1,0 +1,97 @@
+"""``kvoffloadd`` command line: parse flags, build the region, serve until signalled."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from .config import ConfigError, DaemonConfig, load_config
+from .copier import CpuCopier
+from .region import Geometry, InstanceLock, RegionError, SharedOffloadRegion
+from .server import Server, bind_listener
+from .service import Service
+
+log = logging.getLogger("kvoffloadd")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="kvoffloadd", description="Node-local KV-cache offload daemon."
+    )
+    p.add_argument("--config", help="TOML config file (default: embedded defaults)")
+    p.add_argument("--socket", help="unix socket path to listen on")
+    p.add_argument("--instance", help="instance name (region and socket names derive from it)")
+    p.add_argument("--region-size", dest="region_size", help="region size, e.g. 1GiB")
+    p.add_argument("--extent-size", dest="extent_size", help="extent size, e.g. 16MiB")
+    p.add_argument("--policy", help="eviction policy: lru or arc")
+    p.add_argument("--copy-threads", dest="copy_threads", type=int, help="CPU copier threads")
+    p.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
+    p.add_argument(
+        "--no-prefault", dest="prefault", action="store_false", default=None,
+        help="do not pre-fault the region in the background",
+    )
+    return p.parse_args(argv)
+
+
+def build(cfg: DaemonConfig) -> tuple[InstanceLock, SharedOffloadRegion, CpuCopier, Server]:
+    os.makedirs(os.path.dirname(cfg.socket_path) or ".", mode=0o750, exist_ok=True)
+    lock = InstanceLock(os.path.join(os.path.dirname(cfg.socket_path), f"{cfg.instance}.lock"))
+    try:
+        geometry = Geometry.plan(cfg.region_bytes, cfg.extent_bytes, cfg.min_slot_bytes)
+        region = SharedOffloadRegion(cfg.region_name, geometry)
+    except BaseException:
+        lock.release()
+        raise
+    copier = CpuCopier(cfg.copy_threads)
+    listener = bind_listener(cfg.socket_path)
+    server = Server(Service(cfg, region, copier), listener)
+    return lock, region, copier, server
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "config"}
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"kvoffloadd: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        lock, region, copier, server = build(cfg)
+    except (RegionError, ConfigError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    if cfg.prefault:
+        region.start_prefault()
+    g = region.geometry
+    print(
+        f"kvoffloadd {cfg.instance}: listening on {cfg.socket_path}; region {region.name} "
+        f"{g.region_bytes / 2**30:.2f} GiB in {g.num_extents} extents of "
+        f"{g.extent_bytes >> 20} MiB; policy {cfg.policy}",
+        flush=True,
+    )
+    try:
+        server.serve_forever()
+    finally:
+        copier.close()
+        region.close()
+        server.listener.close()
+        try:
+            os.unlink(cfg.socket_path)
+        except FileNotFoundError:
+            pass
+        lock.release()
+    log.info("stopped cleanly")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

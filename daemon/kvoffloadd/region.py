@@ -1,0 +1,347 @@
+"""SharedOffloadRegion: one POSIX shared-memory segment holding every offloaded block.
+
+Layout (all offsets little-endian, fixed by ``FORMAT_VERSION``)::
+
+    0                 header (4 KiB): magic, version, geometry, owner pid
+    extent_table      num_extents x 16 B: owning namespace (u32, FREE=0xffffffff),
+                      slot_bytes (u32), reserved (u64)
+    namespace_table   max_namespaces x 512 B: name (256 B utf-8), fingerprint (64 B
+                      hex), reserved
+    slot_table        num_extents * slots_per_extent_max x 96 B records:
+                      state (u8: 0 free, 1 writing, 2 ready), key_len (u8), ns (u32),
+                      seq (u64, store order), key (64 B)
+    data              num_extents x extent_bytes, 2 MiB aligned
+
+A slot's record lives at ``extent * slots_per_extent_max + slot_in_extent``. The
+tables describe every completed store, so a later daemon can rebuild the index from
+the segment alone (warm restart); records are written on the loop thread when a
+slot changes state.
+
+Rules:
+- One daemon per instance name: a ``flock`` on ``<runtime_dir>/<instance>.lock``
+  proves it. A segment found under the name without the lock held belongs to a dead
+  daemon and is replaced.
+- Clients open the segment, when they do, with size 0: opening with a size would
+  ftruncate it under everybody else (research/stack.md section 5).
+- Pre-faulting runs in a background thread, in chunks, so start-up does not wait.
+- ``close()`` drops every view before closing the map, then unlinks the name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import posix_ipc
+
+from .allocator import ExtentPool, SlotPool
+from .index import SlotJournal
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVOFFLD\0"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+EXTENT_RECORD_BYTES = 16
+NAMESPACE_RECORD_BYTES = 512
+SLOT_RECORD_BYTES = 96
+MAX_NAMESPACES = 256
+DATA_ALIGN_BYTES = 2 * 1024 * 1024
+FREE_OWNER = 0xFFFFFFFF
+MADV_POPULATE_WRITE = 23
+PREFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+
+# magic, version, header_bytes, region_bytes, extent_bytes, num_extents,
+# slots_per_extent_max, min_slot_bytes, max_namespaces, extent_table, namespace_table,
+# slot_table, slot_record_bytes, data_offset, owner_pid, created_ns
+_HEADER = struct.Struct("<8sIIQQIIIIQQQIQIQ")
+
+SLOT_FREE, SLOT_WRITING, SLOT_READY = 0, 1, 2
+SLOT_DTYPE = np.dtype(
+    [
+        ("state", "u1"),
+        ("key_len", "u1"),
+        ("pad", "u2"),
+        ("ns", "<u4"),
+        ("seq", "<u8"),
+        ("key", "V64"),
+        ("reserved", "V16"),
+    ]
+)
+assert SLOT_DTYPE.itemsize == SLOT_RECORD_BYTES
+
+
+class RegionError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Geometry:
+    region_bytes: int
+    extent_bytes: int
+    num_extents: int
+    slots_per_extent_max: int
+    min_slot_bytes: int
+    extent_table: int
+    namespace_table: int
+    slot_table: int
+    data_offset: int
+
+    @staticmethod
+    def plan(region_bytes: int, extent_bytes: int, min_slot_bytes: int) -> Geometry:
+        if extent_bytes % mmap.PAGESIZE or min_slot_bytes % mmap.PAGESIZE:
+            raise RegionError("extent_bytes and min_slot_bytes must be multiples of the page size")
+        if min_slot_bytes > extent_bytes:
+            raise RegionError("min_slot_bytes is larger than extent_bytes")
+        spe = extent_bytes // min_slot_bytes
+        per_extent = extent_bytes + EXTENT_RECORD_BYTES + spe * SLOT_RECORD_BYTES
+        fixed = HEADER_BYTES + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES + 2 * DATA_ALIGN_BYTES
+        num_extents = (region_bytes - fixed) // per_extent
+        if num_extents < 1:
+            raise RegionError(
+                f"a region of {region_bytes} bytes cannot hold one extent of {extent_bytes} bytes"
+            )
+        extent_table = HEADER_BYTES
+        namespace_table = extent_table + num_extents * EXTENT_RECORD_BYTES
+        slot_table = namespace_table + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES
+        meta_end = slot_table + num_extents * spe * SLOT_RECORD_BYTES
+        data_offset = -(-meta_end // DATA_ALIGN_BYTES) * DATA_ALIGN_BYTES
+        return Geometry(
+            region_bytes=data_offset + num_extents * extent_bytes,
+            extent_bytes=extent_bytes,
+            num_extents=num_extents,
+            slots_per_extent_max=spe,
+            min_slot_bytes=min_slot_bytes,
+            extent_table=extent_table,
+            namespace_table=namespace_table,
+            slot_table=slot_table,
+            data_offset=data_offset,
+        )
+
+
+def default_extent_bytes(region_bytes: int) -> int:
+    """About 64 extents per region, between 2 MiB and 256 MiB, a power of two."""
+    target = max(DATA_ALIGN_BYTES, min(256 * 1024 * 1024, region_bytes // 64))
+    return 1 << (target.bit_length() - 1)
+
+
+class InstanceLock:
+    """flock held for the daemon's lifetime: proof that the instance is alive."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip()
+            os.close(self._fd)
+            raise RegionError(
+                f"another kvoffloadd already runs this instance (pid {holder or '?'}; "
+                f"lock {path}); stop it or pick another --instance"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(self._fd)
+
+
+class SharedOffloadRegion:
+    """The daemon's mapping of the region, its tables and the extent pool."""
+
+    def __init__(self, name: str, geometry: Geometry) -> None:
+        self.name = name
+        self.geometry = g = geometry
+        self._check_shm_space(g.region_bytes)
+        self._unlink_stale(name)
+        self._shm = posix_ipc.SharedMemory(
+            name, flags=posix_ipc.O_CREX, mode=0o600, size=g.region_bytes
+        )
+        try:
+            self._mm = mmap.mmap(self._shm.fd, g.region_bytes)
+        except BaseException:
+            self._shm.close_fd()
+            self._shm.unlink()
+            raise
+        self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._mm, dtype=np.uint8)
+        self.slot_table: npt.NDArray[np.void] = np.frombuffer(
+            self._mm,
+            dtype=SLOT_DTYPE,
+            count=g.num_extents * g.slots_per_extent_max,
+            offset=g.slot_table,
+        )
+        self._extent_table = np.frombuffer(
+            self._mm, dtype="<u4", count=g.num_extents * 4, offset=g.extent_table
+        ).reshape(g.num_extents, 4)
+        self._extent_table[:, 0] = FREE_OWNER
+        self._write_header()
+        self.pool = ExtentPool(g.num_extents, g.extent_bytes, g.data_offset, self.record_extent)
+        self._seq = 0
+        self.prefaulted_bytes = 0
+        self._stop_prefault = threading.Event()
+        self._prefault_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    @staticmethod
+    def _check_shm_space(nbytes: int) -> None:
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError:
+            return
+        avail = st.f_bavail * st.f_frsize
+        if avail < nbytes:
+            raise RegionError(
+                f"/dev/shm has {avail} bytes free, the region needs {nbytes}; "
+                "lower region_size or enlarge /dev/shm"
+            )
+
+    @staticmethod
+    def _unlink_stale(name: str) -> None:
+        try:
+            old = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            return
+        pid = -1
+        try:
+            if old.size >= _HEADER.size:
+                with mmap.mmap(old.fd, _HEADER.size, prot=mmap.PROT_READ) as mm:
+                    fields = _HEADER.unpack(mm[: _HEADER.size])
+                    if fields[0] == MAGIC:
+                        pid = fields[14]
+        finally:
+            old.close_fd()
+        log.warning("replacing stale region %s (left by pid %s)", name, pid)
+        posix_ipc.unlink_shared_memory(name)
+
+    def _write_header(self) -> None:
+        g = self.geometry
+        self._mm[: _HEADER.size] = _HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_BYTES,
+            g.region_bytes,
+            g.extent_bytes,
+            g.num_extents,
+            g.slots_per_extent_max,
+            g.min_slot_bytes,
+            MAX_NAMESPACES,
+            g.extent_table,
+            g.namespace_table,
+            g.slot_table,
+            SLOT_RECORD_BYTES,
+            g.data_offset,
+            os.getpid(),
+            time.time_ns(),
+        )
+
+    def start_prefault(self) -> None:
+        self._prefault_thread = threading.Thread(
+            target=self._prefault, name="kvoffload-prefault", daemon=True
+        )
+        self._prefault_thread.start()
+
+    def _prefault(self) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        base = self.buffer.ctypes.data
+        start = self.geometry.data_offset
+        end = self.geometry.region_bytes
+        use_madvise = True
+        t0 = time.monotonic()
+        for off in range(start, end, PREFAULT_CHUNK_BYTES):
+            if self._stop_prefault.is_set():
+                return
+            n = min(PREFAULT_CHUNK_BYTES, end - off)
+            if use_madvise:
+                rc = libc.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE)
+                if rc != 0:
+                    err = ctypes.get_errno()
+                    if err != errno.EINVAL:
+                        log.warning("prefault stopped: %s", os.strerror(err))
+                        return
+                    use_madvise = False  # kernels before 5.14: touch the pages instead
+            if not use_madvise:
+                view = self.buffer[off : off + n : mmap.PAGESIZE]
+                view += 0  # read-modify-write keeps whatever is there
+            self.prefaulted_bytes = off + n - start
+        log.info(
+            "prefaulted %d MiB in %.2f s",
+            self.prefaulted_bytes >> 20,
+            time.monotonic() - t0,
+        )
+
+    def close(self) -> None:
+        self._stop_prefault.set()
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
+        del self.buffer, self.slot_table, self._extent_table
+        try:
+            self._mm.close()
+        except BufferError:
+            log.warning("region views still exist; the mapping goes with the process")
+        self._shm.close_fd()
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            self._shm.unlink()
+
+    # ------------------------------------------------------------ tables
+
+    def register_namespace(self, ns_id: int, name: str, fingerprint: str) -> None:
+        if ns_id >= MAX_NAMESPACES:
+            raise RegionError(f"more than {MAX_NAMESPACES} namespaces")
+        off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
+        record = name.encode()[:256].ljust(256, b"\0") + fingerprint.encode()[:64].ljust(64, b"\0")
+        self._mm[off : off + len(record)] = record
+
+    def record_extent(self, ext: int, owner: int | None, slot_bytes: int) -> None:
+        self._extent_table[ext, 0] = FREE_OWNER if owner is None else owner
+        self._extent_table[ext, 1] = slot_bytes
+
+    def journal_for(self, ns_id: int, slots: SlotPool) -> SlotJournal:
+        return _RegionJournal(self, ns_id, slots)
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+
+class _RegionJournal(SlotJournal):
+    """Writes one namespace's slot state changes into the region's slot table."""
+
+    def __init__(self, region: SharedOffloadRegion, ns_id: int, slots: SlotPool) -> None:
+        self._region = region
+        self._ns = ns_id
+        self._slots = slots
+        self._spe_max = region.geometry.slots_per_extent_max
+
+    def _record(self, slot: int) -> int:
+        spe = self._slots.slots_per_extent
+        return self._slots.extents[slot // spe] * self._spe_max + slot % spe
+
+    def writing(self, slot: int, key: bytes) -> None:
+        self._region.slot_table[self._record(slot)] = (
+            SLOT_WRITING, len(key), 0, self._ns, 0, key.ljust(64, b"\0"), b"\0" * 16
+        )
+
+    def ready(self, slot: int, key: bytes) -> None:
+        i = self._record(slot)
+        table = self._region.slot_table
+        table["seq"][i] = self._region.next_seq()
+        table["state"][i] = SLOT_READY
+
+    def freed(self, slot: int) -> None:
+        self._region.slot_table["state"][self._record(slot)] = SLOT_FREE

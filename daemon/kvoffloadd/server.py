@@ -1,0 +1,253 @@
+"""The event loop: sockets, file descriptors, signals, timers. Owns no metadata rules.
+
+One thread runs everything that touches metadata: it accepts clients, reads frames
+(``recvmsg``, so SCM_RIGHTS descriptors arrive with them), feeds each client's
+sans-IO ``ServerConnection``, hands requests to the ``Service`` and writes replies.
+Copier threads wake it through an eventfd; signals through ``signal.set_wakeup_fd``.
+
+Rules:
+- A protocol error (bad frame, oversized frame, unknown tag, request before Hello)
+  gets one ``ErrorReply(rid=0, PROTOCOL_ERROR)`` and that connection is closed;
+  everyone else is unaffected (invariant 6).
+- A client that does not read its replies is disconnected once ``MAX_OUTBUF_BYTES``
+  are queued for it, so it cannot grow the daemon without bound.
+- An ``AssertionError`` is a broken internal invariant: log the stats, exit non-zero.
+- SIGTERM/SIGINT: stop accepting, drain in-flight copies, close, unlink, exit 0.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import errno
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+from kvoffload.protocol import NEED_DATA, ServerConnection, encode_frame
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
+
+from .service import Service, Session
+from .stats import render_stats
+
+log = logging.getLogger(__name__)
+
+RECV_BYTES = 256 * 1024
+MAX_FDS_PER_MSG = 253
+MAX_QUEUED_FDS = 1024
+MAX_OUTBUF_BYTES = 64 * 1024 * 1024
+CRON_PERIOD_S = 1.0
+DRAIN_TIMEOUT_S = 30.0
+_ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
+
+
+@dataclass
+class _Client:
+    sock: socket.socket
+    conn: ServerConnection
+    session: Session
+    outbuf: bytearray = field(default_factory=bytearray)
+    writing: bool = False
+
+
+class Server:
+    def __init__(self, service: Service, listener: socket.socket) -> None:
+        self.service = service
+        self.listener = listener
+        listener.setblocking(False)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(listener, selectors.EVENT_READ, self._accept)
+        self.sel.register(service.copier.wake_fd, selectors.EVENT_READ, self._copies_done)
+        self._sig_r, self._sig_w = socket.socketpair()
+        self._sig_r.setblocking(False)
+        self._sig_w.setblocking(False)
+        self.sel.register(self._sig_r, selectors.EVENT_READ, self._signalled)
+        self.clients: dict[int, _Client] = {}
+        self._next_id = 1
+        self._stop = False
+        self._max_frame = service.config.max_frame_bytes
+
+    # ------------------------------------------------------------ main loop
+
+    def serve_forever(self) -> None:
+        signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        next_cron = time.monotonic() + CRON_PERIOD_S
+        try:
+            while not self._stop:
+                timeout = max(0.0, next_cron - time.monotonic())
+                for key, mask in self.sel.select(timeout):
+                    key.data(key.fileobj, mask)
+                if time.monotonic() >= next_cron:
+                    self.service.cron()
+                    next_cron = time.monotonic() + CRON_PERIOD_S
+            self._drain()
+        except AssertionError:
+            log.critical("internal invariant broken; stats: %s", render_stats(self.service))
+            raise
+        finally:
+            signal.set_wakeup_fd(-1)
+            for c in list(self.clients.values()):
+                self._drop(c, "daemon stopping")
+            self.sel.close()
+            self._sig_r.close()
+            self._sig_w.close()
+
+    def _signalled(self, sock: object, mask: int) -> None:
+        with contextlib.suppress(BlockingIOError):
+            sigs = self._sig_r.recv(64)
+            log.info("signal %s received: draining and stopping", list(sigs))
+        self._stop = True
+        self.service.shutting_down = True
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.service.inflight_jobs and time.monotonic() < deadline:
+            for key, mask in self.sel.select(0.05):
+                if key.data == self._copies_done:
+                    self._copies_done(key.fileobj, mask)
+        if self.service.inflight_jobs:
+            log.error("%d copies still running after %.0f s", self.service.inflight_jobs, DRAIN_TIMEOUT_S)
+
+    # ------------------------------------------------------------ connections
+
+    def _accept(self, sock: object, mask: int) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            if self._stop or len(self.clients) >= self.service.config.max_clients:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            pid, uid, gid = struct.unpack(
+                "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            )
+            cid = self._next_id
+            self._next_id += 1
+            session = self.service.open_session(cid, pid, uid, gid)
+            client = _Client(conn, ServerConnection(self._max_frame), session)
+            self.clients[cid] = client
+            self.sel.register(conn, selectors.EVENT_READ, lambda s, mk, c=client: self._io(c, mk))
+            log.debug("client %d connected (pid %d uid %d)", cid, pid, uid)
+
+    def _io(self, c: _Client, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._flush(c)
+        if mask & selectors.EVENT_READ and c.session.session_id in self.clients:
+            self._read(c)
+
+    def _read(self, c: _Client) -> None:
+        try:
+            data, anc, _flags, _ = c.sock.recvmsg(RECV_BYTES, _ANC_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(c, f"read failed: {exc}")
+            return
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                c.session.fds.extend(fds)
+        if len(c.session.fds) > MAX_QUEUED_FDS:
+            self._drop(c, "too many unclaimed file descriptors")
+            return
+        if not data:
+            self._drop(c, "disconnected")
+            return
+        c.conn.receive_data(data)
+        try:
+            while True:
+                req = c.conn.next_event()
+                if req is NEED_DATA:
+                    break
+                assert not isinstance(req, type(NEED_DATA))
+                self._dispatch(c, req)
+        except ProtocolError as exc:
+            c.outbuf += encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, str(exc.args[0])))
+            self.service.count_error(ErrorCode.PROTOCOL_ERROR.name)
+            log.warning("client %d (pid %d): %s", c.session.session_id, c.session.pid, exc)
+            self._flush(c)
+            self._drop(c, "protocol error")
+            return
+        self._flush(c)
+
+    def _dispatch(self, c: _Client, req: m.Request) -> None:
+        try:
+            reply = self.service.handle(c.session, req)
+        except KVOffloadError as exc:
+            self.service.count_error(exc.code.name)
+            reply = m.ErrorReply(req.rid, exc.code, str(exc.args[0]))
+        except ValueError as exc:
+            self.service.count_error(ErrorCode.INVALID_ARGUMENT.name)
+            reply = m.ErrorReply(req.rid, ErrorCode.INVALID_ARGUMENT, str(exc))
+        except AssertionError:
+            raise
+        except Exception as exc:
+            log.exception("request %s failed", type(req).__name__)
+            self.service.count_error(ErrorCode.INTERNAL.name)
+            reply = m.ErrorReply(req.rid, ErrorCode.INTERNAL, f"internal error: {exc!r}")
+        if reply is not None:
+            c.outbuf += c.conn.send(reply)
+
+    def _copies_done(self, fd: object, mask: int) -> None:
+        for session_id, reply in self.service.on_completions(self.service.copier.drain()):
+            c = self.clients.get(session_id)
+            if c is not None:
+                c.outbuf += c.conn.send(reply)
+                self._flush(c)
+
+    def _flush(self, c: _Client) -> None:
+        while c.outbuf:
+            try:
+                n = c.sock.send(c.outbuf)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                    log.warning("client %d: send failed: %s", c.session.session_id, exc)
+                self._drop(c, "write failed")
+                return
+            del c.outbuf[:n]
+        if len(c.outbuf) > MAX_OUTBUF_BYTES:
+            self._drop(c, "not reading its replies")
+            return
+        want_write = bool(c.outbuf)
+        if want_write != c.writing and c.session.session_id in self.clients:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0)
+            self.sel.modify(c.sock, events, lambda s, mk, cl=c: self._io(cl, mk))
+            c.writing = want_write
+
+    def _drop(self, c: _Client, why: str) -> None:
+        if self.clients.pop(c.session.session_id, None) is None:
+            return
+        log.debug("client %d (pid %d): %s", c.session.session_id, c.session.pid, why)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(c.sock)
+        c.sock.close()
+        self.service.close_session(c.session)
+
+
+def bind_listener(path: str) -> socket.socket:
+    """Bind the control socket: 0750 directory, 0660 socket; a stale path is replaced."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o750, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # the instance lock proves nobody else serves it
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old = os.umask(0o117)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(512)
+    return sock

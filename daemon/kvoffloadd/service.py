@@ -1,0 +1,430 @@
+"""Request handlers: the daemon's metadata and what each message does to it.
+
+Rules:
+- Runs on the loop thread only; it owns namespaces, workers, jobs and sessions.
+- A handler returns the reply, or ``None`` when the reply is deferred (``WaitJobs``).
+  Client mistakes raise ``KVOffloadError`` and become an ``ErrorReply`` for that
+  request; nothing is changed by a request that fails validation.
+- Copies are validated here (slots leased, block ids inside the registered caches)
+  before any address reaches the copier (invariant 4).
+- A session that goes away fails its stores, drops its pins and detaches its workers;
+  their mappings close once their copies have drained (invariant 5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import (
+    InvalidArgumentError,
+    LayoutMismatchError,
+    NoSpaceError,
+    ShuttingDownError,
+)
+from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
+
+from . import __version__
+from .allocator import SlotPool
+from .config import DaemonConfig
+from .copier import Completion, CpuCopier
+from .copyplan import build_runs, check_transfer
+from .index import NamespaceIndex
+from .region import SharedOffloadRegion
+from .workers import AttachedWorker, attach_caches, close_fds
+
+log = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+
+
+@dataclass
+class Session:
+    session_id: int
+    pid: int
+    uid: int
+    gid: int
+    name: str = ""
+    fds: list[int] = field(default_factory=list)
+    namespaces: set[int] = field(default_factory=set)
+    workers: set[int] = field(default_factory=set)
+    waits: list[tuple[int, int, set[int]]] = field(default_factory=list)  # rid, worker, jobs
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    connected_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Job:
+    worker_id: int
+    job_id: int
+    ns_id: int
+    slots: np.ndarray
+    is_store: bool
+
+
+def layout_fingerprint(layout: m.KVLayout) -> str:
+    return hashlib.sha256(msgspec.msgpack.encode(layout)).hexdigest()[:32]
+
+
+class Service:
+    def __init__(self, config: DaemonConfig, region: SharedOffloadRegion, copier: CpuCopier) -> None:
+        self.config = config
+        self.region = region
+        self.copier = copier
+        self.namespaces: dict[int, NamespaceIndex] = {}
+        self._ns_by_name: dict[str, NamespaceIndex] = {}
+        self.sessions: dict[int, Session] = {}
+        self.workers: dict[int, AttachedWorker] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._tokens = itertools.count(1)
+        self._worker_ids = itertools.count(1)
+        self.shutting_down = False
+        self.started_s = time.monotonic()
+        self.requests_total = 0
+        self.errors_by_code: dict[str, int] = {}
+        self.bytes_stored = self.bytes_loaded = 0
+        self.jobs_failed = 0
+        self.store_seconds = self.load_seconds = 0.0
+
+    # ------------------------------------------------------------ dispatch
+
+    def handle(self, s: Session, req: m.Request, reply_welcome: bool = True) -> m.Reply | None:
+        self.requests_total += 1
+        if self.shutting_down and not isinstance(req, (m.GetStats, m.Ping, m.ListClients)):
+            raise ShuttingDownError("kvoffloadd is shutting down")
+        match req:
+            case m.Lookup(rid, ns, keys, kb):
+                return m.LookupReply(rid, self._ns(s, ns).lookup(unpack_keys(keys, kb)))
+            case m.PrepareStore(rid, ns, keys, kb):
+                return self._prepare_store(s, rid, self._ns(s, ns), unpack_keys(keys, kb))
+            case m.CompleteStore(rid, ns, keys, kb, success):
+                self._ns(s, ns).complete_store(unpack_keys(keys, kb), success, s.session_id)
+                return m.OkReply(rid)
+            case m.PrepareLoad(rid, ns, keys, kb):
+                slots = self._ns(s, ns).prepare_load(unpack_keys(keys, kb), s.session_id)
+                return m.LoadPlanReply(rid, pack_ids(slots))
+            case m.CompleteLoad(rid, ns, keys, kb):
+                self._ns(s, ns).complete_load(unpack_keys(keys, kb), s.session_id)
+                return m.OkReply(rid)
+            case m.Touch(rid, ns, keys, kb):
+                self._ns(s, ns).touch(unpack_keys(keys, kb))
+                return m.OkReply(rid)
+            case m.SubmitStore(rid, worker, job_id, block_ids, slots):
+                self._submit(s, worker, job_id, unpack_ids(slots), unpack_ids(block_ids), 0, True)
+                return m.OkReply(rid)
+            case m.SubmitLoad(rid, worker, job_id, slots, block_ids, skip):
+                self._submit(s, worker, job_id, unpack_ids(slots), unpack_ids(block_ids), skip, False)
+                return m.OkReply(rid)
+            case m.GetFinished(rid, worker):
+                w = self._worker(s, worker)
+                results, w.finished = w.finished, []
+                return m.FinishedReply(rid, results)
+            case m.WaitJobs(rid, worker, job_ids):
+                w = self._worker(s, worker)
+                pending = set(job_ids) & w.active_jobs
+                if not pending:
+                    return m.OkReply(rid)
+                s.waits.append((rid, worker, pending))
+                return None
+            case m.TakeEvents(rid, ns):
+                events = [
+                    m.EventMsg(*pack_keys(e.keys), e.removed) for e in self._ns(s, ns).take_events()
+                ]
+                return m.EventsReply(rid, events)
+            case m.Ping(rid):
+                return m.Pong(rid)
+            case m.OpenNamespace(rid, name, layout):
+                return self._open_namespace(s, rid, name, layout)
+            case m.AttachWorker(rid, ns, rank, caches):
+                return self._attach(s, rid, ns, rank, caches)
+            case m.DetachWorker(rid, worker):
+                self._detach(self._worker(s, worker))
+                return m.OkReply(rid)
+            case m.Hello(rid, _version, name, _pid):
+                s.name = name
+                return m.Welcome(
+                    rid,
+                    m.PROTOCOL_VERSION,
+                    __version__,
+                    self.config.instance,
+                    os.getpid(),
+                    self.region.name,
+                    self.region.geometry.region_bytes,
+                )
+            case m.Evict(rid, namespace, keys, kb):
+                return m.EvictReply(rid, self.evict(namespace, keys, kb))
+            case m.GetStats(rid):
+                from .stats import render_stats
+
+                return m.StatsReply(rid, render_stats(self))
+            case m.ListClients(rid):
+                from .stats import client_infos
+
+                return m.ClientsReply(rid, client_infos(self))
+            case _:
+                raise InvalidArgumentError(f"{type(req).__name__} is not handled here")
+
+    def count_error(self, code: str) -> None:
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+
+    # ------------------------------------------------------------ namespaces
+
+    def _ns(self, s: Session, ns_id: int) -> NamespaceIndex:
+        if ns_id not in s.namespaces:
+            raise InvalidArgumentError(f"namespace id {ns_id} was not opened on this connection")
+        return self.namespaces[ns_id]
+
+    def _open_namespace(self, s: Session, rid: int, name: str, layout: m.KVLayout) -> m.Reply:
+        if not name or len(name) > 200:
+            raise InvalidArgumentError("namespace name must be 1..200 characters")
+        pages = layout.tensor_page_bytes
+        if not pages or any(p <= 0 for p in pages) or layout.world_size < 1:
+            raise InvalidArgumentError(
+                "layout needs at least one positive tensor_page_bytes and world_size >= 1"
+            )
+        if not 1 <= layout.block_size_factor <= 1024:
+            raise InvalidArgumentError("block_size_factor must be in 1..1024")
+        fp = layout_fingerprint(layout)
+        index = self._ns_by_name.get(name)
+        if index is not None:
+            if index.fingerprint != fp:
+                raise LayoutMismatchError(
+                    f"namespace {name!r} exists with another layout "
+                    f"({index.layout}); this client sent {layout}"
+                )
+        else:
+            slot_bytes = max(
+                -(-layout.block_bytes // PAGE_BYTES) * PAGE_BYTES, self.config.min_slot_bytes
+            )
+            if slot_bytes > self.region.geometry.extent_bytes:
+                raise InvalidArgumentError(
+                    f"one offloaded block is {slot_bytes} bytes, larger than an extent "
+                    f"({self.region.geometry.extent_bytes} bytes); raise extent_size"
+                )
+            ns_id = len(self.namespaces)
+            self.region.register_namespace(ns_id, name, fp)
+            slots = SlotPool(self.region.pool, ns_id, slot_bytes)
+            index = NamespaceIndex(
+                ns_id,
+                name,
+                layout,
+                fp,
+                slots,
+                policy=self.config.policy,
+                journal=self.region.journal_for(ns_id, slots),
+                reclaim=self._reclaim,
+            )
+            self.namespaces[ns_id] = index
+            self._ns_by_name[name] = index
+            log.info("namespace %s opened: %d-byte slots, fingerprint %s", name, slot_bytes, fp)
+        s.namespaces.add(index.ns_id)
+        return m.NamespaceOpened(rid, index.ns_id, index.slots.slot_bytes, fp)
+
+    def _prepare_store(
+        self, s: Session, rid: int, index: NamespaceIndex, keys: list[bytes]
+    ) -> m.Reply:
+        plan = index.prepare_store(keys, s.session_id)
+        if plan is None:
+            raise NoSpaceError(
+                f"namespace {index.name!r}: no space for {len(keys)} blocks "
+                "(the rest is pinned or being written)"
+            )
+        kp, kb = pack_keys(plan.keys_to_store)
+        return m.StorePlanReply(rid, kp, kb, pack_ids(plan.slots), pack_keys(plan.evicted_keys)[0])
+
+    def _reclaim(self, needy: NamespaceIndex, need: int) -> None:
+        """Move extents to a namespace below its fair share from the fattest one above it."""
+        active = [ns for ns in self.namespaces.values() if ns.slots.extents] + [needy]
+        fair = self.region.pool.num_extents // len({ns.ns_id for ns in active})
+        while need > needy.slots.num_free and len(needy.slots.extents) < fair:
+            donors = sorted(
+                (ns for ns in self.namespaces.values() if len(ns.slots.extents) > fair),
+                key=lambda ns: len(ns.slots.extents),
+                reverse=True,
+            )
+            if not any(d.evict_top_extent() for d in donors):
+                return
+
+    def evict(self, namespace: str | None, keys: bytes | None, key_bytes: int) -> int:
+        if namespace is not None and namespace not in self._ns_by_name:
+            raise InvalidArgumentError(f"no namespace named {namespace!r}")
+        targets = [self._ns_by_name[namespace]] if namespace else list(self.namespaces.values())
+        key_list = unpack_keys(keys, key_bytes) if keys is not None else None
+        return sum(ns.evict(key_list) for ns in targets)
+
+    # ------------------------------------------------------------ workers and copies
+
+    def _worker(self, s: Session, worker_id: int) -> AttachedWorker:
+        w = self.workers.get(worker_id)
+        if w is None or w.session_id != s.session_id or w.closing:
+            raise InvalidArgumentError(f"worker {worker_id} is not attached on this connection")
+        return w
+
+    def _attach(
+        self, s: Session, rid: int, ns_id: int, rank: int, caches: list[m.CacheDesc]
+    ) -> m.Reply:
+        nfds = max((c.fd_index + 1 for c in caches), default=0)
+        fds, s.fds = s.fds[:nfds], s.fds[nfds:]
+        index = self.namespaces[ns_id] if ns_id in s.namespaces else None
+        if index is None:
+            close_fds(fds)
+            raise InvalidArgumentError(f"namespace id {ns_id} was not opened on this connection")
+        if not 0 <= rank < index.layout.world_size:
+            close_fds(fds)
+            raise InvalidArgumentError(f"rank {rank} is not in 0..{index.layout.world_size - 1}")
+        mapped = attach_caches(index.layout, caches, fds)
+        wid = next(self._worker_ids)
+        self.workers[wid] = AttachedWorker(wid, s.session_id, ns_id, rank, mapped)
+        s.workers.add(wid)
+        return m.WorkerAttached(rid, wid)
+
+    def _submit(
+        self,
+        s: Session,
+        worker_id: int,
+        job_id: int,
+        slots: np.ndarray,
+        block_ids: np.ndarray,
+        skip: int,
+        is_store: bool,
+    ) -> None:
+        w = self._worker(s, worker_id)
+        index = self.namespaces[w.ns_id]
+        if job_id in w.active_jobs:
+            raise InvalidArgumentError(f"job {job_id} is already in flight")
+        if np.unique(slots).size != slots.size:
+            raise InvalidArgumentError("a transfer names the same slot twice")
+        if not index.slots.is_valid(slots):
+            raise_not_leased(index, slots)
+        if is_store:
+            index.check_store_slots(slots)
+        else:
+            index.check_load_slots(slots)
+        check_transfer(index.layout, slots.size, block_ids, skip, w.geometries)
+        runs = build_runs(
+            index.layout, w.rank, index.slots.region_offsets(slots), block_ids, skip, w.geometries
+        )
+        region_base = int(self.region.buffer.ctypes.data)
+        region_addr = np.concatenate([r.region for r in runs]) + region_base
+        cache_addr = np.concatenate(
+            [r.cache + c.base_address for r, c in zip(runs, w.caches)]
+        )
+        nbytes = np.concatenate([r.nbytes for r in runs])
+        token = next(self._tokens)
+        self._jobs[token] = _Job(worker_id, job_id, w.ns_id, slots.copy(), is_store)
+        index.slots.mark_busy(slots)
+        w.active_jobs.add(job_id)
+        if is_store:
+            self.copier.submit(token, region_addr, cache_addr, nbytes)
+        else:
+            self.copier.submit(token, cache_addr, region_addr, nbytes)
+
+    def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
+        """Apply finished copies; returns deferred replies as (session id, reply)."""
+        replies: list[tuple[int, m.Reply]] = []
+        for c in done:
+            job = self._jobs.pop(c.token)
+            index = self.namespaces[job.ns_id]
+            index.slots.unmark_busy(job.slots)
+            w = self.workers[job.worker_id]
+            if c.success and job.is_store:
+                index.mark_written(job.slots.tolist(), w.rank)
+            w.active_jobs.discard(job.job_id)
+            self._account(w, job, c)
+            if w.closing:
+                if not w.active_jobs:
+                    self._unmap(w)
+                continue
+            w.finished.append(m.JobResult(job.job_id, c.success, c.nbytes, c.seconds))
+            replies.extend(self._resolve_waits(w, job.job_id))
+        return replies
+
+    def _account(self, w: AttachedWorker, job: _Job, c: Completion) -> None:
+        if not c.success:
+            self.jobs_failed += 1
+            return
+        s = self.sessions.get(w.session_id)
+        if job.is_store:
+            self.bytes_stored += c.nbytes
+            self.store_seconds += c.seconds
+            if s is not None:
+                s.bytes_stored += c.nbytes
+        else:
+            self.bytes_loaded += c.nbytes
+            self.load_seconds += c.seconds
+            if s is not None:
+                s.bytes_loaded += c.nbytes
+
+    def _resolve_waits(self, w: AttachedWorker, job_id: int) -> list[tuple[int, m.Reply]]:
+        s = self.sessions.get(w.session_id)
+        if s is None:
+            return []
+        out = []
+        for wait in list(s.waits):
+            rid, wid, pending = wait
+            if wid == w.worker_id:
+                pending.discard(job_id)
+                if not pending:
+                    s.waits.remove(wait)
+                    out.append((s.session_id, m.OkReply(rid)))
+        return out
+
+    def _detach(self, w: AttachedWorker) -> None:
+        w.closing = True
+        s = self.sessions.get(w.session_id)
+        if s is not None:
+            s.workers.discard(w.worker_id)
+            for wait in [x for x in s.waits if x[1] == w.worker_id]:
+                s.waits.remove(wait)
+        if not w.active_jobs:
+            self._unmap(w)
+
+    def _unmap(self, w: AttachedWorker) -> None:
+        w.close()
+        del self.workers[w.worker_id]
+
+    # ------------------------------------------------------------ sessions
+
+    def open_session(self, session_id: int, pid: int, uid: int, gid: int) -> Session:
+        s = Session(session_id, pid, uid, gid)
+        self.sessions[session_id] = s
+        return s
+
+    def close_session(self, s: Session) -> None:
+        """Invariant 5: fail stores, drop pins, detach workers (unmapped after drain)."""
+        for ns_id in s.namespaces:
+            writes, pins = self.namespaces[ns_id].release_client(s.session_id)
+            if writes or pins:
+                log.info(
+                    "client %d (pid %d) gone: failed %d stores, dropped %d pins in %s",
+                    s.session_id, s.pid, writes, pins, self.namespaces[ns_id].name,
+                )
+        for wid in list(s.workers):
+            self._detach(self.workers[wid])
+        close_fds(s.fds)  # descriptors no message claimed
+        s.fds = []
+        del self.sessions[s.session_id]
+
+    def cron(self) -> None:
+        for ns in self.namespaces.values():
+            ns.slots.release_free_tail()
+
+    @property
+    def inflight_jobs(self) -> int:
+        return len(self._jobs)
+
+
+def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:
+    from kvoffload.protocol.errors import NotLeasedError
+
+    bad = [int(x) for x in slots if not 0 <= x < index.slots.capacity][:1]
+    raise NotLeasedError(f"slot {bad[0] if bad else '?'} of namespace {index.name!r} is not leased")

@@ -1,0 +1,95 @@
+"""Stats: one pure function turns the daemon's state into named sections.
+
+The admin ``stats`` reply, the fatal-error log and (later) the metrics endpoint all
+use ``render_stats``, so they can never disagree. Field names are snake_case with
+their unit (``_bytes``, ``_s``, ``_total`` for counters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.protocol.messages import ClientInfo
+
+if TYPE_CHECKING:
+    from .service import Service
+
+
+def render_stats(svc: Service) -> dict[str, Any]:
+    g = svc.region.geometry
+    pool = svc.region.pool
+    namespaces = {ns.name: dataclasses.asdict(ns.statistics()) for ns in svc.namespaces.values()}
+    used_blocks = sum(n["stored_blocks"] + n["writing_blocks"] for n in namespaces.values())
+    return {
+        "server": {
+            "version": _version(),
+            "instance": svc.config.instance,
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - svc.started_s, 3),
+            "socket": svc.config.socket_path,
+            "requests_total": svc.requests_total,
+            "shutting_down": svc.shutting_down,
+        },
+        "region": {
+            "name": svc.region.name,
+            "region_bytes": g.region_bytes,
+            "data_bytes": g.num_extents * g.extent_bytes,
+            "extent_bytes": g.extent_bytes,
+            "extents_total": g.num_extents,
+            "extents_free": pool.num_free,
+            "prefaulted_bytes": svc.region.prefaulted_bytes,
+            "policy": svc.config.policy,
+        },
+        "blocks": {
+            "namespaces": len(namespaces),
+            "used_blocks": used_blocks,
+            "hit_keys_total": sum(n["hit_keys_total"] for n in namespaces.values()),
+            "lookup_keys_total": sum(n["lookup_keys_total"] for n in namespaces.values()),
+            "evicted_blocks_total": sum(n["evicted_blocks_total"] for n in namespaces.values()),
+        },
+        "namespaces": namespaces,
+        "clients": {
+            "connected": len(svc.sessions),
+            "workers": len(svc.workers),
+        },
+        "copies": {
+            "inflight_jobs": svc.inflight_jobs,
+            "failed_jobs_total": svc.jobs_failed,
+            "stored_bytes_total": svc.bytes_stored,
+            "loaded_bytes_total": svc.bytes_loaded,
+            "store_seconds_total": round(svc.store_seconds, 6),
+            "load_seconds_total": round(svc.load_seconds, 6),
+        },
+        "errors": dict(sorted(svc.errors_by_code.items())),
+    }
+
+
+def client_infos(svc: Service) -> list[ClientInfo]:
+    out = []
+    for s in svc.sessions.values():
+        ns = [svc.namespaces[i] for i in sorted(s.namespaces)]
+        out.append(
+            ClientInfo(
+                client_id=s.session_id,
+                pid=s.pid,
+                uid=s.uid,
+                name=s.name,
+                namespaces=[n.name for n in ns],
+                workers=len(s.workers),
+                pinned_blocks=sum(n.pinned_by(s.session_id) for n in ns),
+                writing_blocks=sum(n.writing_by(s.session_id) for n in ns),
+                inflight_jobs=sum(len(svc.workers[w].active_jobs) for w in s.workers),
+                bytes_stored=s.bytes_stored,
+                bytes_loaded=s.bytes_loaded,
+            )
+        )
+    return out
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__

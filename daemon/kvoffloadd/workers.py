@@ -1,0 +1,138 @@
+"""Engine caches imported into the daemon: memfd-backed CPU KV tensors.
+
+Rules:
+- A cache arrives as a file descriptor (SCM_RIGHTS) plus a ``CacheDesc``. The daemon
+  maps it only if the fd is sealed against shrinking (``F_SEAL_SHRINK``): otherwise
+  the engine could truncate it under a running copy and crash the daemon with SIGBUS.
+- Sizes are checked against the fd: every engine block id the daemon will accept
+  (``0 .. num_blocks-1``) lies inside the mapping (invariant 4).
+- Descriptors are closed as soon as they are mapped; the mapping lives until the
+  worker detaches or its client dies *and* its in-flight copies have drained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import CacheDesc, JobResult, KVLayout
+
+from .copyplan import CacheGeometry
+
+_F_SEAL_SHRINK = 0x0002
+
+
+@dataclass
+class MappedCache:
+    geometry: CacheGeometry
+    mm: mmap.mmap
+    array: npt.NDArray[np.uint8]
+
+    @property
+    def base_address(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def close(self) -> None:
+        del self.array
+        self.mm.close()
+
+
+def map_cache(desc: CacheDesc, fd: int, expected_page_bytes: int) -> MappedCache:
+    """Validate and map one memfd cache; raises InvalidArgumentError."""
+    if desc.kind != "memfd":
+        raise InvalidArgumentError(
+            f"cache kind {desc.kind!r} is not supported here (expected 'memfd')"
+        )
+    if desc.page_bytes != expected_page_bytes:
+        raise InvalidArgumentError(
+            f"cache page of {desc.page_bytes} bytes does not match the namespace layout "
+            f"({expected_page_bytes} bytes)"
+        )
+    stride = desc.row_stride_bytes or desc.page_bytes
+    if desc.num_blocks <= 0 or stride < desc.page_bytes or desc.offset_bytes < 0:
+        raise InvalidArgumentError(
+            f"bad cache geometry: {desc.num_blocks} blocks, stride {stride}, "
+            f"page {desc.page_bytes}, offset {desc.offset_bytes}"
+        )
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & _F_SEAL_SHRINK:
+        raise InvalidArgumentError(
+            "cache descriptor is not a memfd sealed against shrinking; "
+            "allocate CPU caches with kvoffload.shared_kv_cache()"
+        )
+    size = os.fstat(fd).st_size
+    need = desc.offset_bytes + (desc.num_blocks - 1) * stride + desc.page_bytes
+    if need > size:
+        raise InvalidArgumentError(f"cache needs {need} bytes but its memfd holds {size}")
+    mm = mmap.mmap(fd, size)
+    geometry = CacheGeometry(desc.num_blocks, desc.page_bytes, desc.offset_bytes, stride)
+    return MappedCache(geometry, mm, np.frombuffer(mm, dtype=np.uint8))
+
+
+@dataclass
+class AttachedWorker:
+    """One engine rank's registration: its caches, in-flight jobs and finished results."""
+
+    worker_id: int
+    session_id: int
+    ns_id: int
+    rank: int
+    caches: list[MappedCache]
+    active_jobs: set[int] = field(default_factory=set)
+    finished: list[JobResult] = field(default_factory=list)
+    closing: bool = False
+
+    @property
+    def geometries(self) -> list[CacheGeometry]:
+        return [c.geometry for c in self.caches]
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(len(c.mm) for c in self.caches)
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()
+        self.caches = []
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def attach_caches(layout: KVLayout, descs: list[CacheDesc], fds: list[int]) -> list[MappedCache]:
+    """Map every cache of a worker or none; always closes every fd it was given."""
+    try:
+        if len(descs) != len(layout.tensor_page_bytes):
+            raise InvalidArgumentError(
+                f"the namespace layout has {len(layout.tensor_page_bytes)} tensors, "
+                f"the worker registered {len(descs)} caches"
+            )
+        mapped: list[MappedCache] = []
+        try:
+            for desc, page in zip(descs, layout.tensor_page_bytes):
+                if not 0 <= desc.fd_index < len(fds):
+                    raise InvalidArgumentError(
+                        f"cache refers to descriptor #{desc.fd_index}, "
+                        f"but {len(fds)} came with the message"
+                    )
+                mapped.append(map_cache(desc, fds[desc.fd_index], page))
+        except BaseException:
+            for m in mapped:
+                m.close()
+            raise
+        return mapped
+    finally:
+        close_fds(fds)

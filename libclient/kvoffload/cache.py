@@ -1,0 +1,96 @@
+"""CPU KV caches the daemon can copy into and out of: tensors over sealed memfds.
+
+``shared_kv_cache`` allocates a ``(num_blocks, page_bytes)`` int8 tensor in a memfd
+sealed against shrinking and growing, so the daemon can map it safely (a client can
+never truncate it under a running copy). ``describe_cache`` finds the memfd behind
+any row-contiguous 2-D view of such a tensor, so vLLM's canonical views of one
+buffer work too.
+
+The memfd stays open while the tensor lives (the client re-sends it on reconnect);
+it is closed when the tensor's storage is freed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from .protocol.errors import InvalidArgumentError
+from .protocol.messages import CacheDesc
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    fd: int
+    base_ptr: int
+    nbytes: int
+
+
+_buffers: dict[int, _Buffer] = {}
+_lock = threading.Lock()
+
+
+def _forget(base_ptr: int) -> None:
+    with _lock:
+        buf = _buffers.pop(base_ptr, None)
+    if buf is not None:
+        os.close(buf.fd)
+
+
+def shared_kv_cache(num_blocks: int, page_bytes: int, *, name: str = "kvoffload-kv") -> Any:
+    """A zeroed ``(num_blocks, page_bytes)`` int8 CPU tensor the daemon can map."""
+    import torch
+
+    if num_blocks <= 0 or page_bytes <= 0:
+        raise InvalidArgumentError("num_blocks and page_bytes must be positive")
+    nbytes = num_blocks * page_bytes
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        mm = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    tensor = torch.frombuffer(mm, dtype=torch.int8).view(num_blocks, page_bytes)
+    base_ptr = tensor.data_ptr()
+    with _lock:
+        _buffers[base_ptr] = _Buffer(fd, base_ptr, nbytes)
+    weakref.finalize(tensor.untyped_storage(), _forget, base_ptr)
+    return tensor
+
+
+def describe_cache(tensor: Any) -> tuple[CacheDesc, int]:
+    """(descriptor without fd index, memfd) for a view of a ``shared_kv_cache`` tensor."""
+    if getattr(tensor, "is_cuda", False):
+        raise InvalidArgumentError(
+            "CUDA caches are exported by CUDA IPC, which this build's daemon path does not "
+            "take yet; use kvoffload.shared_kv_cache() CPU caches"
+        )
+    if tensor.dim() != 2 or tensor.stride(1) != 1:
+        raise InvalidArgumentError("a KV cache must be a 2-D (num_blocks, page) view with contiguous rows")
+    esize = tensor.element_size()
+    ptr = tensor.data_ptr()
+    with _lock:
+        buf = next(
+            (b for b in _buffers.values() if b.base_ptr <= ptr < b.base_ptr + b.nbytes), None
+        )
+    if buf is None:
+        raise InvalidArgumentError(
+            "this tensor is not backed by kvoffload.shared_kv_cache(); the daemon cannot map it"
+        )
+    desc = CacheDesc(
+        kind="memfd",
+        num_blocks=int(tensor.shape[0]),
+        page_bytes=int(tensor.shape[1]) * esize,
+        offset_bytes=ptr - buf.base_ptr,
+        row_stride_bytes=int(tensor.stride(0)) * esize,
+    )
+    return desc, buf.fd

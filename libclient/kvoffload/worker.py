@@ -1,0 +1,145 @@
+"""Worker side: one engine rank's caches registered with the daemon, and its transfers.
+
+Rules:
+- ``submit_store``/``submit_load`` return True when the daemon accepted the job and
+  False otherwise; the reason is kept in ``last_error`` (a typed KVOffloadError) and
+  logged. They never raise for daemon-side problems, as vLLM's offloading worker
+  expects.
+- Jobs in flight when the connection is lost are reported by ``get_finished`` as
+  failed: their leases died with the connection.
+- Engine block ids and slots travel packed (int64).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy.typing as npt
+
+from .cache import describe_cache
+from .protocol import messages as m
+from .protocol.errors import DaemonUnavailableError, KVOffloadError
+from .protocol.messages import pack_ids
+from .transport import Transport
+
+if TYPE_CHECKING:
+    from .client import Namespace
+
+log = logging.getLogger(__name__)
+
+WAIT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    success: bool
+    nbytes: int
+    seconds: float
+
+
+class Worker:
+    def __init__(self, ns: Namespace, caches: Sequence[Any], rank: int) -> None:
+        self.ns = ns
+        self.rank = rank
+        self.caches = list(caches)
+        described = [describe_cache(c) for c in self.caches]
+        self._fds = [fd for _, fd in described]
+        self._descs = [
+            m.CacheDesc(d.kind, d.num_blocks, d.page_bytes, i, d.offset_bytes, d.row_stride_bytes)
+            for i, (d, _) in enumerate(described)
+        ]
+        self.worker_id = -1
+        self.last_error: KVOffloadError | None = None
+        self._inflight: set[int] = set()
+        self._failed_locally: list[TransferResult] = []
+        client = ns.client
+        with client._lock:
+            t = client._ensure()
+            try:
+                self._reattach(t)
+            except DaemonUnavailableError as exc:
+                client._lost(exc)
+                raise
+            client._register_worker(self)
+
+    def _reattach(self, t: Transport) -> None:
+        req = m.AttachWorker(self.ns.client._rid(), self.ns.ns_id, self.rank, self._descs)
+        reply = t.request(req, fds=self._fds)
+        assert isinstance(reply, m.WorkerAttached)
+        self.worker_id = reply.worker
+
+    def _fail_inflight(self) -> None:
+        self._failed_locally.extend(TransferResult(j, False, 0, 0.0) for j in self._inflight)
+        self._inflight.clear()
+
+    def _submit(self, job_id: int, make: Any) -> bool:
+        try:
+            self.ns.client.call(make, m.OkReply)
+        except KVOffloadError as exc:
+            self.last_error = exc
+            log.warning("job %d refused: %s", job_id, exc)
+            return False
+        self._inflight.add(job_id)
+        return True
+
+    def submit_store(
+        self, job_id: int, engine_block_ids: npt.ArrayLike, slots: npt.ArrayLike
+    ) -> bool:
+        """Copy engine blocks into leased slots (block_size_factor blocks per slot)."""
+        ids, sl = pack_ids(engine_block_ids), pack_ids(slots)
+        return self._submit(job_id, lambda rid: m.SubmitStore(rid, self.worker_id, job_id, ids, sl))
+
+    def submit_load(
+        self, job_id: int, slots: npt.ArrayLike, engine_block_ids: npt.ArrayLike, skip: int = 0
+    ) -> bool:
+        """Copy pinned slots into engine blocks, skipping ``skip`` sub-blocks of the first."""
+        ids, sl = pack_ids(engine_block_ids), pack_ids(slots)
+        return self._submit(
+            job_id, lambda rid: m.SubmitLoad(rid, self.worker_id, job_id, sl, ids, skip)
+        )
+
+    def get_finished(self) -> list[TransferResult]:
+        out, self._failed_locally = self._failed_locally, []
+        if not self._inflight:
+            return out
+        try:
+            reply = self.ns.client.call(
+                lambda rid: m.GetFinished(rid, self.worker_id), m.FinishedReply
+            )
+        except DaemonUnavailableError:
+            out.extend(self._failed_locally)
+            self._failed_locally = []
+            return out
+        for r in reply.results:
+            self._inflight.discard(r.job_id)
+            out.append(TransferResult(r.job_id, r.success, r.nbytes, r.seconds))
+        return out
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until the given jobs finished (results stay for ``get_finished``)."""
+        pending = [j for j in job_ids if j in self._inflight]
+        if not pending:
+            return
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        try:
+            self.ns.client.call(
+                lambda rid: m.WaitJobs(rid, self.worker_id, pending),
+                m.OkReply,
+                timeout_s=max(0.001, deadline - time.monotonic()),
+            )
+        except DaemonUnavailableError:
+            pass  # in-flight jobs are now reported failed
+
+    def close(self) -> None:
+        client = self.ns.client
+        client._unregister_worker(self)
+        if client.connected:
+            try:
+                client.call(lambda rid: m.DetachWorker(rid, self.worker_id), m.OkReply)
+            except KVOffloadError as exc:
+                log.debug("detach: %s", exc)
