@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .paths import default_socket_path
 from .protocol import messages as m
-from .protocol.errors import DaemonUnavailableError, NoSpaceError
+from .protocol.errors import DaemonUnavailableError, InvalidArgumentError, NoSpaceError
 from .protocol.messages import KVLayout, pack_keys, unpack_ids, unpack_keys
 from .transport import Transport
 
@@ -188,7 +188,7 @@ class Client:
 
     def evict(self, namespace: str | None = None, keys: Sequence[bytes] | None = None) -> int:
         """Evict unpinned blocks of one namespace (or all), optionally only ``keys``."""
-        packed, kb = pack_keys(list(keys)) if keys is not None else (None, 0)
+        packed, kb = _pack(keys) if keys is not None else (None, 0)
         return self.call(lambda rid: m.Evict(rid, namespace, packed, kb), m.EvictReply).evicted
 
     def close(self) -> None:
@@ -233,7 +233,7 @@ class Namespace:
     def _keys_call(
         self, cls: Callable[..., m.Request], keys: Sequence[bytes], expect: type[R], *extra: Any
     ) -> R:
-        packed, kb = pack_keys(list(keys))
+        packed, kb = _pack(keys)
         return self.client.call(lambda rid: cls(rid, self.ns_id, packed, kb, *extra), expect)
 
     def lookup(self, keys: Sequence[bytes]) -> int | None:
@@ -279,7 +279,7 @@ class Namespace:
     def touch(self, keys: Sequence[bytes]) -> None:
         """Refresh recency; sent without waiting for the reply."""
         if keys:
-            packed, kb = pack_keys(list(keys))
+            packed, kb = _pack(keys)
             self.client.send_nowait(lambda rid: m.Touch(rid, self.ns_id, packed, kb))
 
     def take_events(self) -> list[OffloadEvent]:
@@ -294,6 +294,13 @@ class Namespace:
         from .worker import Worker
 
         return Worker(self, caches, rank)
+
+
+def _pack(keys: Sequence[bytes]) -> tuple[bytes, int]:
+    try:
+        return pack_keys(list(keys))
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
 
 
 def connect(

@@ -1,0 +1,1 @@
+"""kvoffloadctl: admin CLI and benchmark harness for kvoffloadd."""

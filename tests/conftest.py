@@ -1,0 +1,34 @@
+"""Shared fixtures: a real kvoffloadd subprocess per test module or per test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from kvoffloadctl.launch import DaemonProcess
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = bool(torch.cuda.is_available())
+    except ImportError:
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProcess]:
+    """A fresh daemon with a 64 MiB region; must stop cleanly (exit 0, nothing leaked)."""
+    with DaemonProcess("64MiB", "--log-level", "warning") as d:
+        yield d
+        rc = d.stop()
+    assert rc == 0, f"kvoffloadd exited with {rc}"
+    assert not os.path.exists(f"/dev/shm/kvoffload-{d.instance}"), "region leaked"
+    assert not os.path.exists(d.socket_path), "socket leaked"

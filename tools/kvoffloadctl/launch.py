@@ -1,0 +1,107 @@
+"""Start a kvoffloadd subprocess and wait until it listens (tests and benchmarks).
+
+The daemon prints one "listening on" line on stdout once its socket is bound; this
+waits for that line with a deadline, never by polling the socket path (a stale path
+could exist before the daemon binds it).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from types import TracebackType
+
+
+class DaemonProcess:
+    def __init__(
+        self,
+        region_size: str = "64MiB",
+        *extra_args: str,
+        instance: str | None = None,
+        socket_path: str | None = None,
+        start_timeout_s: float = 20.0,
+    ) -> None:
+        self.instance = instance or f"t{uuid.uuid4().hex[:10]}"
+        self._tmp = tempfile.mkdtemp(prefix="kvoffload-")
+        self.socket_path = socket_path or os.path.join(self._tmp, "kvoffloadd.sock")
+        self.args = [
+            sys.executable, "-m", "kvoffloadd",
+            "--socket", self.socket_path,
+            "--instance", self.instance,
+            "--region-size", region_size,
+            *extra_args,
+        ]
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.banner = ""
+
+    def start(self) -> DaemonProcess:
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=None, start_new_session=True
+        )
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + self.start_timeout_s
+        line = b""
+        while b"\n" not in line:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                self.kill()
+                raise RuntimeError(f"kvoffloadd did not start: {line.decode(errors='replace')!r}")
+            if sel.select(left):
+                chunk = os.read(self.proc.stdout.fileno(), 4096)
+                if not chunk:
+                    continue
+                line += chunk
+        sel.close()
+        self.banner = line.decode(errors="replace").strip()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        self._close_pipes()
+        return rc
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.alive():
+            self.stop()
+        else:
+            self._close_pipes()
