@@ -110,7 +110,8 @@ class _FrameReader(Generic[In]):
         end = start + length
         try:
             msg = self._decoder.decode(memoryview(self._buf)[start:end])
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            # msgspec reports invalid UTF-8 in a str field as UnicodeDecodeError.
             raise ProtocolError(f"undecodable frame: {exc}") from exc
         self._pos = end
         if self._pos > 65536 and self._pos * 2 > len(self._buf):

@@ -1,0 +1,60 @@
+"""Extents and slots: allocation order, deferral of busy slots, giving extents back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvoffloadd.allocator import ExtentPool, SlotPool
+
+EXT = 4 * 4096
+
+
+def test_fresh_then_lifo_then_new_extent() -> None:
+    pool = ExtentPool(3, EXT, data_offset=1 << 20)
+    a = SlotPool(pool, owner=0, slot_bytes=4096)
+    assert a.num_free == 12
+    assert a.allocate(3) == [0, 1, 2]
+    a.free(1)
+    a.free(0)
+    assert a.allocate(3) == [3, 0, 1]  # fresh 3 first, then LIFO 0, 1
+    assert a.extents == [0]
+    assert a.allocate(2) == [4, 5]  # a new extent
+    assert a.extents == [0, 1] and pool.owner == [0, 0, None]
+    offsets = a.region_offsets(np.array([0, 3, 4, 5]))
+    assert offsets.tolist() == [1 << 20, (1 << 20) + 3 * 4096, (1 << 20) + EXT, (1 << 20) + EXT + 4096]
+    with pytest.raises(AssertionError):
+        a.allocate(100)
+
+
+def test_busy_slot_is_not_reused_until_its_copy_drains() -> None:
+    """Invariant 3: a slot freed while a copy still touches it is parked, not reused."""
+    a = SlotPool(ExtentPool(1, EXT), owner=0, slot_bytes=4096)
+    slots = a.allocate(4)
+    a.mark_busy(np.array([2]))
+    a.free(2)
+    assert a.num_free == 0 and a.deferred == {2}
+    a.free(3)
+    assert a.allocate(1) == [3]
+    a.unmark_busy(np.array([2]))
+    assert a.deferred == set() and a.allocate(1) == [2]
+    assert slots == [0, 1, 2, 3]
+
+
+def test_release_free_tail_gives_extents_back() -> None:
+    pool = ExtentPool(2, EXT)
+    a = SlotPool(pool, 0, 4096)
+    b = SlotPool(pool, 1, 8192)
+    a.allocate(5)  # two extents
+    assert pool.num_free == 0 and b.num_free == 0
+    for s in (4, 3):
+        a.free(s)
+    assert a.release_free_tail() == 1  # slot 4's extent is empty now
+    assert pool.num_free == 1 and b.num_free == 2
+    assert a.allocate(1) == [3]  # the freed id below the tail survives
+    assert b.allocate(2) == [0, 1] and pool.owner == [0, 1]
+
+
+def test_slot_larger_than_extent_is_refused() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        SlotPool(ExtentPool(1, EXT), 0, EXT + 1)

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvoffloadd.config import ConfigError, DaemonConfig, load_config, parse_size
+
+
+def test_sizes() -> None:
+    assert parse_size("1GiB") == 1 << 30
+    assert parse_size("64MiB") == 64 << 20
+    assert parse_size("16k") == 16 << 10
+    assert parse_size(4096) == 4096
+    for bad in ("lots", "-1", "1 GiBs", 0, True):
+        with pytest.raises(ConfigError):
+            parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_defaults_need_no_file() -> None:
+    cfg = load_config(None, {})
+    assert cfg.region_bytes == 1 << 30 and cfg.policy == "lru"
+    assert cfg.socket_path.endswith("kvoffloadd.sock")
+    assert cfg.extent_bytes == 16 << 20
+
+
+def test_file_then_flags(tmp_path: Path) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text('region_size = "2GiB"\npolicy = "arc"\ninstance = "a"\n')
+    cfg = load_config(str(f), {"policy": "lru", "socket": None})
+    assert cfg.region_bytes == 2 << 30 and cfg.policy == "lru" and cfg.instance == "a"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("regoin_size = 5", "regoin_size"),
+        ('policy = "fifo"', "fifo"),
+        ("copy_threads = 0", "copy_threads"),
+        ('region_size = "big"', "region_size"),
+        ('instance = "a/b"', "instance"),
+        ("copy_threads = 'two'", "copy_threads"),
+        ("region_size = [", "not valid TOML"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=needle):
+        load_config(str(f), {})
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config("/nonexistent/kvoffloadd.toml", {})
+
+
+def test_region_name() -> None:
+    assert DaemonConfig(instance="x").region_name == "/kvoffload-x"

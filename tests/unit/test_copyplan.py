@@ -1,0 +1,78 @@
+"""Copy descriptors match vLLM's expand_block_ids rule and merge adjacent runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import KVLayout
+from kvoffloadd.copyplan import CacheGeometry, build_runs, check_transfer, merge_runs
+
+
+def expand_block_ids(ids: list[int], f: int, skip: int) -> list[int]:
+    """vLLM's rule: offloaded block b covers sub-blocks b*f .. b*f+f-1; skip the first ones."""
+    out = [b * f + j for b in ids for j in range(f)]
+    return out[skip:]
+
+
+def reference_copy(layout: KVLayout, rank: int, slot_bytes: int, slots: list[int],
+                   block_ids: list[int], skip: int, caches: list[np.ndarray]) -> np.ndarray:
+    """Byte-by-byte model of a store into a region of slots."""
+    region = np.zeros(max(slots) * slot_bytes + slot_bytes, dtype=np.uint8)
+    f = layout.block_size_factor
+    subs = expand_block_ids(list(range(len(slots))), f, skip)
+    for sub, block in zip(subs, block_ids):
+        i, j = divmod(sub, f)
+        off = slots[i] * slot_bytes + rank * layout.rank_bytes
+        for t, page in enumerate(layout.tensor_page_bytes):
+            start = off + j * page
+            region[start : start + page] = caches[t][block]
+            off += page * f
+    return region
+
+
+@pytest.mark.parametrize(("f", "skip", "world", "rank"), [(1, 0, 1, 0), (3, 0, 1, 0), (3, 2, 2, 1), (4, 1, 1, 0)])
+def test_runs_reproduce_the_reference_layout(f: int, skip: int, world: int, rank: int) -> None:
+    rng = np.random.default_rng(f * 10 + skip)
+    pages = [512, 1024, 256]
+    layout = KVLayout(tensor_page_bytes=pages, world_size=world, block_size_factor=f)
+    slot_bytes = layout.block_bytes
+    caches = [rng.integers(0, 256, (40, p), dtype=np.uint8) for p in pages]
+    geoms = [CacheGeometry(40, p, 0, p) for p in pages]
+    slots = [5, 0, 2]
+    ids = rng.permutation(40)[: 3 * f - skip]
+    check_transfer(layout, len(slots), ids, skip, geoms)
+    runs = build_runs(layout, rank, np.array(slots) * slot_bytes, ids, skip, geoms)
+    region = np.zeros(6 * slot_bytes, dtype=np.uint8)
+    for r, cache in zip(runs, caches):
+        flat = cache.reshape(-1)
+        for ro, co, n in zip(r.region, r.cache, r.nbytes):
+            region[ro : ro + n] = flat[co : co + n]
+    ref = reference_copy(layout, rank, slot_bytes, slots, ids.tolist(), skip, caches)
+    assert np.array_equal(region[: ref.size], ref)
+
+
+def test_adjacent_pages_merge_into_one_run() -> None:
+    layout = KVLayout(tensor_page_bytes=[4096], block_size_factor=2)
+    geoms = [CacheGeometry(16, 4096, 0, 4096)]
+    runs = build_runs(layout, 0, np.array([0, 8192, 16384]), np.arange(6), 0, geoms)
+    assert runs[0].region.tolist() == [0] and runs[0].nbytes.tolist() == [6 * 4096]
+    runs = build_runs(layout, 0, np.array([0, 16384]), np.array([0, 1, 5, 6]), 0, geoms)
+    assert runs[0].nbytes.tolist() == [8192, 8192]
+    empty = merge_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), 4096)
+    assert empty.total_bytes == 0
+
+
+def test_check_transfer_refuses_bad_ids_and_skip() -> None:
+    layout = KVLayout(tensor_page_bytes=[64], block_size_factor=2)
+    geoms = [CacheGeometry(8, 64, 0, 64)]
+    check_transfer(layout, 2, np.array([0, 1, 2]), 1, geoms)
+    for ids, skip, needle in [
+        ([0, 1, 2, 8], 0, "outside"),
+        ([0, 1, 2, -3], 0, "outside"),
+        ([0, 1], 0, "need 4"),
+        ([0, 1, 2], 2, "skip"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=needle):
+            check_transfer(layout, 2, np.array(ids), skip, geoms)

@@ -1,0 +1,221 @@
+"""Sans-IO protocol: a client and a server Connection wired together, no sockets."""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload.protocol import (
+    NEED_DATA,
+    ClientConnection,
+    ProtocolError,
+    ServerConnection,
+    State,
+    encode_frame,
+    pack_ids,
+    pack_keys,
+    unpack_ids,
+    unpack_keys,
+)
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import ErrorCode, NoSpaceError, error_for_code
+
+
+class ConnectionPair:
+    """A client and a server joined by a perfect in-memory link."""
+
+    def __init__(self, max_frame_bytes: int = m.DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.client = ClientConnection(max_frame_bytes)
+        self.server = ServerConnection(max_frame_bytes)
+
+    def request(self, req: m.Request) -> m.Request:
+        self.server.receive_data(self.client.send(req))
+        got = self.server.next_event()
+        assert got is not NEED_DATA
+        return got  # type: ignore[return-value]
+
+    def reply(self, rep: m.Reply) -> m.Reply:
+        self.client.receive_data(self.server.send(rep))
+        got = self.client.next_event()
+        assert got is not NEED_DATA
+        return got  # type: ignore[return-value]
+
+    def handshake(self) -> None:
+        assert self.request(m.Hello(1, m.PROTOCOL_VERSION, "t", 1)) == m.Hello(
+            1, m.PROTOCOL_VERSION, "t", 1
+        )
+        self.reply(m.Welcome(1, m.PROTOCOL_VERSION, "0", "i", 1, "/r", 1))
+        assert self.client.state is State.READY and self.server.state is State.READY
+
+
+def test_handshake_and_request_reply() -> None:
+    p = ConnectionPair()
+    p.handshake()
+    keys, kb = pack_keys([b"a" * 36, b"b" * 36])
+    req = m.Lookup(2, 0, keys, kb)
+    assert p.request(req) == req
+    assert p.reply(m.LookupReply(2, 1)) == m.LookupReply(2, 1)
+    assert p.client.outstanding == frozenset() and p.server.pending == frozenset()
+
+
+def test_pipelined_requests_and_out_of_order_replies() -> None:
+    p = ConnectionPair()
+    p.handshake()
+    frames = b"".join(p.client.send(m.Ping(i)) for i in range(2, 6))
+    p.server.receive_data(frames)
+    got = []
+    while (ev := p.server.next_event()) is not NEED_DATA:
+        got.append(ev)
+    assert got == [m.Ping(i) for i in range(2, 6)]
+    for i in (5, 3, 2, 4):
+        assert p.reply(m.Pong(i)) == m.Pong(i)
+
+
+def test_byte_at_a_time_delivery() -> None:
+    p = ConnectionPair()
+    frame = p.client.send(m.Hello(1, 1, "slow", 3))
+    for b in frame[:-1]:
+        p.server.receive_data(bytes([b]))
+        assert p.server.next_event() is NEED_DATA
+    p.server.receive_data(frame[-1:])
+    assert p.server.next_event() == m.Hello(1, 1, "slow", 3)
+
+
+def test_request_before_hello_is_a_protocol_error() -> None:
+    server = ServerConnection()
+    server.receive_data(encode_frame(m.Ping(1)))
+    with pytest.raises(ProtocolError, match="Hello first"):
+        server.next_event()
+    assert server.state is State.ERROR
+    with pytest.raises(ProtocolError):
+        server.next_event()
+
+
+def test_client_refuses_to_skip_hello_and_reuse_ids() -> None:
+    c = ClientConnection()
+    with pytest.raises(ProtocolError):
+        c.send(m.Ping(1))
+    c.send(m.Hello(1, 1))
+    with pytest.raises(ProtocolError):
+        c.send(m.Hello(2, 1))
+
+
+def test_unknown_reply_id_and_reply_to_nothing() -> None:
+    p = ConnectionPair()
+    p.handshake()
+    with pytest.raises(ProtocolError, match="not pending"):
+        p.server.send(m.Pong(99))
+    p.client.receive_data(encode_frame(m.Pong(42)))
+    with pytest.raises(ProtocolError, match="unknown request id"):
+        p.client.next_event()
+    assert p.client.state is State.ERROR
+
+
+def test_connection_level_error_reply() -> None:
+    p = ConnectionPair()
+    p.handshake()
+    p.client.receive_data(encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, "bye")))
+    with pytest.raises(ProtocolError, match="bye"):
+        p.client.next_event()
+
+
+def test_error_reply_to_hello_allows_another_hello() -> None:
+    p = ConnectionPair()
+    p.request(m.Hello(1, 99))
+    p.reply(m.ErrorReply(1, ErrorCode.VERSION_MISMATCH, "too new"))
+    assert p.client.state is State.AWAIT_HELLO
+    p.request(m.Hello(2, 1))
+
+
+def test_frame_limits_both_directions() -> None:
+    p = ConnectionPair(max_frame_bytes=4096)
+    p.handshake()
+    with pytest.raises(ProtocolError, match="split the call"):
+        p.client.send(m.Lookup(2, 0, b"x" * 8000, 8))
+    p.server.receive_data(struct.pack("<I", 4097))
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        p.server.next_event()
+
+
+def test_garbage_and_unknown_tags_are_protocol_errors() -> None:
+    for body in (b"\xc1", msgspec.msgpack.encode(["no_such_tag", 1]), msgspec.msgpack.encode(5)):
+        s = ServerConnection()
+        s.receive_data(struct.pack("<I", len(body)) + body)
+        with pytest.raises(ProtocolError, match="undecodable"):
+            s.next_event()
+
+
+# Golden bytes: any change here is a wire-format change (bump PROTOCOL_VERSION).
+GOLDEN = [
+    (m.Hello(1, 1, "e", 7), "0c000000 95 a568656c6c6f 01 01 a165 07"),
+    (m.Ping(3), "07000000 92 a470696e67 03"),
+    (m.Lookup(2, 0, b"\x01\x02", 1), "0f000000 95 a66c6f6f6b7570 02 00 c4020102 01"),
+    (m.LookupReply(9, None), "08000000 93 a468697473 09 c0"),
+    (m.ErrorReply(4, ErrorCode.NO_SPACE, "full"), "0e000000 94 a56572726f72 04 01 a466756c6c"),
+    (
+        m.OpenNamespace(5, "n", m.KVLayout([16], 1, 2, "m", "bf16", "")),
+        "19000000 94 a76f70656e5f6e73 05 a16e 96 9110 01 02 a16d a462663136 a0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("msg", "wire"), GOLDEN, ids=[type(g[0]).__name__ for g in GOLDEN])
+def test_golden_bytes(msg: msgspec.Struct, wire: str) -> None:
+    assert encode_frame(msg).hex() == wire.replace(" ", "")
+
+
+def test_key_and_id_packing() -> None:
+    keys = [b"\x00" * 36, b"abc\x00" * 9, b"\xff" * 36]  # trailing NULs must survive
+    packed, kb = pack_keys(keys)
+    assert kb == 36 and unpack_keys(packed, kb) == keys
+    assert unpack_keys(b"", 0) == [] and pack_keys([]) == (b"", 0)
+    with pytest.raises(ValueError, match="same length"):
+        pack_keys([b"a", b"bb"])
+    with pytest.raises(ValueError):
+        pack_keys([b"x" * 65])
+    with pytest.raises(ValueError):
+        unpack_keys(b"abc", 2)
+    ids = np.array([0, 5, 2**40, -1])
+    assert unpack_ids(pack_ids(ids)).tolist() == ids.tolist()
+    with pytest.raises(ValueError):
+        unpack_ids(b"1234567")
+
+
+def test_error_codes_map_to_typed_exceptions() -> None:
+    assert isinstance(error_for_code(ErrorCode.NO_SPACE, "x"), NoSpaceError)
+    assert error_for_code(999, "x").code is ErrorCode.INTERNAL
+    assert str(error_for_code(1, "full")) == "[NO_SPACE] full"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_never_crash_the_server_side(data: bytes) -> None:
+    """Anything a peer sends yields requests, NEED_DATA or ProtocolError; nothing else."""
+    s = ServerConnection(max_frame_bytes=1024)
+    s.receive_data(data)
+    try:
+        for _ in range(100):
+            if s.next_event() is NEED_DATA:
+                break
+    except ProtocolError:
+        assert s.state is State.ERROR
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 100), st.binary(min_size=1, max_size=64))
+def test_mutated_valid_frames(pos: int, junk: bytes) -> None:
+    frame = bytearray(encode_frame(m.Hello(1, 1, "x", 1)) + encode_frame(m.Ping(2)))
+    pos %= len(frame)
+    frame[pos : pos + len(junk)] = junk
+    s = ServerConnection(max_frame_bytes=1024)
+    s.receive_data(bytes(frame))
+    try:
+        while s.next_event() is not NEED_DATA:
+            pass
+    except ProtocolError:
+        pass
