@@ -189,9 +189,7 @@ class SlotPool:
         spe = self.slots_per_extent
         ext = self._extent_array[slots // spe]
         return (
-            self.pool.data_offset
-            + ext * self.pool.extent_bytes
-            + (slots % spe) * self.slot_bytes
+            self.pool.data_offset + ext * self.pool.extent_bytes + (slots % spe) * self.slot_bytes
         )
 
     def is_valid(self, slots: npt.NDArray[np.int64]) -> bool:

@@ -10,13 +10,11 @@ Rules:
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from typing import Any
 
 import msgspec
-
 from kvoffload.paths import default_socket_path
 
 if sys.version_info >= (3, 11):

@@ -13,7 +13,9 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import queue
@@ -56,8 +58,8 @@ def split_by_bytes(nbytes: I64, parts: int) -> list[tuple[int, int]]:
     parts = max(1, min(parts, nbytes.size))
     cum = np.cumsum(nbytes)
     bounds = np.searchsorted(cum, cum[-1] * np.arange(1, parts) / parts, side="right")
-    edges = [0, *sorted(set(int(b) for b in bounds if 0 < b < nbytes.size)), nbytes.size]
-    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+    edges = [0, *sorted({int(b) for b in bounds if 0 < b < nbytes.size}), nbytes.size]
+    return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
 
 
 class CpuCopier:
@@ -109,10 +111,8 @@ class CpuCopier:
                 os.eventfd_write(self.wake_fd, 1)
 
     def drain(self) -> list[Completion]:
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.wake_fd)
-        except BlockingIOError:
-            pass
         out = []
         while self._done:
             out.append(self._done.popleft())

@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 
 import numpy as np
 import numpy.typing as npt
-
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 
@@ -106,8 +106,11 @@ class NamespaceIndex:
         self._journal = journal or SlotJournal()
         self._reclaim = reclaim
         self._num_evictable = 0
-        self._slot_key: dict[int, bytes] = {}
-        self._written: dict[int, int] = {}  # slot -> bit mask of ranks that wrote it
+        # slot -> key of the block in it (None: free); a list, 8 bytes per slot
+        self._slot_key: list[bytes | None] = []
+        # keys whose store completed (ref >= 0): lookup runs on this set in C
+        self._ready: set[bytes] = set()
+        self._written: dict[int, int] = {}  # writing slot -> bit mask of ranks that copied
         self._all_ranks = (1 << layout.world_size) - 1
         self._writers: dict[bytes, int] = {}
         self._pins: dict[int, Counter[bytes]] = {}
@@ -120,13 +123,7 @@ class NamespaceIndex:
     # ------------------------------------------------------------ scheduler side
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        hits = 0
-        get = self._policy.get
-        for key in keys:
-            block = get(key)
-            if block is None or block.ref < 0:
-                break
-            hits += 1
+        hits = len(list(takewhile(self._ready.__contains__, keys)))
         self._lookups += 1
         self._lookup_keys += len(keys)
         self._hit_keys += hits
@@ -150,9 +147,12 @@ class NamespaceIndex:
                 return None
             evicted = self._drop(victims)
         slots = self.slots.allocate(need)
+        slot_key = self._slot_key
+        if len(slot_key) < self.slots.capacity:
+            slot_key.extend([None] * (self.slots.capacity - len(slot_key)))
         for key, slot in zip(to_store, slots):
             self._policy.insert(key, Block(slot))
-            self._slot_key[slot] = key
+            slot_key[slot] = key
             self._writers[key] = client
             self._journal.writing(slot, key)
         self._stores_prepared += need
@@ -181,8 +181,9 @@ class NamespaceIndex:
     def mark_written(self, slots: Sequence[int], rank: int) -> None:
         """A store copy of ``rank`` into these slots finished successfully."""
         bit = 1 << rank
+        slot_key = self._slot_key
         for slot in slots:
-            if slot in self._slot_key:
+            if slot < len(slot_key) and slot_key[slot] is not None:
                 self._written[slot] = self._written.get(slot, 0) | bit
 
     def _finish_stores(self, blocks: list[tuple[bytes, Block]], success: bool) -> None:
@@ -192,6 +193,8 @@ class NamespaceIndex:
             if success:
                 block.ref = 0
                 self._num_evictable += 1
+                self._written.pop(block.slot, None)
+                self._ready.add(key)
                 stored.append(key)
                 self._journal.ready(block.slot, key)
             else:
@@ -264,8 +267,9 @@ class NamespaceIndex:
         self, slots: npt.NDArray[np.int64], ok: Callable[[int], bool], what: str
     ) -> None:
         get = self._policy.get
+        slot_key = self._slot_key
         for slot in slots.tolist():
-            key = self._slot_key.get(slot)
+            key = slot_key[slot] if 0 <= slot < len(slot_key) else None
             block = get(key) if key is not None else None
             if block is None or block.slot != slot or not ok(block.ref):
                 raise NotLeasedError(f"slot {slot} of namespace {self.name!r} is not {what}")
@@ -293,7 +297,9 @@ class NamespaceIndex:
         if keys is None:
             candidates = [k for k, b in self._policy.items() if b.ref == 0]
         else:
-            candidates = [k for k in dict.fromkeys(keys) if (b := self._policy.get(k)) and b.ref == 0]
+            candidates = [
+                k for k in dict.fromkeys(keys) if (b := self._policy.get(k)) and b.ref == 0
+            ]
         if prefix is not None:
             candidates = [k for k in candidates if k.startswith(prefix)]
         victims = []
@@ -318,7 +324,7 @@ class NamespaceIndex:
         for slot in slots:
             if slot in self.slots.busy:
                 return False
-            key = self._slot_key.get(slot)
+            key = self._slot_key[slot] if slot < len(self._slot_key) else None
             if key is None:
                 continue
             block = self._policy.get(key)
@@ -342,7 +348,10 @@ class NamespaceIndex:
         return keys
 
     def _free_slot(self, slot: int) -> None:
-        del self._slot_key[slot]
+        key = self._slot_key[slot]
+        assert key is not None, f"slot {slot} freed twice"
+        self._slot_key[slot] = None
+        self._ready.discard(key)
         self._written.pop(slot, None)
         self._journal.freed(slot)
         self.slots.free(slot)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -30,7 +31,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--copy-threads", dest="copy_threads", type=int, help="CPU copier threads")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
     p.add_argument(
-        "--no-prefault", dest="prefault", action="store_false", default=None,
+        "--no-prefault",
+        dest="prefault",
+        action="store_false",
+        default=None,
         help="do not pre-fault the region in the background",
     )
     return p.parse_args(argv)
@@ -84,10 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         copier.close()
         region.close()
         server.listener.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(cfg.socket_path)
-        except FileNotFoundError:
-            pass
         lock.release()
     log.info("stopped cleanly")
     return 0

@@ -17,7 +17,7 @@ owns reference counts and slots. Semantics follow vLLM's CPU offloading policies
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 
@@ -70,9 +70,8 @@ class LRUPolicy:
 
     def __init__(self, capacity: int = 0) -> None:
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()
-
-    def get(self, key: bytes) -> Block | None:
-        return self._blocks.get(key)
+        # The map's own C method: no Python frame per lookup on the hot path.
+        self.get: Callable[[bytes], Block | None] = self._blocks.get
 
     def insert(self, key: bytes, block: Block) -> None:
         self._blocks[key] = block

@@ -268,7 +268,9 @@ class SharedOffloadRegion:
                 return
             n = min(PREFAULT_CHUNK_BYTES, end - off)
             if use_madvise:
-                rc = libc.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE)
+                rc = libc.madvise(
+                    ctypes.c_void_p(base + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE
+                )
                 if rc != 0:
                     err = ctypes.get_errno()
                     if err != errno.EINVAL:
@@ -334,7 +336,13 @@ class _RegionJournal(SlotJournal):
 
     def writing(self, slot: int, key: bytes) -> None:
         self._region.slot_table[self._record(slot)] = (
-            SLOT_WRITING, len(key), 0, self._ns, 0, key.ljust(64, b"\0"), b"\0" * 16
+            SLOT_WRITING,
+            len(key),
+            0,
+            self._ns,
+            0,
+            key.ljust(64, b"\0"),
+            b"\0" * 16,
         )
 
     def ready(self, slot: int, key: bytes) -> None:

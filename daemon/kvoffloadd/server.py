@@ -29,7 +29,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from kvoffload.protocol import NEED_DATA, ServerConnection, encode_frame
+from kvoffload.protocol import NeedData, ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 
@@ -72,6 +72,10 @@ class Server:
         self._next_id = 1
         self._stop = False
         self._max_frame = service.config.max_frame_bytes
+        # One preallocated receive buffer: allocating a fresh 256 KiB bytes object per
+        # recvmsg costs more than the rest of a ping (research/stack.md section 4).
+        self._rbuf = bytearray(RECV_BYTES)
+        self._rview = memoryview(self._rbuf)
 
     # ------------------------------------------------------------ main loop
 
@@ -114,7 +118,9 @@ class Server:
                 if key.data == self._copies_done:
                     self._copies_done(key.fileobj, mask)
         if self.service.inflight_jobs:
-            log.error("%d copies still running after %.0f s", self.service.inflight_jobs, DRAIN_TIMEOUT_S)
+            log.error(
+                "%d copies still running after %.0f s", self.service.inflight_jobs, DRAIN_TIMEOUT_S
+            )
 
     # ------------------------------------------------------------ connections
 
@@ -147,7 +153,7 @@ class Server:
 
     def _read(self, c: _Client) -> None:
         try:
-            data, anc, _flags, _ = c.sock.recvmsg(RECV_BYTES, _ANC_BYTES)
+            nbytes, anc, _flags, _ = c.sock.recvmsg_into([self._rbuf], _ANC_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -161,16 +167,15 @@ class Server:
         if len(c.session.fds) > MAX_QUEUED_FDS:
             self._drop(c, "too many unclaimed file descriptors")
             return
-        if not data:
+        if not nbytes:
             self._drop(c, "disconnected")
             return
-        c.conn.receive_data(data)
+        c.conn.receive_data(self._rview[:nbytes])
         try:
             while True:
                 req = c.conn.next_event()
-                if req is NEED_DATA:
+                if isinstance(req, NeedData):
                     break
-                assert not isinstance(req, type(NEED_DATA))
                 self._dispatch(c, req)
         except ProtocolError as exc:
             c.outbuf += encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, str(exc.args[0])))

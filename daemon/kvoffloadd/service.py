@@ -15,20 +15,23 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
-
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
     LayoutMismatchError,
     NoSpaceError,
+    NotLeasedError,
     ShuttingDownError,
+    VersionMismatchError,
 )
 from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
 
@@ -39,11 +42,13 @@ from .copier import Completion, CpuCopier
 from .copyplan import build_runs, check_transfer
 from .index import NamespaceIndex
 from .region import SharedOffloadRegion
+from .stats import client_infos, render_stats
 from .workers import AttachedWorker, attach_caches, close_fds
 
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
+_SERVED_WHILE_STOPPING = (m.GetStats, m.Ping, m.ListClients)
 
 
 @dataclass
@@ -76,7 +81,9 @@ def layout_fingerprint(layout: m.KVLayout) -> str:
 
 
 class Service:
-    def __init__(self, config: DaemonConfig, region: SharedOffloadRegion, copier: CpuCopier) -> None:
+    def __init__(
+        self, config: DaemonConfig, region: SharedOffloadRegion, copier: CpuCopier
+    ) -> None:
         self.config = config
         self.region = region
         self.copier = copier
@@ -94,84 +101,108 @@ class Service:
         self.bytes_stored = self.bytes_loaded = 0
         self.jobs_failed = 0
         self.store_seconds = self.load_seconds = 0.0
+        self._handlers = self._make_handlers()
 
     # ------------------------------------------------------------ dispatch
 
-    def handle(self, s: Session, req: m.Request, reply_welcome: bool = True) -> m.Reply | None:
+    def handle(self, s: Session, req: m.Request) -> m.Reply | None:
         self.requests_total += 1
-        if self.shutting_down and not isinstance(req, (m.GetStats, m.Ping, m.ListClients)):
+        if self.shutting_down and type(req) not in _SERVED_WHILE_STOPPING:
             raise ShuttingDownError("kvoffloadd is shutting down")
-        match req:
-            case m.Lookup(rid, ns, keys, kb):
-                return m.LookupReply(rid, self._ns(s, ns).lookup(unpack_keys(keys, kb)))
-            case m.PrepareStore(rid, ns, keys, kb):
-                return self._prepare_store(s, rid, self._ns(s, ns), unpack_keys(keys, kb))
-            case m.CompleteStore(rid, ns, keys, kb, success):
-                self._ns(s, ns).complete_store(unpack_keys(keys, kb), success, s.session_id)
-                return m.OkReply(rid)
-            case m.PrepareLoad(rid, ns, keys, kb):
-                slots = self._ns(s, ns).prepare_load(unpack_keys(keys, kb), s.session_id)
-                return m.LoadPlanReply(rid, pack_ids(slots))
-            case m.CompleteLoad(rid, ns, keys, kb):
-                self._ns(s, ns).complete_load(unpack_keys(keys, kb), s.session_id)
-                return m.OkReply(rid)
-            case m.Touch(rid, ns, keys, kb):
-                self._ns(s, ns).touch(unpack_keys(keys, kb))
-                return m.OkReply(rid)
-            case m.SubmitStore(rid, worker, job_id, block_ids, slots):
-                self._submit(s, worker, job_id, unpack_ids(slots), unpack_ids(block_ids), 0, True)
-                return m.OkReply(rid)
-            case m.SubmitLoad(rid, worker, job_id, slots, block_ids, skip):
-                self._submit(s, worker, job_id, unpack_ids(slots), unpack_ids(block_ids), skip, False)
-                return m.OkReply(rid)
-            case m.GetFinished(rid, worker):
-                w = self._worker(s, worker)
-                results, w.finished = w.finished, []
-                return m.FinishedReply(rid, results)
-            case m.WaitJobs(rid, worker, job_ids):
-                w = self._worker(s, worker)
-                pending = set(job_ids) & w.active_jobs
-                if not pending:
-                    return m.OkReply(rid)
-                s.waits.append((rid, worker, pending))
-                return None
-            case m.TakeEvents(rid, ns):
-                events = [
-                    m.EventMsg(*pack_keys(e.keys), e.removed) for e in self._ns(s, ns).take_events()
-                ]
-                return m.EventsReply(rid, events)
-            case m.Ping(rid):
-                return m.Pong(rid)
-            case m.OpenNamespace(rid, name, layout):
-                return self._open_namespace(s, rid, name, layout)
-            case m.AttachWorker(rid, ns, rank, caches):
-                return self._attach(s, rid, ns, rank, caches)
-            case m.DetachWorker(rid, worker):
-                self._detach(self._worker(s, worker))
-                return m.OkReply(rid)
-            case m.Hello(rid, _version, name, _pid):
-                s.name = name
-                return m.Welcome(
-                    rid,
-                    m.PROTOCOL_VERSION,
-                    __version__,
-                    self.config.instance,
-                    os.getpid(),
-                    self.region.name,
-                    self.region.geometry.region_bytes,
-                )
-            case m.Evict(rid, namespace, keys, kb):
-                return m.EvictReply(rid, self.evict(namespace, keys, kb))
-            case m.GetStats(rid):
-                from .stats import render_stats
+        return self._handlers[type(req)](s, req)
 
-                return m.StatsReply(rid, render_stats(self))
-            case m.ListClients(rid):
-                from .stats import client_infos
+    def _make_handlers(self) -> dict[type, Callable[[Session, Any], m.Reply | None]]:
+        return {
+            m.Lookup: self._on_lookup,
+            m.PrepareStore: self._on_prepare_store,
+            m.CompleteStore: self._on_complete_store,
+            m.PrepareLoad: self._on_prepare_load,
+            m.CompleteLoad: self._on_complete_load,
+            m.Touch: self._on_touch,
+            m.SubmitStore: self._on_submit_store,
+            m.SubmitLoad: self._on_submit_load,
+            m.GetFinished: self._on_get_finished,
+            m.WaitJobs: self._on_wait,
+            m.TakeEvents: self._on_take_events,
+            m.Ping: lambda s, r: m.Pong(r.rid),
+            m.OpenNamespace: lambda s, r: self._open_namespace(s, r.rid, r.name, r.layout),
+            m.AttachWorker: lambda s, r: self._attach(s, r.rid, r.ns, r.rank, r.caches),
+            m.DetachWorker: self._on_detach,
+            m.Hello: self._on_hello,
+            m.Evict: lambda s, r: m.EvictReply(r.rid, self.evict(r.namespace, r.keys, r.key_bytes)),
+            m.GetStats: lambda s, r: m.StatsReply(r.rid, render_stats(self)),
+            m.ListClients: lambda s, r: m.ClientsReply(r.rid, client_infos(self)),
+        }
 
-                return m.ClientsReply(rid, client_infos(self))
-            case _:
-                raise InvalidArgumentError(f"{type(req).__name__} is not handled here")
+    def _on_lookup(self, s: Session, r: m.Lookup) -> m.Reply:
+        return m.LookupReply(r.rid, self._ns(s, r.ns).lookup(unpack_keys(r.keys, r.key_bytes)))
+
+    def _on_prepare_store(self, s: Session, r: m.PrepareStore) -> m.Reply:
+        return self._prepare_store(s, r.rid, self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes))
+
+    def _on_complete_store(self, s: Session, r: m.CompleteStore) -> m.Reply:
+        self._ns(s, r.ns).complete_store(unpack_keys(r.keys, r.key_bytes), r.success, s.session_id)
+        return m.OkReply(r.rid)
+
+    def _on_prepare_load(self, s: Session, r: m.PrepareLoad) -> m.Reply:
+        slots = self._ns(s, r.ns).prepare_load(unpack_keys(r.keys, r.key_bytes), s.session_id)
+        return m.LoadPlanReply(r.rid, pack_ids(slots))
+
+    def _on_complete_load(self, s: Session, r: m.CompleteLoad) -> m.Reply:
+        self._ns(s, r.ns).complete_load(unpack_keys(r.keys, r.key_bytes), s.session_id)
+        return m.OkReply(r.rid)
+
+    def _on_touch(self, s: Session, r: m.Touch) -> m.Reply:
+        self._ns(s, r.ns).touch(unpack_keys(r.keys, r.key_bytes))
+        return m.OkReply(r.rid)
+
+    def _on_submit_store(self, s: Session, r: m.SubmitStore) -> m.Reply:
+        self._submit(s, r.worker, r.job_id, unpack_ids(r.slots), unpack_ids(r.block_ids), 0, True)
+        return m.OkReply(r.rid)
+
+    def _on_submit_load(self, s: Session, r: m.SubmitLoad) -> m.Reply:
+        slots, ids = unpack_ids(r.slots), unpack_ids(r.block_ids)
+        self._submit(s, r.worker, r.job_id, slots, ids, r.skip, False)
+        return m.OkReply(r.rid)
+
+    def _on_get_finished(self, s: Session, r: m.GetFinished) -> m.Reply:
+        w = self._worker(s, r.worker)
+        results, w.finished = w.finished, []
+        return m.FinishedReply(r.rid, results)
+
+    def _on_wait(self, s: Session, r: m.WaitJobs) -> m.Reply | None:
+        w = self._worker(s, r.worker)
+        pending = set(r.job_ids) & w.active_jobs
+        if not pending:
+            return m.OkReply(r.rid)
+        s.waits.append((r.rid, r.worker, pending))
+        return None  # answered by on_completions
+
+    def _on_take_events(self, s: Session, r: m.TakeEvents) -> m.Reply:
+        events = self._ns(s, r.ns).take_events()
+        return m.EventsReply(r.rid, [m.EventMsg(*pack_keys(e.keys), e.removed) for e in events])
+
+    def _on_detach(self, s: Session, r: m.DetachWorker) -> m.Reply:
+        self._detach(self._worker(s, r.worker))
+        return m.OkReply(r.rid)
+
+    def _on_hello(self, s: Session, r: m.Hello) -> m.Reply:
+        if r.protocol_version != m.PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"client speaks protocol {r.protocol_version}, kvoffloadd speaks "
+                f"{m.PROTOCOL_VERSION}; upgrade the older side"
+            )
+        s.name = r.client_name
+        g = self.region.geometry
+        return m.Welcome(
+            r.rid,
+            m.PROTOCOL_VERSION,
+            __version__,
+            self.config.instance,
+            os.getpid(),
+            self.region.name,
+            g.region_bytes,
+        )
 
     def count_error(self, code: str) -> None:
         self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
@@ -315,9 +346,7 @@ class Service:
         )
         region_base = int(self.region.buffer.ctypes.data)
         region_addr = np.concatenate([r.region for r in runs]) + region_base
-        cache_addr = np.concatenate(
-            [r.cache + c.base_address for r, c in zip(runs, w.caches)]
-        )
+        cache_addr = np.concatenate([r.cache + c.base_address for r, c in zip(runs, w.caches)])
         nbytes = np.concatenate([r.nbytes for r in runs])
         token = next(self._tokens)
         self._jobs[token] = _Job(worker_id, job_id, w.ns_id, slots.copy(), is_store)
@@ -368,7 +397,7 @@ class Service:
         s = self.sessions.get(w.session_id)
         if s is None:
             return []
-        out = []
+        out: list[tuple[int, m.Reply]] = []
         for wait in list(s.waits):
             rid, wid, pending = wait
             if wid == w.worker_id:
@@ -406,7 +435,11 @@ class Service:
             if writes or pins:
                 log.info(
                     "client %d (pid %d) gone: failed %d stores, dropped %d pins in %s",
-                    s.session_id, s.pid, writes, pins, self.namespaces[ns_id].name,
+                    s.session_id,
+                    s.pid,
+                    writes,
+                    pins,
+                    self.namespaces[ns_id].name,
                 )
         for wid in list(s.workers):
             self._detach(self.workers[wid])
@@ -424,7 +457,5 @@ class Service:
 
 
 def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:
-    from kvoffload.protocol.errors import NotLeasedError
-
     bad = [int(x) for x in slots if not 0 <= x < index.slots.capacity][:1]
     raise NotLeasedError(f"slot {bad[0] if bad else '?'} of namespace {index.name!r} is not leased")

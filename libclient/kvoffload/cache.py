@@ -75,7 +75,9 @@ def describe_cache(tensor: Any) -> tuple[CacheDesc, int]:
             "take yet; use kvoffload.shared_kv_cache() CPU caches"
         )
     if tensor.dim() != 2 or tensor.stride(1) != 1:
-        raise InvalidArgumentError("a KV cache must be a 2-D (num_blocks, page) view with contiguous rows")
+        raise InvalidArgumentError(
+            "a KV cache must be a 2-D (num_blocks, page) view with contiguous rows"
+        )
     esize = tensor.element_size()
     ptr = tensor.data_ptr()
     with _lock:

@@ -15,6 +15,7 @@ the cache is down):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -147,9 +148,9 @@ class Client:
                 self._lost(exc)
                 raise
             if not isinstance(reply, expect):
-                exc = DaemonUnavailableError(f"unexpected reply {type(reply).__name__}")
-                self._lost(exc)
-                raise exc
+                lost = DaemonUnavailableError(f"unexpected reply {type(reply).__name__}")
+                self._lost(lost)
+                raise lost
             return reply
 
     def send_nowait(self, make: Callable[[int], m.Request]) -> None:
@@ -228,7 +229,11 @@ class Namespace:
     def _reopen(self, t: Transport) -> None:
         reply = t.request(m.OpenNamespace(self.client._rid(), self.name, self.layout))
         assert isinstance(reply, m.NamespaceOpened)
-        self.ns_id, self.slot_bytes, self.fingerprint = reply.ns, reply.slot_bytes, reply.fingerprint
+        self.ns_id, self.slot_bytes, self.fingerprint = (
+            reply.ns,
+            reply.slot_bytes,
+            reply.fingerprint,
+        )
 
     def _keys_call(
         self, cls: Callable[..., m.Request], keys: Sequence[bytes], expect: type[R], *extra: Any
@@ -259,10 +264,10 @@ class Namespace:
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         if keys:
-            try:
+            # Without the daemon there is nothing to complete: it failed these stores
+            # when the connection dropped.
+            with contextlib.suppress(DaemonUnavailableError):
                 self._keys_call(m.CompleteStore, keys, m.OkReply, success)
-            except DaemonUnavailableError:
-                pass  # the daemon failed these stores when the connection dropped
 
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
         """Pin the blocks and return their slots in key order (raises if not all ready)."""
@@ -271,10 +276,8 @@ class Namespace:
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         if keys:
-            try:
+            with contextlib.suppress(DaemonUnavailableError):  # pins died with the connection
                 self._keys_call(m.CompleteLoad, keys, m.OkReply)
-            except DaemonUnavailableError:
-                pass  # pins died with the connection
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Refresh recency; sent without waiting for the reply."""

@@ -2,7 +2,10 @@
 
 Rules:
 - Every call has a deadline; a timeout or any OS error closes the socket and raises
-  ``DaemonUnavailableError``: after a lost reply the stream cannot be trusted.
+  ``DaemonUnavailableError``: after a lost reply the stream cannot be trusted. The
+  socket is blocking with kernel receive/send timeouts (SO_RCVTIMEO/SO_SNDTIMEO), so a
+  round trip costs one send and one recv system call, with no poll in between; a
+  call therefore gives up after at most ``2 * timeout_s``.
 - ``ErrorReply`` becomes the typed exception for its code.
 - Replies to fire-and-forget requests (``send_nowait``) are read and dropped while
   waiting for a later reply.
@@ -15,9 +18,10 @@ from __future__ import annotations
 import array
 import logging
 import socket
+import struct
 import time
 
-from .protocol import NEED_DATA, ClientConnection
+from .protocol import ClientConnection, NeedData
 from .protocol import messages as m
 from .protocol.errors import (
     DaemonUnavailableError,
@@ -43,7 +47,19 @@ class Transport:
         except OSError as exc:
             sock.close()
             raise DaemonUnavailableError(f"cannot connect to kvoffloadd at {path}: {exc}") from exc
+        sock.settimeout(None)
+        self._kernel_timeout_s = 0.0
         self.sock: socket.socket | None = sock
+        self._set_kernel_timeout(timeout_s)
+
+    def _set_kernel_timeout(self, timeout_s: float) -> None:
+        if self.sock is None or timeout_s == self._kernel_timeout_s:
+            return
+        sec = int(timeout_s)
+        tv = struct.pack("ll", sec, int((timeout_s - sec) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self._kernel_timeout_s = timeout_s
 
     def close(self) -> None:
         if self.sock is not None:
@@ -74,8 +90,10 @@ class Transport:
     def request(
         self, req: m.Request, fds: list[int] | None = None, timeout_s: float | None = None
     ) -> m.Reply:
+        limit_s = timeout_s or self.timeout_s
+        self._set_kernel_timeout(limit_s)
         self._send(req, fds)
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        deadline = time.monotonic() + limit_s
         while True:
             reply = self._next_reply(deadline)
             if reply.rid in self._nowait:
@@ -94,16 +112,16 @@ class Transport:
         try:
             while True:
                 event = self.conn.next_event()
-                if event is not NEED_DATA:
-                    assert not isinstance(event, type(NEED_DATA))
+                if not isinstance(event, NeedData):
                     return event
                 if self.sock is None:
                     raise DaemonUnavailableError("connection to kvoffloadd is closed")
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if time.monotonic() > deadline:
                     raise TimeoutError
-                self.sock.settimeout(left)
-                data = self.sock.recv(RECV_BYTES)
+                try:
+                    data = self.sock.recv(RECV_BYTES)
+                except BlockingIOError:  # SO_RCVTIMEO expired
+                    raise TimeoutError from None
                 if not data:
                     raise ConnectionResetError("kvoffloadd closed the connection")
                 self.conn.receive_data(data)

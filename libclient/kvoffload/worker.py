@@ -12,8 +12,8 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -125,15 +125,13 @@ class Worker:
         pending = [j for j in job_ids if j in self._inflight]
         if not pending:
             return
-        deadline = time.monotonic() + WAIT_TIMEOUT_S
-        try:
+        # A lost daemon ends the wait: the jobs are then reported failed.
+        with contextlib.suppress(DaemonUnavailableError):
             self.ns.client.call(
                 lambda rid: m.WaitJobs(rid, self.worker_id, pending),
                 m.OkReply,
-                timeout_s=max(0.001, deadline - time.monotonic()),
+                timeout_s=WAIT_TIMEOUT_S,
             )
-        except DaemonUnavailableError:
-            pass  # in-flight jobs are now reported failed
 
     def close(self) -> None:
         client = self.ns.client

@@ -6,11 +6,9 @@ import socket
 import struct
 import time
 
-import msgspec
-import numpy as np
-import pytest
-
 import kvoffload
+import msgspec
+import pytest
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
 from kvoffload.protocol.errors import ErrorCode
@@ -86,7 +84,9 @@ def test_truncated_frame_then_disconnect_is_harmless(daemon: DaemonProcess) -> N
 def test_bad_block_ids_and_unleased_slots_are_refused(daemon: DaemonProcess) -> None:
     c = kvoffload.connect(daemon.socket_path)
     ns = c.namespace("a", LAYOUT)
-    other = c.namespace("b", LAYOUT.__class__(tensor_page_bytes=[4096], block_size_factor=2, salt="b"))
+    other = c.namespace(
+        "b", LAYOUT.__class__(tensor_page_bytes=[4096], block_size_factor=2, salt="b")
+    )
     cache = kvoffload.shared_kv_cache(8, 4096)
     w = ns.attach_worker([cache])
     wb = other.attach_worker([kvoffload.shared_kv_cache(8, 4096)])

@@ -6,16 +6,17 @@ import json
 import subprocess
 import sys
 
-import numpy as np
-
 import kvoffload
+import numpy as np
 from kvoffloadctl.launch import DaemonProcess
 
 
 def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvoffloadctl", "--socket", sock, *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -29,7 +30,7 @@ def test_stats_clients_evict(daemon: DaemonProcess) -> None:
     assert w.submit_store(1, np.arange(4), plan.slots)
     w.wait([1])
     ns.complete_store(keys)
-    ns.lookup(keys + [b"missing!"])
+    ns.lookup([*keys, b"missing!"])
 
     r = ctl(daemon.socket_path, "--json", "stats")
     assert r.returncode == 0, r.stderr

@@ -7,13 +7,11 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+import engines
+import kvoffload
 import numpy as np
 import pytest
-
-import kvoffload
 from kvoffloadctl.launch import DaemonProcess
-
-import engines
 
 CTX = mp.get_context("spawn")
 DEADLINE_S = 20.0
@@ -133,6 +131,7 @@ def test_daemon_down_means_misses_then_reconnect() -> None:
         "64MiB", "--log-level", "warning", instance=d.instance, socket_path=d.socket_path
     ).start()
     try:
+
         def reconnected() -> bool:
             return ns.prepare_store(key) is not None
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kvoffloadd.allocator import ExtentPool, SlotPool
 
 EXT = 4 * 4096
@@ -22,7 +21,12 @@ def test_fresh_then_lifo_then_new_extent() -> None:
     assert a.allocate(2) == [4, 5]  # a new extent
     assert a.extents == [0, 1] and pool.owner == [0, 0, None]
     offsets = a.region_offsets(np.array([0, 3, 4, 5]))
-    assert offsets.tolist() == [1 << 20, (1 << 20) + 3 * 4096, (1 << 20) + EXT, (1 << 20) + EXT + 4096]
+    assert offsets.tolist() == [
+        1 << 20,
+        (1 << 20) + 3 * 4096,
+        (1 << 20) + EXT,
+        (1 << 20) + EXT + 4096,
+    ]
     with pytest.raises(AssertionError):
         a.allocate(100)
 

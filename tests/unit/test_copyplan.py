@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.copyplan import CacheGeometry, build_runs, check_transfer, merge_runs
@@ -16,8 +15,15 @@ def expand_block_ids(ids: list[int], f: int, skip: int) -> list[int]:
     return out[skip:]
 
 
-def reference_copy(layout: KVLayout, rank: int, slot_bytes: int, slots: list[int],
-                   block_ids: list[int], skip: int, caches: list[np.ndarray]) -> np.ndarray:
+def reference_copy(
+    layout: KVLayout,
+    rank: int,
+    slot_bytes: int,
+    slots: list[int],
+    block_ids: list[int],
+    skip: int,
+    caches: list[np.ndarray],
+) -> np.ndarray:
     """Byte-by-byte model of a store into a region of slots."""
     region = np.zeros(max(slots) * slot_bytes + slot_bytes, dtype=np.uint8)
     f = layout.block_size_factor
@@ -32,7 +38,9 @@ def reference_copy(layout: KVLayout, rank: int, slot_bytes: int, slots: list[int
     return region
 
 
-@pytest.mark.parametrize(("f", "skip", "world", "rank"), [(1, 0, 1, 0), (3, 0, 1, 0), (3, 2, 2, 1), (4, 1, 1, 0)])
+@pytest.mark.parametrize(
+    ("f", "skip", "world", "rank"), [(1, 0, 1, 0), (3, 0, 1, 0), (3, 2, 2, 1), (4, 1, 1, 0)]
+)
 def test_runs_reproduce_the_reference_layout(f: int, skip: int, world: int, rank: int) -> None:
     rng = np.random.default_rng(f * 10 + skip)
     pages = [512, 1024, 256]

@@ -7,7 +7,6 @@ Same inputs, same lookups, same slot ids, evicted keys and events as vLLM's own
 from __future__ import annotations
 
 import pytest
-
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.allocator import ExtentPool, SlotPool
@@ -88,7 +87,11 @@ def test_manager_story(policy: str) -> None:
 
     plan = idx.prepare_store(ks(6, 7, 8), CLIENT)
     assert plan is not None
-    assert (plan.keys_to_store, plan.slots, plan.evicted_keys) == (ks(6, 7, 8), [3, 2, 1], ks(2, 3, 4))
+    assert (plan.keys_to_store, plan.slots, plan.evicted_keys) == (
+        ks(6, 7, 8),
+        [3, 2, 1],
+        ks(2, 3, 4),
+    )
     idx.complete_store(ks(6, 7, 8), True, CLIENT)
 
     # touch makes 5, 6, 7 recent, so 8 goes

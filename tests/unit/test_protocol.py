@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvoffload.protocol import (
     NEED_DATA,
     ClientConnection,
@@ -176,13 +175,13 @@ def test_key_and_id_packing() -> None:
     assert unpack_keys(b"", 0) == [] and pack_keys([]) == (b"", 0)
     with pytest.raises(ValueError, match="same length"):
         pack_keys([b"a", b"bb"])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"1\.\.64 bytes"):
         pack_keys([b"x" * 65])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="do not split"):
         unpack_keys(b"abc", 2)
     ids = np.array([0, 5, 2**40, -1])
     assert unpack_ids(pack_ids(ids)).tolist() == ids.tolist()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="multiple of 8"):
         unpack_ids(b"1234567")
 
 

@@ -12,9 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
 import kvoffload
+import msgspec
 from kvoffload.protocol.errors import DaemonUnavailableError, KVOffloadError
 
 
@@ -57,7 +56,9 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvoffloadctl", description="Administer kvoffloadd.")
-    p.add_argument("--socket", help="daemon socket (default: $KVOFFLOAD_SOCKET or the default path)")
+    p.add_argument(
+        "--socket", help="daemon socket (default: $KVOFFLOAD_SOCKET or the default path)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
     sub = p.add_subparsers(dest="command", required=True)
@@ -100,8 +101,19 @@ def _run(client: kvoffload.Client, args: argparse.Namespace) -> int:
         else:
             print_table(
                 rows,
-                ["client_id", "pid", "uid", "name", "namespaces", "workers", "pinned_blocks",
-                 "writing_blocks", "inflight_jobs", "bytes_stored", "bytes_loaded"],
+                [
+                    "client_id",
+                    "pid",
+                    "uid",
+                    "name",
+                    "namespaces",
+                    "workers",
+                    "pinned_blocks",
+                    "writing_blocks",
+                    "inflight_jobs",
+                    "bytes_stored",
+                    "bytes_loaded",
+                ],
             )
     elif args.command == "evict":
         keys = [bytes.fromhex(k) for k in args.key] if args.key else None

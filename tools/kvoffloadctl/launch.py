@@ -31,10 +31,15 @@ class DaemonProcess:
         self._tmp = tempfile.mkdtemp(prefix="kvoffload-")
         self.socket_path = socket_path or os.path.join(self._tmp, "kvoffloadd.sock")
         self.args = [
-            sys.executable, "-m", "kvoffloadd",
-            "--socket", self.socket_path,
-            "--instance", self.instance,
-            "--region-size", region_size,
+            sys.executable,
+            "-m",
+            "kvoffloadd",
+            "--socket",
+            self.socket_path,
+            "--instance",
+            self.instance,
+            "--region-size",
+            region_size,
             *extra_args,
         ]
         self.start_timeout_s = start_timeout_s

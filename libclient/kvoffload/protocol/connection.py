@@ -55,14 +55,14 @@ class State(enum.Enum):
     ERROR = "error"
 
 
-class _NeedData:
+class NeedData:
     """Sentinel: no complete frame is buffered yet."""
 
     def __repr__(self) -> str:
         return "NEED_DATA"
 
 
-NEED_DATA = _NeedData()
+NEED_DATA = NeedData()
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -97,7 +97,7 @@ class _FrameReader(Generic[In]):
     def buffered_bytes(self) -> int:
         return len(self._buf) - self._pos
 
-    def next(self) -> In | _NeedData:
+    def next(self) -> In | NeedData:
         avail = len(self._buf) - self._pos
         if avail < HEADER_BYTES:
             return NEED_DATA
@@ -161,12 +161,12 @@ class ClientConnection:
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._reader.feed(data)
 
-    def next_event(self) -> Reply | _NeedData:
+    def next_event(self) -> Reply | NeedData:
         if self.state is State.ERROR:
             raise ProtocolError("connection is in the ERROR state")
         try:
             msg = self._reader.next()
-            if isinstance(msg, _NeedData):
+            if isinstance(msg, NeedData):
                 return msg
             if msg.rid == 0 and isinstance(msg, ErrorReply):
                 # rid 0 is the server's last word before it closes the connection.
@@ -215,12 +215,12 @@ class ServerConnection:
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._reader.feed(data)
 
-    def next_event(self) -> Request | _NeedData:
+    def next_event(self) -> Request | NeedData:
         if self.state in (State.ERROR, State.CLOSED):
             raise ProtocolError(f"connection is in the {self.state.value} state")
         try:
             msg = self._reader.next()
-            if isinstance(msg, _NeedData):
+            if isinstance(msg, NeedData):
                 return msg
             if self.state is State.AWAIT_HELLO and not isinstance(msg, Hello):
                 raise ProtocolError(f"expected Hello first, got {type(msg).__name__}")

@@ -16,7 +16,7 @@ Rules (msgspec schema evolution, see research/aesthetics.md section 4):
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -60,38 +60,38 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
 # --------------------------------------------------------------------------- requests
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, frozen=True, tag="hello"):
     rid: int
     protocol_version: int
     client_name: str = ""
     pid: int = 0
 
 
-class Ping(_Msg, tag="ping"):
+class Ping(_Msg, frozen=True, tag="ping"):
     rid: int
 
 
-class OpenNamespace(_Msg, tag="open_ns"):
+class OpenNamespace(_Msg, frozen=True, tag="open_ns"):
     rid: int
     name: str
     layout: KVLayout
 
 
-class Lookup(_Msg, tag="lookup"):
+class Lookup(_Msg, frozen=True, tag="lookup"):
     rid: int
     ns: int
     keys: bytes
     key_bytes: int
 
 
-class PrepareStore(_Msg, tag="prep_store"):
+class PrepareStore(_Msg, frozen=True, tag="prep_store"):
     rid: int
     ns: int
     keys: bytes
     key_bytes: int
 
 
-class CompleteStore(_Msg, tag="done_store"):
+class CompleteStore(_Msg, frozen=True, tag="done_store"):
     rid: int
     ns: int
     keys: bytes
@@ -99,28 +99,28 @@ class CompleteStore(_Msg, tag="done_store"):
     success: bool = True
 
 
-class PrepareLoad(_Msg, tag="prep_load"):
+class PrepareLoad(_Msg, frozen=True, tag="prep_load"):
     rid: int
     ns: int
     keys: bytes
     key_bytes: int
 
 
-class CompleteLoad(_Msg, tag="done_load"):
+class CompleteLoad(_Msg, frozen=True, tag="done_load"):
     rid: int
     ns: int
     keys: bytes
     key_bytes: int
 
 
-class Touch(_Msg, tag="touch"):
+class Touch(_Msg, frozen=True, tag="touch"):
     rid: int
     ns: int
     keys: bytes
     key_bytes: int
 
 
-class TakeEvents(_Msg, tag="events"):
+class TakeEvents(_Msg, frozen=True, tag="events"):
     rid: int
     ns: int
 
@@ -141,19 +141,19 @@ class CacheDesc(msgspec.Struct, frozen=True, array_like=True):
     row_stride_bytes: int = 0
 
 
-class AttachWorker(_Msg, tag="attach"):
+class AttachWorker(_Msg, frozen=True, tag="attach"):
     rid: int
     ns: int
     rank: int
     caches: list[CacheDesc]
 
 
-class DetachWorker(_Msg, tag="detach"):
+class DetachWorker(_Msg, frozen=True, tag="detach"):
     rid: int
     worker: int
 
 
-class SubmitStore(_Msg, tag="sub_store"):
+class SubmitStore(_Msg, frozen=True, tag="sub_store"):
     rid: int
     worker: int
     job_id: int
@@ -161,7 +161,7 @@ class SubmitStore(_Msg, tag="sub_store"):
     slots: bytes
 
 
-class SubmitLoad(_Msg, tag="sub_load"):
+class SubmitLoad(_Msg, frozen=True, tag="sub_load"):
     rid: int
     worker: int
     job_id: int
@@ -170,26 +170,26 @@ class SubmitLoad(_Msg, tag="sub_load"):
     skip: int = 0
 
 
-class GetFinished(_Msg, tag="finished"):
+class GetFinished(_Msg, frozen=True, tag="finished"):
     rid: int
     worker: int
 
 
-class WaitJobs(_Msg, tag="wait"):
+class WaitJobs(_Msg, frozen=True, tag="wait"):
     rid: int
     worker: int
     job_ids: list[int]
 
 
-class GetStats(_Msg, tag="stats"):
+class GetStats(_Msg, frozen=True, tag="stats"):
     rid: int
 
 
-class ListClients(_Msg, tag="clients"):
+class ListClients(_Msg, frozen=True, tag="clients"):
     rid: int
 
 
-class Evict(_Msg, tag="evict"):
+class Evict(_Msg, frozen=True, tag="evict"):
     """Evict unpinned blocks: of one namespace (or all), optionally only given keys."""
 
     rid: int
@@ -198,32 +198,32 @@ class Evict(_Msg, tag="evict"):
     key_bytes: int = 0
 
 
-Request = Union[
-    Hello,
-    Ping,
-    OpenNamespace,
-    Lookup,
-    PrepareStore,
-    CompleteStore,
-    PrepareLoad,
-    CompleteLoad,
-    Touch,
-    TakeEvents,
-    AttachWorker,
-    DetachWorker,
-    SubmitStore,
-    SubmitLoad,
-    GetFinished,
-    WaitJobs,
-    GetStats,
-    ListClients,
-    Evict,
-]
+Request = (
+    Hello
+    | Ping
+    | OpenNamespace
+    | Lookup
+    | PrepareStore
+    | CompleteStore
+    | PrepareLoad
+    | CompleteLoad
+    | Touch
+    | TakeEvents
+    | AttachWorker
+    | DetachWorker
+    | SubmitStore
+    | SubmitLoad
+    | GetFinished
+    | WaitJobs
+    | GetStats
+    | ListClients
+    | Evict
+)
 
 # ---------------------------------------------------------------------------- replies
 
 
-class Welcome(_Msg, tag="welcome"):
+class Welcome(_Msg, frozen=True, tag="welcome"):
     rid: int
     protocol_version: int
     daemon_version: str
@@ -233,35 +233,35 @@ class Welcome(_Msg, tag="welcome"):
     region_bytes: int
 
 
-class Pong(_Msg, tag="pong"):
+class Pong(_Msg, frozen=True, tag="pong"):
     rid: int
 
 
-class OkReply(_Msg, tag="ok"):
+class OkReply(_Msg, frozen=True, tag="ok"):
     rid: int
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(_Msg, frozen=True, tag="error"):
     rid: int
     code: int
     message: str
 
 
-class NamespaceOpened(_Msg, tag="ns"):
+class NamespaceOpened(_Msg, frozen=True, tag="ns"):
     rid: int
     ns: int
     slot_bytes: int
     fingerprint: str
 
 
-class LookupReply(_Msg, tag="hits"):
+class LookupReply(_Msg, frozen=True, tag="hits"):
     """``hits`` leading keys are stored and ready; ``None`` means ask again later."""
 
     rid: int
     hits: int | None
 
 
-class StorePlanReply(_Msg, tag="store_plan"):
+class StorePlanReply(_Msg, frozen=True, tag="store_plan"):
     rid: int
     keys: bytes
     key_bytes: int
@@ -269,7 +269,7 @@ class StorePlanReply(_Msg, tag="store_plan"):
     evicted_keys: bytes
 
 
-class LoadPlanReply(_Msg, tag="load_plan"):
+class LoadPlanReply(_Msg, frozen=True, tag="load_plan"):
     rid: int
     slots: bytes
 
@@ -280,12 +280,12 @@ class EventMsg(msgspec.Struct, frozen=True, array_like=True):
     removed: bool
 
 
-class EventsReply(_Msg, tag="ev"):
+class EventsReply(_Msg, frozen=True, tag="ev"):
     rid: int
     events: list[EventMsg]
 
 
-class WorkerAttached(_Msg, tag="attached"):
+class WorkerAttached(_Msg, frozen=True, tag="attached"):
     rid: int
     worker: int
 
@@ -297,12 +297,12 @@ class JobResult(msgspec.Struct, frozen=True, array_like=True):
     seconds: float
 
 
-class FinishedReply(_Msg, tag="results"):
+class FinishedReply(_Msg, frozen=True, tag="results"):
     rid: int
     results: list[JobResult]
 
 
-class StatsReply(_Msg, tag="stats_r"):
+class StatsReply(_Msg, frozen=True, tag="stats_r"):
     """Named sections of snake_case fields with units (see kvoffloadd.stats)."""
 
     rid: int
@@ -323,32 +323,32 @@ class ClientInfo(msgspec.Struct, frozen=True, array_like=True):
     bytes_loaded: int
 
 
-class ClientsReply(_Msg, tag="clients_r"):
+class ClientsReply(_Msg, frozen=True, tag="clients_r"):
     rid: int
     clients: list[ClientInfo]
 
 
-class EvictReply(_Msg, tag="evicted"):
+class EvictReply(_Msg, frozen=True, tag="evicted"):
     rid: int
     evicted: int
 
 
-Reply = Union[
-    Welcome,
-    Pong,
-    OkReply,
-    ErrorReply,
-    NamespaceOpened,
-    LookupReply,
-    StorePlanReply,
-    LoadPlanReply,
-    EventsReply,
-    WorkerAttached,
-    FinishedReply,
-    StatsReply,
-    ClientsReply,
-    EvictReply,
-]
+Reply = (
+    Welcome
+    | Pong
+    | OkReply
+    | ErrorReply
+    | NamespaceOpened
+    | LookupReply
+    | StorePlanReply
+    | LoadPlanReply
+    | EventsReply
+    | WorkerAttached
+    | FinishedReply
+    | StatsReply
+    | ClientsReply
+    | EvictReply
+)
 
 
 # ------------------------------------------------------------------------ packing

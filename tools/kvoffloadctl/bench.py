@@ -1,0 +1,275 @@
+"""``make bench``: data-path and control-path figures, as ratios to same-run baselines.
+
+Everything is measured in one run on one machine: a plain memcpy baseline first,
+then the same bytes moved through a real kvoffloadd subprocess, so the ratios hold
+whatever the machine. Targets are DESIGN.md section 6.
+
+    python -m kvoffloadctl.bench [--quick] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import kvoffload
+import numpy as np
+
+from .launch import DaemonProcess
+
+MIB = 1 << 20
+
+
+def pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def memcpy_gbps(nbytes: int, repeats: int) -> float:
+    """Best of ``repeats`` single-threaded copies between two touched buffers."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def wait_prefault(client: kvoffload.Client, deadline_s: float = 120.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        region = client.stats()["region"]
+        if region["prefaulted_bytes"] >= region["data_bytes"]:
+            return
+        time.sleep(0.1)
+
+
+def data_path(
+    client: kvoffload.Client,
+    name: str,
+    pages: list[int],
+    num_blocks: int,
+    blocks_per_job: int,
+    repeats: int,
+) -> tuple[float, float]:
+    """Store then load ``num_blocks`` blocks in jobs; best GB/s of each direction."""
+    layout = kvoffload.KVLayout(tensor_page_bytes=pages)
+    ns = client.namespace(name, layout)
+    src = [kvoffload.shared_kv_cache(num_blocks, p) for p in pages]
+    dst = [kvoffload.shared_kv_cache(num_blocks, p) for p in pages]
+    for t in src + dst:
+        t.fill_(1)
+    ws, wd = ns.attach_worker(src), ns.attach_worker(dst)
+    block_bytes = sum(pages)
+    best_store = best_load = float("inf")
+    job = 0
+    for r in range(repeats):
+        keys = [b"%s-%d-%08d" % (name.encode(), r, i) for i in range(num_blocks)]
+        plan = ns.prepare_store(keys)
+        assert plan is not None and len(plan.slots) == num_blocks, "region too small for bench"
+        t0 = time.perf_counter()
+        jobs = []
+        for a in range(0, num_blocks, blocks_per_job):
+            job += 1
+            ids = np.arange(a, min(a + blocks_per_job, num_blocks))
+            assert ws.submit_store(job, ids, plan.slots[a : a + ids.size]), ws.last_error
+            jobs.append(job)
+        ws.wait(jobs)
+        best_store = min(best_store, time.perf_counter() - t0)
+        assert all(x.success for x in ws.get_finished())
+        ns.complete_store(keys)
+        lp = ns.prepare_load(keys)
+        t0 = time.perf_counter()
+        jobs = []
+        for a in range(0, num_blocks, blocks_per_job):
+            job += 1
+            ids = np.arange(a, min(a + blocks_per_job, num_blocks))
+            assert wd.submit_load(job, lp.slots[a : a + ids.size], ids), wd.last_error
+            jobs.append(job)
+        wd.wait(jobs)
+        best_load = min(best_load, time.perf_counter() - t0)
+        assert all(x.success for x in wd.get_finished())
+        ns.complete_load(keys)
+        client.evict(name)
+    ws.close()
+    wd.close()
+    total = num_blocks * block_bytes
+    return total / best_store / 1e9, total / best_load / 1e9
+
+
+def latencies(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _lookup_worker(sock: str, seconds: float, start: Any, out: Any) -> None:
+    client = kvoffload.connect(sock)
+    ns = client.namespace("ctl", kvoffload.KVLayout(tensor_page_bytes=[16384]))
+    keys = [b"ctl-%08d" % i for i in range(16)]
+    start.wait()
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        ns.lookup(keys)
+        n += 1
+    out.put(n)
+    client.close()
+
+
+def concurrent_lookups(sock: str, clients: int, seconds: float) -> float:
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_lookup_worker, args=(sock, seconds, start, out)) for _ in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)  # let every client connect before the clock starts
+    start.set()
+    total = sum(int(out.get(timeout=seconds + 60)) for _ in procs)
+    for p in procs:
+        p.join(30)
+    return total / seconds
+
+
+def index_bytes_per_block(n: int) -> float:
+    from kvoffload.protocol.messages import KVLayout
+    from kvoffloadd.allocator import ExtentPool, SlotPool
+    from kvoffloadd.index import NamespaceIndex
+
+    keys = [os.urandom(32) + (0).to_bytes(4, "big") for _ in range(n)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    pool = ExtentPool(n // 1024 + 1, 1024 * 4096)
+    idx = NamespaceIndex(0, "m", KVLayout([4096]), "f", SlotPool(pool, 0, 4096))
+    for a in range(0, n, 4096):
+        batch = keys[a : a + 4096]
+        plan = idx.prepare_store(batch, 1)
+        assert plan is not None
+        idx.mark_written(plan.slots, 0)
+        idx.complete_store(batch, True, 1)
+    idx.take_events()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    del keys
+    return used / n
+
+
+def run(quick: bool) -> dict[str, Any]:
+    r: dict[str, Any] = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.python_version()}"
+    }
+    big = 2 * MIB
+    nblocks = 64 if quick else 192
+    repeats = 2 if quick else 4
+    r["memcpy_gbps"] = memcpy_gbps(nblocks * big, repeats + 2)
+    with DaemonProcess("1GiB", "--log-level", "warning", start_timeout_s=60) as d:
+        client = kvoffload.connect(d.socket_path)
+        wait_prefault(client)
+        st, ld = data_path(client, "b2m", [big], nblocks, 16, repeats)
+        r["store_2mib_gbps"], r["load_2mib_gbps"] = st, ld
+        st, ld = data_path(client, "p32", [32 * 1024] * 32, nblocks, 16, repeats)
+        r["store_32x32k_gbps"], r["load_32x32k_gbps"] = st, ld
+
+        n = 2000 if quick else 10000
+        ping = latencies(client.ping, n)
+        r["ping_p50_us"], r["ping_p99_us"] = pct(ping, 0.5) * 1e6, pct(ping, 0.99) * 1e6
+        ns = client.namespace("ctl", kvoffload.KVLayout(tensor_page_bytes=[16384]))
+        w = ns.attach_worker([kvoffload.shared_kv_cache(1000, 16384)])
+        keys = [b"ctl-%08d" % i for i in range(1000)]
+        plan = ns.prepare_store(keys)
+        assert plan is not None
+        w.submit_store(1, np.arange(1000), plan.slots)
+        w.wait([1])
+        ns.complete_store(keys)
+        assert ns.lookup(keys) == 1000
+        lk = latencies(lambda: ns.lookup(keys), n // 2)
+        r["lookup1000_p50_us"], r["lookup1000_p99_us"] = pct(lk, 0.5) * 1e6, pct(lk, 0.99) * 1e6
+        k16 = [[b"rnd-%04d-%03d" % (i, j) for j in range(16)] for i in range(n // 4)]
+        it = iter(k16)
+
+        def store_round() -> None:
+            ks = next(it)
+            ns.prepare_store(ks)
+            ns.complete_store(ks, success=False)
+
+        sr = latencies(store_round, len(k16))
+        r["store_round16_p50_us"] = pct(sr, 0.5) * 1e6
+        r["store_round16_p99_us"] = pct(sr, 0.99) * 1e6
+        r["lookup_calls_per_s_8_clients"] = concurrent_lookups(
+            d.socket_path, 8, 2.0 if quick else 4.0
+        )
+        client.close()
+    r["index_bytes_per_block"] = index_bytes_per_block(50_000 if quick else 200_000)
+    return r
+
+
+def report(r: dict[str, Any]) -> str:
+    base = r["memcpy_gbps"]
+    rows = [
+        ("machine", r["machine"], ""),
+        ("memcpy baseline (1 thread)", f"{base:.2f} GB/s", "1.00"),
+    ]
+    for key, label, target in [
+        ("store_2mib_gbps", "store, 2 MiB blocks", 0.8),
+        ("load_2mib_gbps", "load, 2 MiB blocks", 0.8),
+        ("store_32x32k_gbps", "store, 32 x 32 KiB pages/block", 0.6),
+        ("load_32x32k_gbps", "load, 32 x 32 KiB pages/block", 0.6),
+    ]:
+        ratio = r[key] / base
+        rows.append((label, f"{r[key]:.2f} GB/s", f"{ratio:.2f} (target >= {target})"))
+    rows += [
+        (
+            "ping p50 / p99",
+            f"{r['ping_p50_us']:.1f} / {r['ping_p99_us']:.1f} us",
+            "target p50 <= 30",
+        ),
+        (
+            "lookup 1000 keys p50 / p99",
+            f"{r['lookup1000_p50_us']:.1f} / {r['lookup1000_p99_us']:.1f} us",
+            "target p50 <= 100",
+        ),
+        (
+            "store round, 16 keys p50 / p99",
+            f"{r['store_round16_p50_us']:.1f} / {r['store_round16_p99_us']:.1f} us",
+            "target p50 <= 148",
+        ),
+        (
+            "lookup calls/s, 8 clients",
+            f"{r['lookup_calls_per_s_8_clients']:.0f}",
+            "target >= 20000",
+        ),
+        ("index memory per block", f"{r['index_bytes_per_block']:.0f} B", "target <= 314 B"),
+    ]
+    w0 = max(len(a) for a, _, _ in rows)
+    w1 = max(len(b) for _, b, _ in rows)
+    return "\n".join(f"{a.ljust(w0)}  {b.ljust(w1)}  {c}" for a, b, c in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvoffloadctl.bench")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--json", help="also write the raw figures to this file")
+    args = p.parse_args(argv)
+    r = run(args.quick)
+    print(report(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
