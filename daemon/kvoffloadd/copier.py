@@ -5,6 +5,7 @@ Rules:
   ``submit``; copier threads only run ``memmove`` (ctypes releases the GIL during the
   copy) and never touch daemon metadata.
 - A large job is split by bytes across the threads; it completes when every part has.
+  Runs longer than ``CHUNK_BYTES`` are cut first, so one huge run still spreads.
 - Completions go into a deque and one eventfd write wakes the loop, which calls
   ``drain()``: completions are processed on the loop thread only.
 - Memory behind the addresses must stay mapped until the job's completion has been
@@ -51,6 +52,19 @@ class _Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def chunk_runs(dst: I64, src: I64, nbytes: I64, chunk: int) -> tuple[I64, I64, I64]:
+    """Cut every run longer than ``chunk`` bytes into pieces of at most ``chunk``."""
+    if nbytes.size == 0 or int(nbytes.max()) <= chunk:
+        return dst, src, nbytes
+    pieces = -(-nbytes // chunk)
+    idx = np.repeat(np.arange(nbytes.size), pieces)
+    first = np.cumsum(pieces) - pieces
+    k = np.arange(idx.size) - np.repeat(first, pieces)
+    off = k * chunk
+    n = np.minimum(nbytes[idx] - off, chunk)
+    return dst[idx] + off, src[idx] + off, n
+
+
 def split_by_bytes(nbytes: I64, parts: int) -> list[tuple[int, int]]:
     """Index ranges cutting the runs into at most ``parts`` chunks of similar bytes."""
     if nbytes.size == 0:
@@ -64,6 +78,7 @@ def split_by_bytes(nbytes: I64, parts: int) -> list[tuple[int, int]]:
 
 class CpuCopier:
     MIN_SPLIT_BYTES = 4 * 1024 * 1024
+    CHUNK_BYTES = 4 * 1024 * 1024
 
     def __init__(self, threads: int) -> None:
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -82,6 +97,8 @@ class CpuCopier:
     def submit(self, token: int, dst: I64, src: I64, nbytes: I64) -> None:
         total = int(nbytes.sum())
         parts = len(self._threads) if total >= self.MIN_SPLIT_BYTES else 1
+        if parts > 1:
+            dst, src, nbytes = chunk_runs(dst, src, nbytes, self.CHUNK_BYTES)
         ranges = split_by_bytes(nbytes, parts)
         job = _Job(token, total, len(ranges), time.perf_counter())
         self.inflight += 1

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import os
+import platform
 import sys
 from typing import Any
 
@@ -55,7 +56,33 @@ def build(cfg: DaemonConfig) -> tuple[InstanceLock, SharedOffloadRegion, CpuCopi
     return lock, region, copier, server
 
 
+NT_THRESHOLD_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+NT_THRESHOLD_BYTES = 1 << 20
+
+
+def reexec_with_copy_tunables() -> None:
+    """Re-exec once so glibc's memmove streams copies of >= 1 MiB past the cache.
+
+    glibc switches memmove to non-temporal stores only above a threshold near the L3
+    size, so copying KV blocks of 0.5-2 MiB one by one runs at about half the speed of
+    one huge memcpy (measured: 7.8 vs 15 GB/s for 2 MiB pieces). The threshold is a
+    glibc tunable read at process start, hence the re-exec. Opt out with
+    KVOFFLOAD_NO_REEXEC=1.
+    """
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if NT_THRESHOLD_TUNABLE in tunables or os.environ.get("KVOFFLOAD_NO_REEXEC"):
+        return
+    if platform.machine() not in ("x86_64", "AMD64") or platform.libc_ver()[0] != "glibc":
+        return
+    setting = f"{NT_THRESHOLD_TUNABLE}={NT_THRESHOLD_BYTES:#x}"
+    env = dict(os.environ, GLIBC_TUNABLES=f"{tunables}:{setting}" if tunables else setting)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "kvoffloadd", *sys.argv[1:]], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        reexec_with_copy_tunables()
     args = parse_args(argv)
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "config"}
     try:

@@ -142,3 +142,19 @@ def test_copier_moves_bytes_and_reports(service: Service) -> None:
     for o, k in zip(offs, n):
         assert np.array_equal(dst[o : o + k], src[o : o + k])
     assert not dst[12288:65536].any()
+
+
+def test_chunk_runs_and_split_cover_every_byte_once() -> None:
+    from kvoffloadd.copier import chunk_runs, split_by_bytes
+
+    dst = np.array([1000, 50_000], dtype=np.int64)
+    src = np.array([0, 90_000], dtype=np.int64)
+    n = np.array([10_000, 25], dtype=np.int64)
+    d, s, k = chunk_runs(dst, src, n, 4096)
+    assert k.tolist() == [4096, 4096, 1808, 25]
+    assert d.tolist() == [1000, 5096, 9192, 50_000]
+    assert s.tolist() == [0, 4096, 8192, 90_000]
+    halves = split_by_bytes(k, 2)
+    assert len(halves) == 2 and [i for a, b in halves for i in range(a, b)] == [0, 1, 2, 3]
+    ranges = split_by_bytes(np.full(10, 7, dtype=np.int64), 3)
+    assert [i for a, b in ranges for i in range(a, b)] == list(range(10))
