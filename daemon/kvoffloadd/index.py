@@ -61,12 +61,15 @@ class NamespaceStatistics:
     slot_bytes: int
     extents: int
     capacity_blocks: int
+    free_blocks: int
     stored_blocks: int
     writing_blocks: int
     pinned_blocks: int
     lookups_total: int
     lookup_keys_total: int
     hit_keys_total: int
+    miss_keys_total: int
+    lookup_misses_total: int
     stores_prepared_total: int
     stored_blocks_total: int
     store_failures_total: int
@@ -116,7 +119,7 @@ class NamespaceIndex:
         self._pins: dict[int, Counter[bytes]] = {}
         self._events: deque[OffloadEvent] = deque()
         # statistics
-        self._lookups = self._lookup_keys = self._hit_keys = 0
+        self._lookups = self._lookup_keys = self._hit_keys = self._lookup_misses = 0
         self._stores_prepared = self._stored = self._store_failures = 0
         self._loads_prepared = self._evicted = self._events_dropped = 0
 
@@ -127,6 +130,8 @@ class NamespaceIndex:
         self._lookups += 1
         self._lookup_keys += len(keys)
         self._hit_keys += hits
+        if hits < len(keys):
+            self._lookup_misses += 1
         return hits
 
     def prepare_store(self, keys: Sequence[bytes], client: int) -> StorePlan | None:
@@ -371,12 +376,15 @@ class NamespaceIndex:
             slot_bytes=self.slots.slot_bytes,
             extents=len(self.slots.extents),
             capacity_blocks=self.slots.capacity,
+            free_blocks=self.slots.num_free,
             stored_blocks=sum(1 for _, b in blocks if b.ref >= 0),
             writing_blocks=len(self._writers),
             pinned_blocks=sum(1 for _, b in blocks if b.ref > 0),
             lookups_total=self._lookups,
             lookup_keys_total=self._lookup_keys,
             hit_keys_total=self._hit_keys,
+            miss_keys_total=self._lookup_keys - self._hit_keys,
+            lookup_misses_total=self._lookup_misses,
             stores_prepared_total=self._stores_prepared,
             stored_blocks_total=self._stored,
             store_failures_total=self._store_failures,

@@ -47,6 +47,7 @@ def render_stats(svc: Service) -> dict[str, Any]:
             "namespaces": len(namespaces),
             "used_blocks": used_blocks,
             "hit_keys_total": sum(n["hit_keys_total"] for n in namespaces.values()),
+            "miss_keys_total": sum(n["miss_keys_total"] for n in namespaces.values()),
             "lookup_keys_total": sum(n["lookup_keys_total"] for n in namespaces.values()),
             "evicted_blocks_total": sum(n["evicted_blocks_total"] for n in namespaces.values()),
         },

@@ -187,3 +187,15 @@ def test_no_space_when_everything_is_pinned_then_recovers() -> None:
         plan = ns.prepare_store([b"overflow"])
         assert plan is not None and plan.evicted_keys == stored[:1]
         c.close()
+
+
+def test_protocol_version_mismatch_is_refused_clearly(daemon: DaemonProcess) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(daemon.socket_path)
+    s.sendall(encode_frame(m.Hello(1, 99, "future", 0)))
+    data = s.recv(4096)
+    s.close()
+    reply = msgspec.msgpack.decode(data[4:], type=m.Reply)
+    assert isinstance(reply, m.ErrorReply)
+    assert reply.code == ErrorCode.VERSION_MISMATCH and "protocol 99" in reply.message
