@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+
 from kvoffloadctl.launch import DaemonProcess
 
 

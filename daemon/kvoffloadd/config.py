@@ -4,17 +4,20 @@ Rules:
 - Every key has a default, so the daemon starts with no file at all.
 - Unknown keys and bad values are refused at start with the key, the value and what
   is allowed (msgspec validation, plus the checks in ``validate``).
-- Precedence: defaults < config file < command-line flags.
+- Precedence: defaults < config file < command-line flags. Without ``--config`` the
+  daemon reads ``/etc/kvoffload/kvoffloadd.toml`` if it exists, else runs on defaults.
 - Sizes accept integers (bytes) or strings with a binary unit: "1GiB", "512MiB".
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from typing import Any
 
 import msgspec
+
 from kvoffload.paths import default_socket_path
 
 if sys.version_info >= (3, 11):
@@ -58,6 +61,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_frame_bytes: int = 16 * 1024 * 1024
     max_clients: int = 1024
     prefault: bool = True
+    metrics_port: int = 0  # 0: no Prometheus endpoint
+    metrics_address: str = "127.0.0.1"
+    # uids allowed to evict and read the config; unset: root and the daemon's own uid
+    admin_uids: list[int] | None = None
 
     @property
     def socket_path(self) -> str:
@@ -105,12 +112,37 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.max_frame_bytes < 4096:
             raise ConfigError(f"max_frame_bytes: {self.max_frame_bytes} is below 4096")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port: {self.metrics_port} is not in 0..65535")
+        if self.max_clients < 1:
+            raise ConfigError(f"max_clients: {self.max_clients} is below 1")
         return self
+
+    def may_administer(self, uid: int) -> bool:
+        if self.admin_uids is None:
+            return uid in (0, os.getuid())
+        return uid in self.admin_uids
+
+    def effective(self) -> dict[str, Any]:
+        """Every key with its effective value, sizes in bytes."""
+        out: dict[str, Any] = msgspec.structs.asdict(self)
+        out.update(
+            socket=self.socket_path,
+            region_size=self.region_bytes,
+            extent_size=self.extent_bytes,
+            min_slot_size=self.min_slot_bytes,
+        )
+        return out
+
+
+DEFAULT_CONFIG_PATH = "/etc/kvoffload/kvoffloadd.toml"
 
 
 def load_config(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
     """Defaults, then the TOML file at ``path`` (if any), then ``overrides``."""
     data: dict[str, Any] = {}
+    if path is None and os.path.exists(DEFAULT_CONFIG_PATH):
+        path = DEFAULT_CONFIG_PATH
     if path:
         try:
             with open(path, "rb") as f:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 

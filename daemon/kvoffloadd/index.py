@@ -31,6 +31,7 @@ from itertools import takewhile
 
 import numpy as np
 import numpy.typing as npt
+
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 

@@ -7,14 +7,18 @@ import contextlib
 import logging
 import os
 import platform
+import socket
 import sys
 from typing import Any
 
 from .config import ConfigError, DaemonConfig, load_config
 from .copier import CpuCopier
+from .logfmt import setup_logging
+from .metrics import MetricsEndpoint
 from .region import Geometry, InstanceLock, RegionError, SharedOffloadRegion
 from .server import Server, bind_listener
 from .service import Service
+from .systemd import Notifier, listen_fds
 
 log = logging.getLogger("kvoffloadd")
 
@@ -31,6 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", help="eviction policy: lru or arc")
     p.add_argument("--copy-threads", dest="copy_threads", type=int, help="CPU copier threads")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port (0: off)")
     p.add_argument(
         "--no-prefault",
         dest="prefault",
@@ -41,9 +46,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build(cfg: DaemonConfig) -> tuple[InstanceLock, SharedOffloadRegion, CpuCopier, Server]:
-    os.makedirs(os.path.dirname(cfg.socket_path) or ".", mode=0o750, exist_ok=True)
-    lock = InstanceLock(os.path.join(os.path.dirname(cfg.socket_path), f"{cfg.instance}.lock"))
+def activated_listener() -> socket.socket | None:
+    """The unix stream socket systemd passed (socket activation), if any."""
+    for sock, _name in listen_fds():
+        if sock.family == socket.AF_UNIX and sock.type == socket.SOCK_STREAM:
+            return sock
+        sock.close()
+    return None
+
+
+def build(
+    cfg: DaemonConfig, listener: socket.socket | None, notifier: Notifier
+) -> tuple[InstanceLock, SharedOffloadRegion, CpuCopier, Server]:
+    """Lock the instance, create the region, bind (unless activated) and wire the loop."""
+    if listener is not None:
+        cfg.socket = listener.getsockname() or cfg.socket_path
+    run_dir = os.path.dirname(cfg.socket_path) or "."
+    os.makedirs(run_dir, mode=0o750, exist_ok=True)
+    lock = InstanceLock(os.path.join(run_dir, f"{cfg.instance}.lock"))
     try:
         geometry = Geometry.plan(cfg.region_bytes, cfg.extent_bytes, cfg.min_slot_bytes)
         region = SharedOffloadRegion(cfg.region_name, geometry)
@@ -51,8 +71,18 @@ def build(cfg: DaemonConfig) -> tuple[InstanceLock, SharedOffloadRegion, CpuCopi
         lock.release()
         raise
     copier = CpuCopier(cfg.copy_threads)
-    listener = bind_listener(cfg.socket_path)
-    server = Server(Service(cfg, region, copier), listener)
+    metrics = None
+    try:
+        if listener is None:
+            listener = bind_listener(cfg.socket_path)
+        if cfg.metrics_port:
+            metrics = MetricsEndpoint(cfg.metrics_address, cfg.metrics_port)
+    except BaseException:
+        copier.close()
+        region.close()
+        lock.release()
+        raise
+    server = Server(Service(cfg, region, copier), listener, notifier, metrics)
     return lock, region, copier, server
 
 
@@ -90,15 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvoffloadd: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(cfg.log_level)
+    notifier = Notifier()
+    activated = activated_listener()
     try:
-        lock, region, copier, server = build(cfg)
+        lock, region, copier, server = build(cfg, activated, notifier)
     except (RegionError, ConfigError, OSError) as exc:
         log.error("cannot start: %s", exc)
+        notifier.notify(STATUS=f"cannot start: {exc}")
         return 1
     if cfg.prefault:
         region.start_prefault()
@@ -109,15 +138,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{g.extent_bytes >> 20} MiB; policy {cfg.policy}",
         flush=True,
     )
+    notifier.notify(READY=1, STATUS="serving; pre-faulting region", MAINPID=os.getpid())
     try:
         server.serve_forever()
     finally:
+        if server.metrics is not None:
+            server.metrics.close()
         copier.close()
         region.close()
         server.listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(cfg.socket_path)
+        if activated is None:  # an activated socket belongs to systemd
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.socket_path)
         lock.release()
+        notifier.close()
     log.info("stopped cleanly")
     return 0
 

@@ -13,6 +13,9 @@ Rules:
   are queued for it, so it cannot grow the daemon without bound.
 - An ``AssertionError`` is a broken internal invariant: log the stats, exit non-zero.
 - SIGTERM/SIGINT: stop accepting, drain in-flight copies, close, unlink, exit 0.
+- The cron (every second, or every half watchdog interval when shorter) runs the
+  service's housekeeping, publishes a stats snapshot to the metrics endpoint, and
+  tells systemd about progress (STATUS=) and liveness (WATCHDOG=1).
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from kvoffload.protocol import NeedData, ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 
+from .metrics import MetricsEndpoint
 from .service import Service, Session
 from .stats import render_stats
+from .systemd import Notifier, watchdog_interval_s
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +62,20 @@ class _Client:
 
 
 class Server:
-    def __init__(self, service: Service, listener: socket.socket) -> None:
+    def __init__(
+        self,
+        service: Service,
+        listener: socket.socket,
+        notifier: Notifier | None = None,
+        metrics: MetricsEndpoint | None = None,
+    ) -> None:
         self.service = service
         self.listener = listener
+        self.notifier = notifier or Notifier("")
+        self.metrics = metrics
+        self._watchdog_s = watchdog_interval_s() if self.notifier.enabled else None
+        self._cron_period_s = min(CRON_PERIOD_S, self._watchdog_s or CRON_PERIOD_S)
+        self._status = ""
         listener.setblocking(False)
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ, self._accept)
@@ -83,15 +99,16 @@ class Server:
         signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
-        next_cron = time.monotonic() + CRON_PERIOD_S
+        next_cron = time.monotonic() + self._cron_period_s
         try:
             while not self._stop:
                 timeout = max(0.0, next_cron - time.monotonic())
                 for key, mask in self.sel.select(timeout):
                     key.data(key.fileobj, mask)
                 if time.monotonic() >= next_cron:
-                    self.service.cron()
-                    next_cron = time.monotonic() + CRON_PERIOD_S
+                    self._cron()
+                    next_cron = time.monotonic() + self._cron_period_s
+            self.notifier.notify(STOPPING=1, STATUS="draining in-flight copies")
             self._drain()
         except AssertionError:
             log.critical("internal invariant broken; stats: %s", render_stats(self.service))
@@ -103,6 +120,28 @@ class Server:
             self.sel.close()
             self._sig_r.close()
             self._sig_w.close()
+
+    def _cron(self) -> None:
+        self.service.cron()
+        if self.metrics is not None:
+            self.metrics.publish(render_stats(self.service), self._cron_period_s)
+        if not self.notifier.enabled:
+            return
+        region = self.service.region
+        data_bytes = region.geometry.num_extents * region.geometry.extent_bytes
+        done = region.prefaulted_bytes
+        status = (
+            f"serving {len(self.clients)} clients"
+            if done >= data_bytes
+            else f"serving; pre-faulting region {100 * done // data_bytes}%"
+        )
+        fields: dict[str, str | int] = {}
+        if status != self._status:
+            fields["STATUS"] = self._status = status
+        if self._watchdog_s is not None:
+            fields["WATCHDOG"] = 1
+        if fields:
+            self.notifier.notify(**fields)
 
     def _signalled(self, sock: object, mask: int) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -24,12 +24,14 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
     LayoutMismatchError,
     NoSpaceError,
     NotLeasedError,
+    PermissionDeniedError,
     ShuttingDownError,
     VersionMismatchError,
 )
@@ -129,7 +131,8 @@ class Service:
             m.AttachWorker: lambda s, r: self._attach(s, r.rid, r.ns, r.rank, r.caches),
             m.DetachWorker: self._on_detach,
             m.Hello: self._on_hello,
-            m.Evict: lambda s, r: m.EvictReply(r.rid, self.evict(r.namespace, r.keys, r.key_bytes)),
+            m.Evict: self._on_evict,
+            m.GetConfig: self._on_get_config,
             m.GetStats: lambda s, r: m.StatsReply(r.rid, render_stats(self)),
             m.ListClients: lambda s, r: m.ClientsReply(r.rid, client_infos(self)),
         }
@@ -181,6 +184,21 @@ class Service:
     def _on_take_events(self, s: Session, r: m.TakeEvents) -> m.Reply:
         events = self._ns(s, r.ns).take_events()
         return m.EventsReply(r.rid, [m.EventMsg(*pack_keys(e.keys), e.removed) for e in events])
+
+    def _require_admin(self, s: Session, what: str) -> None:
+        if not self.config.may_administer(s.uid):
+            log.warning("refused %s for uid %d (pid %d): not an admin uid", what, s.uid, s.pid)
+            raise PermissionDeniedError(
+                f"uid {s.uid} may not {what}; list it in admin_uids of the daemon config"
+            )
+
+    def _on_evict(self, s: Session, r: m.Evict) -> m.Reply:
+        self._require_admin(s, "evict")
+        return m.EvictReply(r.rid, self.evict(r.namespace, r.keys, r.key_bytes, r.key_prefix))
+
+    def _on_get_config(self, s: Session, r: m.GetConfig) -> m.Reply:
+        self._require_admin(s, "read the config")
+        return m.ConfigReply(r.rid, self.config.effective())
 
     def _on_detach(self, s: Session, r: m.DetachWorker) -> m.Reply:
         self._detach(self._worker(s, r.worker))
@@ -285,12 +303,20 @@ class Service:
             if not any(d.evict_top_extent() for d in donors):
                 return
 
-    def evict(self, namespace: str | None, keys: bytes | None, key_bytes: int) -> int:
+    def evict(
+        self,
+        namespace: str | None,
+        keys: bytes | None = None,
+        key_bytes: int = 0,
+        prefix: bytes | None = None,
+    ) -> int:
         if namespace is not None and namespace not in self._ns_by_name:
             raise InvalidArgumentError(f"no namespace named {namespace!r}")
         targets = [self._ns_by_name[namespace]] if namespace else list(self.namespaces.values())
         key_list = unpack_keys(keys, key_bytes) if keys is not None else None
-        return sum(ns.evict(key_list) for ns in targets)
+        n = sum(ns.evict(key_list, prefix) for ns in targets)
+        log.info("admin evicted %d blocks from %s", n, namespace or "all namespaces")
+        return n
 
     # ------------------------------------------------------------ workers and copies
 

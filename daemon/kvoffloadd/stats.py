@@ -23,6 +23,10 @@ def render_stats(svc: Service) -> dict[str, Any]:
     pool = svc.region.pool
     namespaces = {ns.name: dataclasses.asdict(ns.statistics()) for ns in svc.namespaces.values()}
     used_blocks = sum(n["stored_blocks"] + n["writing_blocks"] for n in namespaces.values())
+
+    def total(field: str) -> int:
+        return sum(int(n[field]) for n in namespaces.values())
+
     return {
         "server": {
             "version": _version(),
@@ -41,16 +45,29 @@ def render_stats(svc: Service) -> dict[str, Any]:
             "extents_total": g.num_extents,
             "extents_free": pool.num_free,
             "prefaulted_bytes": svc.region.prefaulted_bytes,
-            "policy": svc.config.policy,
         },
         "blocks": {
             "namespaces": len(namespaces),
             "used_blocks": used_blocks,
-            "hit_keys_total": sum(n["hit_keys_total"] for n in namespaces.values()),
-            "miss_keys_total": sum(n["miss_keys_total"] for n in namespaces.values()),
-            "lookup_keys_total": sum(n["lookup_keys_total"] for n in namespaces.values()),
-            "evicted_blocks_total": sum(n["evicted_blocks_total"] for n in namespaces.values()),
+            "used_bytes": sum(
+                (n["stored_blocks"] + n["writing_blocks"]) * n["slot_bytes"]
+                for n in namespaces.values()
+            ),
+            "occupancy_ratio": round(1 - pool.num_free / g.num_extents, 4),
+            "hit_keys_total": total("hit_keys_total"),
+            "miss_keys_total": total("miss_keys_total"),
+            "lookup_keys_total": total("lookup_keys_total"),
+            "stored_blocks_total": total("stored_blocks_total"),
+            "loads_prepared_total": total("loads_prepared_total"),
         },
+        "eviction": {
+            "policy": svc.config.policy,
+            "evicted_blocks_total": total("evicted_blocks_total"),
+            "store_failures_total": total("store_failures_total"),
+            "no_space_total": svc.errors_by_code.get("NO_SPACE", 0),
+            "events_dropped_total": total("events_dropped_total"),
+        },
+        "tiers": {"configured": 0},
         "namespaces": namespaces,
         "clients": {
             "connected": len(svc.sessions),

@@ -187,10 +187,21 @@ class Client:
     def clients(self) -> list[m.ClientInfo]:
         return self.call(m.ListClients, m.ClientsReply).clients
 
-    def evict(self, namespace: str | None = None, keys: Sequence[bytes] | None = None) -> int:
-        """Evict unpinned blocks of one namespace (or all), optionally only ``keys``."""
+    def evict(
+        self,
+        namespace: str | None = None,
+        keys: Sequence[bytes] | None = None,
+        prefix: bytes | None = None,
+    ) -> int:
+        """Evict unpinned blocks of one namespace (or all): only ``keys``, only keys
+        starting with ``prefix``, or all of them. Returns how many were evicted."""
         packed, kb = _pack(keys) if keys is not None else (None, 0)
-        return self.call(lambda rid: m.Evict(rid, namespace, packed, kb), m.EvictReply).evicted
+        reply = self.call(lambda rid: m.Evict(rid, namespace, packed, kb, prefix), m.EvictReply)
+        return reply.evicted
+
+    def config(self) -> dict[str, Any]:
+        """The daemon's effective configuration (admin uids only)."""
+        return self.call(m.GetConfig, m.ConfigReply).config
 
     def close(self) -> None:
         with self._lock:

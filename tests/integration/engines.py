@@ -11,9 +11,10 @@ import signal
 import time
 from typing import Any
 
-import kvoffload
 import numpy as np
 import torch
+
+import kvoffload
 
 PAGES = [4096, 8192]  # two canonical tensors
 FACTOR = 2  # two engine blocks per offloaded block

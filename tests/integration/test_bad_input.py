@@ -6,9 +6,10 @@ import socket
 import struct
 import time
 
-import kvoffload
 import msgspec
 import pytest
+
+import kvoffload
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
 from kvoffload.protocol.errors import ErrorCode

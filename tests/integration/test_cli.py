@@ -6,8 +6,9 @@ import json
 import subprocess
 import sys
 
-import kvoffload
 import numpy as np
+
+import kvoffload
 from kvoffloadctl.launch import DaemonProcess
 
 

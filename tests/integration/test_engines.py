@@ -8,9 +8,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import engines
-import kvoffload
 import numpy as np
 import pytest
+
+import kvoffload
 from kvoffloadctl.launch import DaemonProcess
 
 CTX = mp.get_context("spawn")

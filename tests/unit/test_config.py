@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvoffloadd.config import ConfigError, DaemonConfig, load_config, parse_size
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.copyplan import CacheGeometry, build_runs, check_transfer, merge_runs

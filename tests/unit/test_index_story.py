@@ -7,6 +7,7 @@ Same inputs, same lookups, same slot ids, evicted keys and events as vLLM's own
 from __future__ import annotations
 
 import pytest
+
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.allocator import ExtentPool, SlotPool

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvoffload.protocol import (
     NEED_DATA,
     ClientConnection,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import posix_ipc
 import pytest
+
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_keys, unpack_ids
 from kvoffloadd.config import DaemonConfig

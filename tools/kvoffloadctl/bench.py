@@ -20,8 +20,9 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
-import kvoffload
 import numpy as np
+
+import kvoffload
 
 from .launch import DaemonProcess
 

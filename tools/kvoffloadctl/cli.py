@@ -1,4 +1,4 @@
-"""``kvoffloadctl``: admin CLI for a running kvoffloadd (stats, clients, evict).
+"""``kvoffloadctl``: admin CLI for a running kvoffloadd (stats, clients, evict, top, config).
 
 Human tables on a terminal, ``--json`` for scripts. An unreachable daemon is one
 line on stderr and exit status 1; a refused request is exit status 2.
@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
-import kvoffload
 import msgspec
+
+import kvoffload
 from kvoffload.protocol.errors import DaemonUnavailableError, KVOffloadError
 
 
@@ -54,6 +56,53 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
+TOP_HEADER = "STORE_GB/s  LOAD_GB/s  LOOKUPS/s  HIT_RATE  OCCUPANCY  USED        CLIENTS  EVICT/s"
+
+
+def top_sample(prev: dict[str, Any], cur: dict[str, Any], dt_s: float) -> dict[str, Any]:
+    """One line of ``top``: rates over the interval between two stats snapshots."""
+
+    def delta(section: str, key: str) -> float:
+        return float(cur[section][key] - prev[section][key])
+
+    looked = delta("blocks", "lookup_keys_total")
+    return {
+        "store_gbps": delta("copies", "stored_bytes_total") / dt_s / 1e9,
+        "load_gbps": delta("copies", "loaded_bytes_total") / dt_s / 1e9,
+        "lookup_keys_per_s": looked / dt_s,
+        "hit_rate": delta("blocks", "hit_keys_total") / looked if looked else 0.0,
+        "occupancy_ratio": cur["blocks"]["occupancy_ratio"],
+        "used_bytes": cur["blocks"]["used_bytes"],
+        "clients": cur["clients"]["connected"],
+        "evicted_per_s": delta("eviction", "evicted_blocks_total") / dt_s,
+    }
+
+
+def run_top(client: kvoffload.Client, interval_s: float, count: int, as_json: bool) -> None:
+    tty = sys.stdout.isatty() and not as_json
+    prev, t_prev = client.stats(), time.monotonic()
+    n = 0
+    while count <= 0 or n < count:
+        time.sleep(interval_s)
+        cur, t = client.stats(), time.monotonic()
+        row = top_sample(prev, cur, t - t_prev)
+        prev, t_prev, n = cur, t, n + 1
+        if as_json:
+            print(json.dumps(row), flush=True)
+            continue
+        if tty:
+            print("\x1b[H\x1b[2J", end="")
+        if tty or n == 1:
+            print(TOP_HEADER)
+        used = _human_bytes(row["used_bytes"])
+        print(
+            f"{row['store_gbps']:10.2f}  {row['load_gbps']:9.2f}  {row['lookup_keys_per_s']:9.0f}  "
+            f"{row['hit_rate']:8.1%}  {row['occupancy_ratio']:9.1%}  {used:10}  "
+            f"{row['clients']:7d}  {row['evicted_per_s']:7.0f}",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvoffloadctl", description="Administer kvoffloadd.")
     p.add_argument(
@@ -67,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("evict", help="evict unpinned blocks")
     ev.add_argument("--namespace", help="only this namespace (default: all)")
     ev.add_argument("--key", action="append", default=None, help="hex key (repeatable)")
+    ev.add_argument("--prefix", help="only keys starting with these hex bytes")
+    top = sub.add_parser("top", help="live view of throughput, hit rate and occupancy")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
+    sub.add_parser("config", help="the daemon's effective configuration")
     sub.add_parser("ping", help="round trip to the daemon")
     args = p.parse_args(argv)
 
@@ -117,12 +171,22 @@ def _run(client: kvoffload.Client, args: argparse.Namespace) -> int:
             )
     elif args.command == "evict":
         keys = [bytes.fromhex(k) for k in args.key] if args.key else None
-        n = client.evict(args.namespace, keys)
+        prefix = bytes.fromhex(args.prefix) if args.prefix else None
+        n = client.evict(args.namespace, keys, prefix)
         scope = f"namespace {args.namespace}" if args.namespace else "all namespaces"
         if args.json:
             print(json.dumps({"evicted_blocks": n, "namespace": args.namespace}))
         else:
             print(f"evicted {n} blocks from {scope}")
+    elif args.command == "config":
+        cfg = client.config()
+        if args.json:
+            print(json.dumps(cfg, indent=2, sort_keys=True))
+        else:
+            for k, v in sorted(cfg.items()):
+                print(f"{k} = {json.dumps(v)}")
+    elif args.command == "top":
+        run_top(client, args.interval, args.count, args.json)
     elif args.command == "ping":
         rtt_s = client.ping()
         print(json.dumps({"rtt_s": rtt_s}) if args.json else f"pong in {rtt_s * 1e6:.0f} us")

@@ -190,12 +190,17 @@ class ListClients(_Msg, frozen=True, tag="clients"):
 
 
 class Evict(_Msg, frozen=True, tag="evict"):
-    """Evict unpinned blocks: of one namespace (or all), optionally only given keys."""
+    """Evict unpinned blocks of one namespace (or all): given keys, a key prefix, or all."""
 
     rid: int
     namespace: str | None = None
     keys: bytes | None = None
     key_bytes: int = 0
+    key_prefix: bytes | None = None
+
+
+class GetConfig(_Msg, frozen=True, tag="config"):
+    rid: int
 
 
 Request = (
@@ -218,6 +223,7 @@ Request = (
     | GetStats
     | ListClients
     | Evict
+    | GetConfig
 )
 
 # ---------------------------------------------------------------------------- replies
@@ -333,6 +339,13 @@ class EvictReply(_Msg, frozen=True, tag="evicted"):
     evicted: int
 
 
+class ConfigReply(_Msg, frozen=True, tag="config_r"):
+    """The daemon's effective configuration (defaults, file and flags merged)."""
+
+    rid: int
+    config: dict[str, Any]
+
+
 Reply = (
     Welcome
     | Pong
@@ -348,6 +361,7 @@ Reply = (
     | StatsReply
     | ClientsReply
     | EvictReply
+    | ConfigReply
 )
 
 

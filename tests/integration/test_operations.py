@@ -1,0 +1,226 @@
+"""Operations against a live daemon: systemd notify/activation/watchdog, metrics, admin."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvoffload
+from kvoffloadctl.launch import DaemonProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def recv_states(mgr: socket.socket, want: str, deadline_s: float = 20.0) -> list[str]:
+    got: list[str] = []
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            got.append(mgr.recv(4096).decode())
+        except TimeoutError:
+            continue
+        if any(want in g for g in got):
+            return got
+    raise AssertionError(f"no {want!r} from the daemon; got {got}")
+
+
+def test_notify_socket_activation_watchdog_and_stopping(tmp_path: Path) -> None:
+    """Type=notify, socket activation and the watchdog, against a fake service manager."""
+    mgr = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    mgr.bind(str(tmp_path / "notify"))
+    mgr.settimeout(0.5)
+    sock_path = str(tmp_path / "run" / "kvoffloadd.sock")
+    os.makedirs(os.path.dirname(sock_path))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path)
+    listener.listen(16)
+    fd = listener.fileno()
+    instance = f"sd{uuid.uuid4().hex[:8]}"
+    env = dict(
+        os.environ, NOTIFY_SOCKET=str(tmp_path / "notify"), WATCHDOG_USEC="300000", FD=str(fd)
+    )
+    # Stand in for systemd: put the socket at fd 3, name this pid, exec the daemon.
+    launcher = (
+        "import os, sys; os.dup2(int(os.environ['FD']), 3); pid = str(os.getpid());"
+        "os.environ.update(LISTEN_PID=pid, LISTEN_FDS='1', LISTEN_FDNAMES='kvoffload',"
+        " WATCHDOG_PID=pid); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            launcher,
+            "-m",
+            "kvoffloadd",
+            "--instance",
+            instance,
+            "--region-size",
+            "32MiB",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        pass_fds=(fd,),
+        stdout=subprocess.DEVNULL,
+    )
+    listener.close()  # the daemon owns it now
+    try:
+        states = recv_states(mgr, "READY=1")
+        ready = next(s for s in states if "READY=1" in s)
+        assert f"MAINPID={proc.pid}" in ready and "STATUS=" in ready
+        c = kvoffload.connect(sock_path)  # served on the activated socket
+        assert c.ping() < 5
+        c.close()
+        recv_states(mgr, "WATCHDOG=1")
+        proc.terminate()
+        recv_states(mgr, "STOPPING=1")
+        assert proc.wait(30) == 0
+        assert os.path.exists(sock_path), "an activated socket belongs to systemd"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        mgr.close()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze absent")
+def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    for name in ("kvoffloadd.service", "kvoffloadd.socket"):
+        text = (ROOT / "systemd" / name).read_text()
+        exe = shutil.which("kvoffloadd") or os.path.join(
+            os.path.dirname(sys.executable), "kvoffloadd"
+        )
+        (tmp_path / name).write_text(text.replace("/usr/local/bin/kvoffloadd", exe))
+    r = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", "kvoffloadd.socket", "kvoffloadd.service"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == "", r.stderr
+
+
+def test_prometheus_endpoint_scrapes_live_counters() -> None:
+    port = free_port()
+    with DaemonProcess("64MiB", "--log-level", "warning", "--metrics-port", str(port)) as d:
+        c = kvoffload.connect(d.socket_path)
+        ns = c.namespace("llama", kvoffload.KVLayout(tensor_page_bytes=[4096]))
+        w = ns.attach_worker([kvoffload.shared_kv_cache(8, 4096)])
+        keys = [b"m%07d" % i for i in range(4)]
+        plan = ns.prepare_store(keys)
+        assert plan is not None
+        assert w.submit_store(1, np.arange(4), plan.slots)
+        w.wait([1])
+        ns.complete_store(keys)
+        ns.lookup([*keys, b"missing!"])
+        body = ""
+        end = time.monotonic() + 20
+        while 'kvoffload_hit_keys_total{namespace="llama"} 4.0' not in body:
+            assert time.monotonic() < end, body[-2000:]
+            time.sleep(0.2)
+            body = (
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
+        assert 'kvoffload_lookup_keys_total{namespace="llama"} 5.0' in body
+        assert 'kvoffload_copied_bytes_total{direction="store"} 16384.0' in body
+        assert 'kvoffload_blocks{namespace="llama",state="stored"} 4.0' in body
+        assert "kvoffload_region_bytes " in body and "kvoffload_clients 1.0" in body
+        assert "# TYPE kvoffload_copy_throughput_bytes_per_second gauge" in body
+        c.close()
+
+
+def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvoffloadctl", "--socket", sock, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_top_config_and_prefix_eviction(daemon: DaemonProcess) -> None:
+    c = kvoffload.connect(daemon.socket_path)
+    ns = c.namespace("llama", kvoffload.KVLayout(tensor_page_bytes=[4096]))
+    w = ns.attach_worker([kvoffload.shared_kv_cache(8, 4096)])
+    keys = [b"aa" + b"%06d" % i for i in range(3)] + [b"bb" + b"%06d" % i for i in range(3)]
+    plan = ns.prepare_store(keys)
+    assert plan is not None
+    assert w.submit_store(1, np.arange(6), plan.slots)
+    w.wait([1])
+    ns.complete_store(keys)
+
+    r = ctl(daemon.socket_path, "--json", "top", "--interval", "0.2", "--count", "2")
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 2 and {"store_gbps", "hit_rate", "occupancy_ratio"} <= set(rows[0])
+    r = ctl(daemon.socket_path, "top", "--interval", "0.1", "--count", "1")
+    assert r.returncode == 0 and "HIT_RATE" in r.stdout
+
+    cfg = json.loads(ctl(daemon.socket_path, "--json", "config").stdout)
+    assert cfg["region_size"] == 64 << 20 and cfg["policy"] == "lru"
+    assert cfg["socket"] == daemon.socket_path
+
+    r = ctl(daemon.socket_path, "evict", "--namespace", "llama", "--prefix", b"aa".hex())
+    assert "evicted 3 blocks" in r.stdout
+    assert ns.lookup(keys[3:]) == 3 and ns.lookup(keys[:1]) == 0
+    c.close()
+
+
+def test_evict_and_config_refused_for_non_admin_uid(tmp_path: Path) -> None:
+    cfg = tmp_path / "k.toml"
+    cfg.write_text(f"admin_uids = [{os.getuid() + 4242}]\n")
+    with DaemonProcess("32MiB", "--config", str(cfg), "--log-level", "error") as d:
+        r = ctl(d.socket_path, "evict")
+        assert r.returncode == 2, r
+        assert "PERMISSION_DENIED" in r.stderr and "admin_uids" in r.stderr
+        r = ctl(d.socket_path, "config")
+        assert r.returncode == 2 and "PERMISSION_DENIED" in r.stderr
+        r = ctl(d.socket_path, "--json", "stats")
+        assert r.returncode == 0  # reading stats is open to every client
+        assert json.loads(r.stdout)["errors"]["PERMISSION_DENIED"] == 2
+
+
+def test_config_file_is_used_and_bad_keys_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "k.toml"
+    cfg.write_text('policy = "arc"\nregion_size = "32MiB"\ncopy_threads = 1\n')
+    with DaemonProcess("32MiB", "--config", str(cfg), "--log-level", "warning") as d:
+        c = kvoffload.connect(d.socket_path)
+        assert c.config()["policy"] == "arc" and c.config()["copy_threads"] == 1
+        c.close()
+    cfg.write_text("regoin_size = 5\n")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvoffloadd",
+            "--config",
+            str(cfg),
+            "--socket",
+            os.path.join(tempfile.mkdtemp(), "s.sock"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "regoin_size" in r.stderr
