@@ -32,6 +32,7 @@ from itertools import takewhile
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload.plans import OffloadEvent, StorePlan
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 
@@ -39,19 +40,6 @@ from .allocator import SlotPool
 from .policies import Block, make_policy
 
 MAX_PENDING_EVENTS = 65536
-
-
-@dataclass(frozen=True)
-class StorePlan:
-    keys_to_store: list[bytes]
-    slots: list[int]
-    evicted_keys: list[bytes]
-
-
-@dataclass(frozen=True)
-class OffloadEvent:
-    keys: list[bytes]
-    removed: bool
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .paths import default_socket_path
+from .plans import LoadPlan, OffloadEvent, StorePlan
 from .protocol import messages as m
 from .protocol.errors import DaemonUnavailableError, InvalidArgumentError, NoSpaceError
 from .protocol.messages import KVLayout, pack_keys, unpack_ids, unpack_keys
@@ -37,24 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=m.Reply)
-
-
-@dataclass(frozen=True)
-class StorePlan:
-    keys_to_store: list[bytes]
-    slots: list[int]
-    evicted_keys: list[bytes]
-
-
-@dataclass(frozen=True)
-class LoadPlan:
-    slots: list[int]
-
-
-@dataclass(frozen=True)
-class OffloadEvent:
-    keys: list[bytes]
-    removed: bool
 
 
 class Client:
@@ -162,16 +144,20 @@ class Client:
 
     # ------------------------------------------------------------ public API
 
+    def _register(self, setup: Callable[[Transport], None]) -> None:
+        """Run a registration on the live transport (the lock held); a loss is recorded."""
+        t = self._ensure()
+        try:
+            setup(t)
+        except DaemonUnavailableError as exc:
+            self._lost(exc)
+            raise
+
     def namespace(self, name: str, layout: KVLayout) -> Namespace:
         """Open (or join) a namespace; LayoutMismatchError if it exists with another layout."""
         with self._lock:
             ns = Namespace(self, name, layout)
-            t = self._ensure()
-            try:
-                ns._reopen(t)
-            except DaemonUnavailableError as exc:
-                self._lost(exc)
-                raise
+            self._register(ns._reopen)
             self._namespaces.append(ns)
             return ns
 

@@ -59,12 +59,7 @@ class Worker:
         self._failed_locally: list[TransferResult] = []
         client = ns.client
         with client._lock:
-            t = client._ensure()
-            try:
-                self._reattach(t)
-            except DaemonUnavailableError as exc:
-                client._lost(exc)
-                raise
+            client._register(self._reattach)
             client._register_worker(self)
 
     def _reattach(self, t: Transport) -> None:

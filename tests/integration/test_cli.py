@@ -3,34 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-import numpy as np
+from helpers import ctl, store_blocks
 
 import kvoffload
 from kvoffloadctl.launch import DaemonProcess
 
 
-def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvoffloadctl", "--socket", sock, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_stats_clients_evict(daemon: DaemonProcess) -> None:
     c = kvoffload.connect(daemon.socket_path, name="engine-a")
-    ns = c.namespace("llama", kvoffload.KVLayout(tensor_page_bytes=[4096]))
-    w = ns.attach_worker([kvoffload.shared_kv_cache(8, 4096)])
     keys = [b"k%07d" % i for i in range(4)]
-    plan = ns.prepare_store(keys)
-    assert plan is not None
-    assert w.submit_store(1, np.arange(4), plan.slots)
-    w.wait([1])
-    ns.complete_store(keys)
+    ns, _ = store_blocks(c, "llama", keys)
     ns.lookup([*keys, b"missing!"])
 
     r = ctl(daemon.socket_path, "--json", "stats")

@@ -14,8 +14,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
+from helpers import ctl, store_blocks
 
 import kvoffload
 from kvoffloadctl.launch import DaemonProcess
@@ -124,14 +124,8 @@ def test_prometheus_endpoint_scrapes_live_counters() -> None:
     port = free_port()
     with DaemonProcess("64MiB", "--log-level", "warning", "--metrics-port", str(port)) as d:
         c = kvoffload.connect(d.socket_path)
-        ns = c.namespace("llama", kvoffload.KVLayout(tensor_page_bytes=[4096]))
-        w = ns.attach_worker([kvoffload.shared_kv_cache(8, 4096)])
         keys = [b"m%07d" % i for i in range(4)]
-        plan = ns.prepare_store(keys)
-        assert plan is not None
-        assert w.submit_store(1, np.arange(4), plan.slots)
-        w.wait([1])
-        ns.complete_store(keys)
+        ns, _ = store_blocks(c, "llama", keys)
         ns.lookup([*keys, b"missing!"])
         body = ""
         end = time.monotonic() + 20
@@ -151,25 +145,10 @@ def test_prometheus_endpoint_scrapes_live_counters() -> None:
         c.close()
 
 
-def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvoffloadctl", "--socket", sock, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_top_config_and_prefix_eviction(daemon: DaemonProcess) -> None:
     c = kvoffload.connect(daemon.socket_path)
-    ns = c.namespace("llama", kvoffload.KVLayout(tensor_page_bytes=[4096]))
-    w = ns.attach_worker([kvoffload.shared_kv_cache(8, 4096)])
     keys = [b"aa" + b"%06d" % i for i in range(3)] + [b"bb" + b"%06d" % i for i in range(3)]
-    plan = ns.prepare_store(keys)
-    assert plan is not None
-    assert w.submit_store(1, np.arange(6), plan.slots)
-    w.wait([1])
-    ns.complete_store(keys)
+    ns, _ = store_blocks(c, "llama", keys)
 
     r = ctl(daemon.socket_path, "--json", "top", "--interval", "0.2", "--count", "2")
     rows = [json.loads(line) for line in r.stdout.splitlines()]

@@ -1,0 +1,29 @@
+"""Value types of the offloading-manager contract, shared by the client and the daemon."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """Keys to store (the ones not stored yet), their leased slots, and what was evicted."""
+
+    keys_to_store: list[bytes]
+    slots: list[int]
+    evicted_keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Slots of the pinned blocks, in key order."""
+
+    slots: list[int]
+
+
+@dataclass(frozen=True)
+class OffloadEvent:
+    """Keys stored (``removed=False``) or evicted (``removed=True``) together."""
+
+    keys: list[bytes]
+    removed: bool
