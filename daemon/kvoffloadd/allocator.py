@@ -31,7 +31,8 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-ExtentListener = Callable[[int, "int | None", int], None]
+# (extent, owner or None, slot_bytes, index of the extent among its owner's extents)
+ExtentListener = Callable[[int, "int | None", int, int], None]
 
 
 class ExtentPool:
@@ -43,28 +44,29 @@ class ExtentPool:
         extent_bytes: int,
         data_offset: int = 0,
         on_change: ExtentListener | None = None,
+        owners: list[int | None] | None = None,
     ) -> None:
         if num_extents <= 0 or extent_bytes <= 0:
             raise ValueError("an extent pool needs at least one extent of positive size")
         self.num_extents = num_extents
         self.extent_bytes = extent_bytes
         self.data_offset = data_offset
+        self.owner: list[int | None] = list(owners) if owners else [None] * num_extents
         # Lowest index first, so a fresh region fills from its start.
-        self._free: list[int] = list(range(num_extents - 1, -1, -1))
-        self.owner: list[int | None] = [None] * num_extents
+        self._free: list[int] = [e for e in range(num_extents - 1, -1, -1) if self.owner[e] is None]
         self._on_change = on_change
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def take(self, owner: int, slot_bytes: int) -> int | None:
+    def take(self, owner: int, slot_bytes: int, chunk: int) -> int | None:
         if not self._free:
             return None
         ext = self._free.pop()
         self.owner[ext] = owner
         if self._on_change is not None:
-            self._on_change(ext, owner, slot_bytes)
+            self._on_change(ext, owner, slot_bytes, chunk)
         return ext
 
     def give_back(self, ext: int) -> None:
@@ -74,7 +76,7 @@ class ExtentPool:
         self._free.append(ext)
         self._free.sort(reverse=True)
         if self._on_change is not None:
-            self._on_change(ext, None, 0)
+            self._on_change(ext, None, 0, 0)
 
 
 class SlotPool:
@@ -156,11 +158,22 @@ class SlotPool:
                     self._release(s)
 
     def _grow(self) -> None:
-        ext = self.pool.take(self.owner, self.slot_bytes)
+        ext = self.pool.take(self.owner, self.slot_bytes, len(self.extents))
         if ext is None:
             raise AssertionError("extent pool exhausted during allocate")
         self.extents.append(ext)
         self._used_per_extent.append(0)
+        self._extent_array = np.asarray(self.extents, dtype=np.int64)
+
+    def adopt(self, extents: list[int], used: set[int]) -> None:
+        """Take over extents a previous daemon gave this namespace (warm restart)."""
+        self.extents = list(extents)
+        spe = self.slots_per_extent
+        self._used_per_extent = [0] * len(extents)
+        for slot in used:
+            self._used_per_extent[slot // spe] += 1
+        self._fresh = self.capacity
+        self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
         self._extent_array = np.asarray(self.extents, dtype=np.int64)
 
     def top_extent_slots(self) -> range:

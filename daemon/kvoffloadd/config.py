@@ -61,6 +61,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_frame_bytes: int = 16 * 1024 * 1024
     max_clients: int = 1024
     prefault: bool = True
+    keep_region: bool = False  # a clean stop leaves the region for the next daemon
+    discard_region: bool = False  # drop an existing region that cannot be recovered
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_address: str = "127.0.0.1"
     # uids allowed to evict and read the config; unset: root and the daemon's own uid

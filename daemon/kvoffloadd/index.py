@@ -239,6 +239,19 @@ class NamespaceIndex:
         if not pins[key]:
             del pins[key]
 
+    def restore(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Re-insert completed stores found in a kept region, oldest first (warm restart)."""
+        slot_key = self._slot_key
+        if len(slot_key) < self.slots.capacity:
+            slot_key.extend([None] * (self.slots.capacity - len(slot_key)))
+        for slot, key in blocks:
+            block = Block(slot)
+            block.ref = 0
+            self._policy.insert(key, block)
+            slot_key[slot] = key
+            self._ready.add(key)
+            self._num_evictable += 1
+
     def touch(self, keys: Sequence[bytes]) -> None:
         self._policy.touch(keys)
 

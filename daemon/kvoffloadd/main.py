@@ -37,6 +37,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port (0: off)")
     p.add_argument(
+        "--keep-region",
+        dest="keep_region",
+        action="store_true",
+        default=None,
+        help="leave the region for the next daemon on a clean stop (warm restart)",
+    )
+    p.add_argument(
+        "--discard-region",
+        dest="discard_region",
+        action="store_true",
+        default=None,
+        help="drop an existing region that cannot be recovered instead of refusing to start",
+    )
+    p.add_argument(
         "--no-prefault",
         dest="prefault",
         action="store_false",
@@ -66,7 +80,7 @@ def build(
     lock = InstanceLock(os.path.join(run_dir, f"{cfg.instance}.lock"))
     try:
         geometry = Geometry.plan(cfg.region_bytes, cfg.extent_bytes, cfg.min_slot_bytes)
-        region = SharedOffloadRegion(cfg.region_name, geometry)
+        region = SharedOffloadRegion(cfg.region_name, geometry, discard=cfg.discard_region)
     except BaseException:
         lock.release()
         raise
@@ -79,7 +93,7 @@ def build(
             metrics = MetricsEndpoint(cfg.metrics_address, cfg.metrics_port)
     except BaseException:
         copier.close()
-        region.close()
+        region.close(unlink=not cfg.keep_region)
         lock.release()
         raise
     server = Server(Service(cfg, region, copier), listener, notifier, metrics)
@@ -132,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.prefault:
         region.start_prefault()
     g = region.geometry
+    if region.recovered:
+        blocks = sum(len(ns.slots.extents) for ns in server.service.namespaces.values())
+        log.info(
+            "warm restart: recovered %d namespaces over %d extents",
+            len(server.service.namespaces),
+            blocks,
+        )
     print(
         f"kvoffloadd {cfg.instance}: listening on {cfg.socket_path}; region {region.name} "
         f"{g.region_bytes / 2**30:.2f} GiB in {g.num_extents} extents of "
@@ -145,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         if server.metrics is not None:
             server.metrics.close()
         copier.close()
-        region.close()
+        region.close(unlink=not cfg.keep_region)
         server.listener.close()
         if activated is None:  # an activated socket belongs to systemd
             with contextlib.suppress(FileNotFoundError):

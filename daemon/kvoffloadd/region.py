@@ -4,9 +4,9 @@ Layout (all offsets little-endian, fixed by ``FORMAT_VERSION``)::
 
     0                 header (4 KiB): magic, version, geometry, owner pid
     extent_table      num_extents x 16 B: owning namespace (u32, FREE=0xffffffff),
-                      slot_bytes (u32), reserved (u64)
-    namespace_table   max_namespaces x 512 B: name (256 B utf-8), fingerprint (64 B
-                      hex), reserved
+                      slot_bytes (u32), index among the owner's extents (u32), 0 (u32)
+    namespace_table   max_namespaces x 2 KiB: name (256 B utf-8), fingerprint (64 B
+                      hex), layout length (u32), layout (msgpack KVLayout)
     slot_table        num_extents * slots_per_extent_max x 96 B records:
                       state (u8: 0 free, 1 writing, 2 ready), key_len (u8), ns (u32),
                       seq (u64, store order), key (64 B)
@@ -19,12 +19,14 @@ slot changes state.
 
 Rules:
 - One daemon per instance name: a ``flock`` on ``<runtime_dir>/<instance>.lock``
-  proves it. A segment found under the name without the lock held belongs to a dead
-  daemon and is replaced.
+  proves it. A segment found under the name without the lock held belongs to a daemon
+  that stopped or died: it is recovered when its header matches this format and
+  geometry (warm restart, see ``recovery.py``), refused otherwise unless ``discard``.
 - Clients open the segment, when they do, with size 0: opening with a size would
   ftruncate it under everybody else (research/stack.md section 5).
 - Pre-faulting runs in a background thread, in chunks, so start-up does not wait.
-- ``close()`` drops every view before closing the map, then unlinks the name.
+- ``close()`` drops every view before closing the map, then unlinks the name unless
+  asked to keep it for the next daemon.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ MAGIC = b"KVOFFLD\0"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 EXTENT_RECORD_BYTES = 16
-NAMESPACE_RECORD_BYTES = 512
+NAMESPACE_RECORD_BYTES = 2048
+NAMESPACE_LAYOUT_OFFSET = 324
 SLOT_RECORD_BYTES = 96
 MAX_NAMESPACES = 256
 DATA_ALIGN_BYTES = 2 * 1024 * 1024
@@ -164,19 +167,29 @@ class InstanceLock:
 class SharedOffloadRegion:
     """The daemon's mapping of the region, its tables and the extent pool."""
 
-    def __init__(self, name: str, geometry: Geometry) -> None:
+    def __init__(
+        self, name: str, geometry: Geometry, *, recover: bool = True, discard: bool = False
+    ) -> None:
         self.name = name
         self.geometry = g = geometry
-        self._check_shm_space(g.region_bytes)
-        self._unlink_stale(name)
-        self._shm = posix_ipc.SharedMemory(
-            name, flags=posix_ipc.O_CREX, mode=0o600, size=g.region_bytes
-        )
+        self.recovered = False
+        found = self._probe(name)
+        if found is not None and recover and found == self._header_fields(g)[:14]:
+            self._shm = posix_ipc.SharedMemory(name)  # size 0: never resize a live region
+            self.recovered = True
+        else:
+            if found is not None:
+                self._refuse_or_discard(name, found, g, discard or not recover)
+            self._check_shm_space(g.region_bytes)
+            self._shm = posix_ipc.SharedMemory(
+                name, flags=posix_ipc.O_CREX, mode=0o600, size=g.region_bytes
+            )
         try:
             self._mm = mmap.mmap(self._shm.fd, g.region_bytes)
         except BaseException:
             self._shm.close_fd()
-            self._shm.unlink()
+            if not self.recovered:
+                self._shm.unlink()
             raise
         self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._mm, dtype=np.uint8)
         self.slot_table: npt.NDArray[np.void] = np.frombuffer(
@@ -188,10 +201,16 @@ class SharedOffloadRegion:
         self._extent_table = np.frombuffer(
             self._mm, dtype="<u4", count=g.num_extents * 4, offset=g.extent_table
         ).reshape(g.num_extents, 4)
-        self._extent_table[:, 0] = FREE_OWNER
+        if not self.recovered:
+            self._extent_table[:, 0] = FREE_OWNER
         self._write_header()
-        self.pool = ExtentPool(g.num_extents, g.extent_bytes, g.data_offset, self.record_extent)
-        self._seq = 0
+        owners: list[int | None] = [
+            None if o == FREE_OWNER else int(o) for o in self._extent_table[:, 0].tolist()
+        ]
+        self.pool = ExtentPool(
+            g.num_extents, g.extent_bytes, g.data_offset, self.record_extent, owners
+        )
+        self._seq = int(self.slot_table["seq"].max()) if self.recovered else 0
         self.prefaulted_bytes = 0
         self._stop_prefault = threading.Event()
         self._prefault_thread: threading.Thread | None = None
@@ -212,26 +231,42 @@ class SharedOffloadRegion:
             )
 
     @staticmethod
-    def _unlink_stale(name: str) -> None:
+    def _probe(name: str) -> tuple[object, ...] | None:
+        """Header fields (without pid and time) of an existing segment, or None."""
         try:
             old = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
-            return
-        pid = -1
+            return None
         try:
-            if old.size >= _HEADER.size:
-                with mmap.mmap(old.fd, _HEADER.size, prot=mmap.PROT_READ) as mm:
-                    fields = _HEADER.unpack(mm[: _HEADER.size])
-                    if fields[0] == MAGIC:
-                        pid = fields[14]
+            if old.size < _HEADER.size:
+                return ()
+            with mmap.mmap(old.fd, _HEADER.size, prot=mmap.PROT_READ) as mm:
+                return tuple(_HEADER.unpack(mm[: _HEADER.size]))[:14]
         finally:
             old.close_fd()
-        log.warning("replacing stale region %s (left by pid %s)", name, pid)
+
+    @staticmethod
+    def _refuse_or_discard(
+        name: str, found: tuple[object, ...], g: Geometry, discard: bool
+    ) -> None:
+        if found[:2] == (MAGIC, FORMAT_VERSION):
+            what = f"a region of {found[3]} bytes in extents of {found[4]} bytes"
+        elif found[:1] == (MAGIC,):
+            what = f"a region of format version {found[1]} (this daemon reads {FORMAT_VERSION})"
+        else:
+            what = "a segment that is not a kvoffload region"
+        if not discard:
+            raise RegionError(
+                f"{name} holds {what}, which this daemon cannot reuse with "
+                f"region_size={g.region_bytes} and extent_size={g.extent_bytes}; start "
+                "with the old sizes to keep its blocks, or with --discard-region to drop it"
+            )
+        log.warning("discarding %s: it holds %s", name, what)
         posix_ipc.unlink_shared_memory(name)
 
-    def _write_header(self) -> None:
-        g = self.geometry
-        self._mm[: _HEADER.size] = _HEADER.pack(
+    @staticmethod
+    def _header_fields(g: Geometry) -> tuple[object, ...]:
+        return (
             MAGIC,
             FORMAT_VERSION,
             HEADER_BYTES,
@@ -249,6 +284,9 @@ class SharedOffloadRegion:
             os.getpid(),
             time.time_ns(),
         )
+
+    def _write_header(self) -> None:
+        self._mm[: _HEADER.size] = _HEADER.pack(*self._header_fields(self.geometry))
 
     def start_prefault(self) -> None:
         self._prefault_thread = threading.Thread(
@@ -287,7 +325,7 @@ class SharedOffloadRegion:
             time.monotonic() - t0,
         )
 
-    def close(self) -> None:
+    def close(self, unlink: bool = True) -> None:
         self._stop_prefault.set()
         if self._prefault_thread is not None:
             self._prefault_thread.join()
@@ -297,21 +335,47 @@ class SharedOffloadRegion:
         except BufferError:
             log.warning("region views still exist; the mapping goes with the process")
         self._shm.close_fd()
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            self._shm.unlink()
+        if unlink:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                self._shm.unlink()
+        else:
+            log.info("kept region %s for the next daemon", self.name)
 
     # ------------------------------------------------------------ tables
 
-    def register_namespace(self, ns_id: int, name: str, fingerprint: str) -> None:
+    def register_namespace(self, ns_id: int, name: str, fingerprint: str, layout: bytes) -> None:
         if ns_id >= MAX_NAMESPACES:
             raise RegionError(f"more than {MAX_NAMESPACES} namespaces")
+        if len(layout) > NAMESPACE_RECORD_BYTES - NAMESPACE_LAYOUT_OFFSET:
+            raise RegionError(f"namespace layout of {len(layout)} bytes does not fit its record")
         off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
-        record = name.encode()[:256].ljust(256, b"\0") + fingerprint.encode()[:64].ljust(64, b"\0")
+        record = (
+            name.encode()[:256].ljust(256, b"\0")
+            + fingerprint.encode()[:64].ljust(64, b"\0")
+            + struct.pack("<I", len(layout))
+            + layout
+        )
         self._mm[off : off + len(record)] = record
 
-    def record_extent(self, ext: int, owner: int | None, slot_bytes: int) -> None:
+    def namespace_record(self, ns_id: int) -> tuple[str, str, bytes] | None:
+        """(name, fingerprint, msgpack layout) of a namespace table entry, or None."""
+        off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
+        raw = self._mm[off : off + NAMESPACE_RECORD_BYTES]
+        name = raw[:256].rstrip(b"\0").decode(errors="replace")
+        if not name:
+            return None
+        (n,) = struct.unpack_from("<I", raw, 320)
+        layout = raw[NAMESPACE_LAYOUT_OFFSET : NAMESPACE_LAYOUT_OFFSET + n]
+        return name, raw[256:320].rstrip(b"\0").decode(), layout
+
+    def extent_records(self) -> npt.NDArray[np.uint32]:
+        """(owner, slot_bytes, chunk index, 0) per extent (a copy)."""
+        return self._extent_table.copy()
+
+    def record_extent(self, ext: int, owner: int | None, slot_bytes: int, chunk: int) -> None:
         self._extent_table[ext, 0] = FREE_OWNER if owner is None else owner
         self._extent_table[ext, 1] = slot_bytes
+        self._extent_table[ext, 2] = chunk
 
     def journal_for(self, ns_id: int, slots: SlotPool) -> SlotJournal:
         return _RegionJournal(self, ns_id, slots)

@@ -43,6 +43,7 @@ from .config import DaemonConfig
 from .copier import Completion, CpuCopier
 from .copyplan import build_runs, check_transfer
 from .index import NamespaceIndex
+from .recovery import read_namespaces
 from .region import SharedOffloadRegion
 from .stats import client_infos, render_stats
 from .workers import AttachedWorker, attach_caches, close_fds
@@ -104,6 +105,8 @@ class Service:
         self.jobs_failed = 0
         self.store_seconds = self.load_seconds = 0.0
         self._handlers = self._make_handlers()
+        if region.recovered:
+            self._recover()
 
     # ------------------------------------------------------------ dispatch
 
@@ -251,32 +254,51 @@ class Service:
                     f"({index.layout}); this client sent {layout}"
                 )
         else:
-            slot_bytes = max(
-                -(-layout.block_bytes // PAGE_BYTES) * PAGE_BYTES, self.config.min_slot_bytes
-            )
+            slot_bytes = self._slot_bytes(layout)
             if slot_bytes > self.region.geometry.extent_bytes:
                 raise InvalidArgumentError(
                     f"one offloaded block is {slot_bytes} bytes, larger than an extent "
                     f"({self.region.geometry.extent_bytes} bytes); raise extent_size"
                 )
-            ns_id = len(self.namespaces)
-            self.region.register_namespace(ns_id, name, fp)
-            slots = SlotPool(self.region.pool, ns_id, slot_bytes)
-            index = NamespaceIndex(
-                ns_id,
-                name,
-                layout,
-                fp,
-                slots,
-                policy=self.config.policy,
-                journal=self.region.journal_for(ns_id, slots),
-                reclaim=self._reclaim,
-            )
-            self.namespaces[ns_id] = index
-            self._ns_by_name[name] = index
+            ns_id = max(self.namespaces, default=-1) + 1
+            self.region.register_namespace(ns_id, name, fp, msgspec.msgpack.encode(layout))
+            index = self._new_index(ns_id, name, layout, fp, slot_bytes)
             log.info("namespace %s opened: %d-byte slots, fingerprint %s", name, slot_bytes, fp)
         s.namespaces.add(index.ns_id)
         return m.NamespaceOpened(rid, index.ns_id, index.slots.slot_bytes, fp)
+
+    def _new_index(
+        self, ns_id: int, name: str, layout: m.KVLayout, fp: str, slot_bytes: int
+    ) -> NamespaceIndex:
+        slots = SlotPool(self.region.pool, ns_id, slot_bytes)
+        index = NamespaceIndex(
+            ns_id,
+            name,
+            layout,
+            fp,
+            slots,
+            policy=self.config.policy,
+            journal=self.region.journal_for(ns_id, slots),
+            reclaim=self._reclaim,
+        )
+        self.namespaces[ns_id] = index
+        self._ns_by_name[name] = index
+        return index
+
+    def _recover(self) -> None:
+        """Warm restart: namespaces and completed blocks from the kept region."""
+        for rec in read_namespaces(self.region):
+            if layout_fingerprint(rec.layout) != rec.fingerprint:
+                log.warning("namespace %s: layout does not match its fingerprint", rec.name)
+                continue
+            slot_bytes = rec.slot_bytes or self._slot_bytes(rec.layout)
+            index = self._new_index(rec.ns_id, rec.name, rec.layout, rec.fingerprint, slot_bytes)
+            index.slots.adopt(rec.extents, {slot for slot, _ in rec.blocks})
+            index.restore(rec.blocks)
+            log.info("recovered namespace %s: %d blocks", rec.name, len(rec.blocks))
+
+    def _slot_bytes(self, layout: m.KVLayout) -> int:
+        return max(-(-layout.block_bytes // PAGE_BYTES) * PAGE_BYTES, self.config.min_slot_bytes)
 
     def _prepare_store(
         self, s: Session, rid: int, index: NamespaceIndex, keys: list[bytes]

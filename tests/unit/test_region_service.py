@@ -22,6 +22,7 @@ from kvoffloadd.region import (
     SLOT_DTYPE,
     SLOT_READY,
     Geometry,
+    RegionError,
     SharedOffloadRegion,
 )
 from kvoffloadd.service import Service
@@ -113,14 +114,16 @@ def test_pinned_extent_is_never_reclaimed(service: Service) -> None:
     assert service.namespaces[a].lookup(keys_a) == len(keys_a)
 
 
-def test_stale_region_is_replaced() -> None:
+def test_incompatible_region_is_refused_unless_discarded() -> None:
     name = f"/kvoffload-stale{uuid.uuid4().hex[:6]}"
     g = Geometry.plan(8 * MIB, 2 * MIB, 16384)
     old = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=g.region_bytes)
     with mmap.mmap(old.fd, g.region_bytes) as mm:
-        mm[:8] = MAGIC
+        mm[:8] = MAGIC  # a kvoffload region of an unknown format version
     old.close_fd()
-    region = SharedOffloadRegion(name, g)  # the lock is not held: it is stale
+    with pytest.raises(RegionError, match="format version 0.*--discard-region"):
+        SharedOffloadRegion(name, g)
+    region = SharedOffloadRegion(name, g, discard=True)
     assert struct.unpack_from("<I", region.buffer, 8)[0] == FORMAT_VERSION
     region.close()
     with pytest.raises(posix_ipc.ExistentialError):

@@ -1,0 +1,93 @@
+"""Warm restart: rebuild namespaces and their indexes from a kept region's tables.
+
+A daemon that stops with ``keep_region`` or dies (even by SIGKILL) leaves the region
+and its tables behind. The next daemon of the same instance reads them back:
+
+- every namespace of the namespace table comes back with its name, fingerprint and
+  layout, and owns the same extents in the same order, so slot ids are unchanged;
+- every slot whose record says READY is a completed store: its key becomes visible
+  again, in the order stores completed (``seq``), which is the LRU order;
+- a slot whose record says WRITING held a store in flight when the daemon went away:
+  its bytes cannot be trusted, so the record is cleared and the slot is free.
+
+Completion order makes this safe: a record turns READY only after every rank's copy
+into the slot finished, and only on the loop thread, after the copy threads reported.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from kvoffload.protocol.messages import KVLayout
+
+from .region import (
+    FREE_OWNER,
+    MAX_NAMESPACES,
+    SLOT_FREE,
+    SLOT_READY,
+    SLOT_WRITING,
+    SharedOffloadRegion,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecoveredNamespace:
+    ns_id: int
+    name: str
+    fingerprint: str
+    layout: KVLayout
+    slot_bytes: int
+    extents: list[int]  # in slot-id order
+    blocks: list[tuple[int, bytes]]  # (slot, key) in completion order
+
+
+def read_namespaces(region: SharedOffloadRegion) -> list[RecoveredNamespace]:
+    """Everything a kept region says about its namespaces; clears in-flight records."""
+    g = region.geometry
+    extents = region.extent_records()
+    table = region.slot_table
+    out = []
+    for ns_id in range(MAX_NAMESPACES):
+        record = region.namespace_record(ns_id)
+        if record is None:
+            continue
+        name, fingerprint, raw_layout = record
+        try:
+            layout = msgspec.msgpack.decode(raw_layout, type=KVLayout)
+        except msgspec.DecodeError:
+            log.warning("namespace %s: unreadable layout record, its blocks are dropped", name)
+            continue
+        mine = [e for e in range(g.num_extents) if extents[e, 0] == ns_id != FREE_OWNER]
+        mine.sort(key=lambda e: int(extents[e, 2]))
+        slot_bytes = int(extents[mine[0], 1]) if mine else 0
+        blocks: list[tuple[int, int, bytes]] = []
+        if mine:
+            spe = g.extent_bytes // slot_bytes
+            for chunk, ext in enumerate(mine):
+                base = ext * g.slots_per_extent_max
+                recs = table[base : base + spe]
+                writing = np.flatnonzero(recs["state"] == SLOT_WRITING)
+                table["state"][base + writing] = SLOT_FREE
+                for j in np.flatnonzero((recs["state"] == SLOT_READY) & (recs["ns"] == ns_id)):
+                    rec = recs[j]
+                    key = bytes(rec["key"])[: int(rec["key_len"])]
+                    blocks.append((int(rec["seq"]), chunk * spe + int(j), key))
+        blocks.sort()
+        out.append(
+            RecoveredNamespace(
+                ns_id,
+                name,
+                fingerprint,
+                layout,
+                slot_bytes,
+                mine,
+                [(slot, key) for _, slot, key in blocks],
+            )
+        )
+    return out

@@ -1,0 +1,121 @@
+"""Warm restart: a daemon that dies or stops with keep_region comes back with its blocks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvoffload
+from kvoffloadctl.launch import DaemonProcess
+
+LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[8192, 4096], block_size_factor=2)
+DEADLINE_S = 20.0
+
+
+def random_caches(seed: int, blocks: int = 64) -> list[torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for page in LAYOUT.tensor_page_bytes:
+        t = kvoffload.shared_kv_cache(blocks, page)
+        t.copy_(torch.from_numpy(rng.integers(-128, 128, t.shape, dtype=np.int8)))
+        out.append(t)
+    return out
+
+
+def store(
+    ns: kvoffload.Namespace, w: kvoffload.Worker, keys: list[bytes], first: int, job: int
+) -> None:
+    plan = ns.prepare_store(keys)
+    assert plan is not None and plan.keys_to_store == keys
+    assert w.submit_store(job, np.arange(first, first + 2 * len(keys)), plan.slots), w.last_error
+    w.wait([job])
+    assert all(r.success for r in w.get_finished())
+    ns.complete_store(keys)
+
+
+def until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + DEADLINE_S
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("how", ["sigkill", "keep_region"])
+def test_blocks_survive_a_daemon_restart(how: str) -> None:
+    args = ["--log-level", "warning"] + (["--keep-region"] if how == "keep_region" else [])
+    d1 = DaemonProcess("64MiB", *args).start()
+    engine = kvoffload.connect(d1.socket_path, timeout_s=2.0)
+    ns = engine.namespace("llama", LAYOUT)
+    src = random_caches(11)
+    w = ns.attach_worker(src)
+    done = [b"done%04d" % i for i in range(10)]
+    store(ns, w, done, 0, 1)
+    pending = [b"pend%04d" % i for i in range(4)]
+    plan = ns.prepare_store(pending)  # leased, never completed: must not come back
+    assert plan is not None
+    if how == "sigkill":
+        d1.kill()
+    else:
+        assert d1.stop() == 0
+    assert os.path.exists(f"/dev/shm/kvoffload-{d1.instance}")
+
+    # the engine keeps running: misses, failed submits, no exceptions, no hang
+    assert ns.lookup(done) == 0
+    assert w.submit_store(2, np.arange(8), plan.slots) is False
+
+    d2 = DaemonProcess("64MiB", *args, instance=d1.instance, socket_path=d1.socket_path).start()
+    try:
+        until(lambda: ns.lookup(done) == len(done), "recovered blocks to be visible")
+        assert ns.lookup(pending) == 0
+        dst = [kvoffload.shared_kv_cache(64, p) for p in LAYOUT.tensor_page_bytes]
+        w2 = ns.attach_worker(dst)
+        lp = ns.prepare_load(done)
+        assert w2.submit_load(3, lp.slots, np.arange(30, 30 + 2 * len(done)))
+        w2.wait([3])
+        assert all(r.success for r in w2.get_finished())
+        ns.complete_load(done)
+        for s, t in zip(src, dst):
+            assert torch.equal(s[: 2 * len(done)], t[30 : 30 + 2 * len(done)])
+        # the slots of the recovered blocks are not handed out again
+        fresh = [b"next%04d" % i for i in range(4)]
+        plan2 = ns.prepare_store(fresh)
+        assert plan2 is not None and not set(plan2.slots) & set(lp.slots)
+        ns.complete_store(fresh, success=False)
+        stats = engine.stats()["namespaces"]["llama"]
+        assert stats["stored_blocks"] == len(done) and stats["writing_blocks"] == 0
+    finally:
+        engine.close()
+        d2.stop()
+    if how == "keep_region":
+        os.unlink(f"/dev/shm/kvoffload-{d1.instance}")
+    else:
+        assert not os.path.exists(f"/dev/shm/kvoffload-{d1.instance}")
+
+
+def test_incompatible_region_is_refused_with_a_way_out() -> None:
+    d1 = DaemonProcess("64MiB", "--log-level", "warning", "--keep-region").start()
+    assert d1.stop() == 0
+    d2 = DaemonProcess(
+        "32MiB",
+        "--log-level",
+        "warning",
+        instance=d1.instance,
+        socket_path=d1.socket_path,
+        start_timeout_s=10,
+    )
+    with pytest.raises(RuntimeError, match="did not start"):
+        d2.start()
+    d3 = DaemonProcess(
+        "32MiB",
+        "--log-level",
+        "warning",
+        "--discard-region",
+        instance=d1.instance,
+        socket_path=d1.socket_path,
+    ).start()
+    assert d3.stop() == 0
+    assert not os.path.exists(f"/dev/shm/kvoffload-{d1.instance}")
