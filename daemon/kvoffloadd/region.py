@@ -370,7 +370,8 @@ class SharedOffloadRegion:
 
     def extent_records(self) -> npt.NDArray[np.uint32]:
         """(owner, slot_bytes, chunk index, 0) per extent (a copy)."""
-        return self._extent_table.copy()
+        table: npt.NDArray[np.uint32] = self._extent_table.copy()
+        return table
 
     def record_extent(self, ext: int, owner: int | None, slot_bytes: int, chunk: int) -> None:
         self._extent_table[ext, 0] = FREE_OWNER if owner is None else owner

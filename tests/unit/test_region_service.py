@@ -121,7 +121,7 @@ def test_incompatible_region_is_refused_unless_discarded() -> None:
     with mmap.mmap(old.fd, g.region_bytes) as mm:
         mm[:8] = MAGIC  # a kvoffload region of an unknown format version
     old.close_fd()
-    with pytest.raises(RegionError, match="format version 0.*--discard-region"):
+    with pytest.raises(RegionError, match=r"format version 0.*--discard-region"):
         SharedOffloadRegion(name, g)
     region = SharedOffloadRegion(name, g, discard=True)
     assert struct.unpack_from("<I", region.buffer, 8)[0] == FORMAT_VERSION
