@@ -61,6 +61,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_frame_bytes: int = 16 * 1024 * 1024
     max_clients: int = 1024
     prefault: bool = True
+    gpu: str = "auto"  # "auto": copy for CUDA engines when a driver and GPU exist; "off"
+    pin_region: bool = True  # page-lock the region for GPU DMA (background, chunked)
     keep_region: bool = False  # a clean stop leaves the region for the next daemon
     discard_region: bool = False  # drop an existing region that cannot be recovered
     metrics_port: int = 0  # 0: no Prometheus endpoint
@@ -112,6 +114,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(
                 f"log_level: {self.log_level!r} is not one of debug, info, warning, error"
             )
+        if self.gpu not in ("auto", "off"):
+            raise ConfigError(f"gpu: {self.gpu!r} is not one of auto, off")
         if self.max_frame_bytes < 4096:
             raise ConfigError(f"max_frame_bytes: {self.max_frame_bytes} is below 4096")
         if not 0 <= self.metrics_port <= 65535:

@@ -6,8 +6,9 @@ Rules:
   copy) and never touch daemon metadata.
 - A large job is split by bytes across the threads; it completes when every part has.
   Runs longer than ``CHUNK_BYTES`` are cut first, so one huge run still spreads.
-- Completions go into a deque and one eventfd write wakes the loop, which calls
-  ``drain()``: completions are processed on the loop thread only.
+- Completions go into a ``CompletionSink`` (a deque and an eventfd) shared with the GPU
+  copy lanes; one eventfd write wakes the loop, which calls ``drain()``: completions
+  are processed on the loop thread only.
 - Memory behind the addresses must stay mapped until the job's completion has been
   drained; the daemon guarantees it by counting in-flight jobs per mapping.
 """
@@ -76,21 +77,43 @@ def split_by_bytes(nbytes: I64, parts: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
 
 
+class CompletionSink:
+    """Finished copies from any thread, handed to the loop thread."""
+
+    def __init__(self) -> None:
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._done: deque[Completion] = deque()
+
+    def post(self, completion: Completion) -> None:
+        self._done.append(completion)
+        os.eventfd_write(self.wake_fd, 1)
+
+    def drain(self) -> list[Completion]:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.wake_fd)
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def close(self) -> None:
+        os.close(self.wake_fd)
+
+
 class CpuCopier:
     MIN_SPLIT_BYTES = 4 * 1024 * 1024
     CHUNK_BYTES = 4 * 1024 * 1024
 
     def __init__(self, threads: int) -> None:
-        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.sink = CompletionSink()
+        self.wake_fd = self.sink.wake_fd
         self._queue: queue.SimpleQueue[tuple[_Job, list[int], list[int], list[int]] | None] = (
             queue.SimpleQueue()
         )
-        self._done: deque[Completion] = deque()
         self._threads = [
             threading.Thread(target=self._run, name=f"kvoffload-copy-{i}", daemon=True)
             for i in range(threads)
         ]
-        self.inflight = 0
         for t in self._threads:
             t.start()
 
@@ -101,7 +124,6 @@ class CpuCopier:
             dst, src, nbytes = chunk_runs(dst, src, nbytes, self.CHUNK_BYTES)
         ranges = split_by_bytes(nbytes, parts)
         job = _Job(token, total, len(ranges), time.perf_counter())
-        self.inflight += 1
         for a, b in ranges:
             self._queue.put((job, dst[a:b].tolist(), src[a:b].tolist(), nbytes[a:b].tolist()))
 
@@ -124,21 +146,14 @@ class CpuCopier:
                 last = job.parts_left == 0
             if last:
                 seconds = time.perf_counter() - job.started_s
-                self._done.append(Completion(job.token, not job.failed, job.nbytes, seconds))
-                os.eventfd_write(self.wake_fd, 1)
+                self.sink.post(Completion(job.token, not job.failed, job.nbytes, seconds))
 
     def drain(self) -> list[Completion]:
-        with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(self.wake_fd)
-        out = []
-        while self._done:
-            out.append(self._done.popleft())
-        self.inflight -= len(out)
-        return out
+        return self.sink.drain()
 
     def close(self) -> None:
         for _ in self._threads:
             self._queue.put(None)
         for t in self._threads:
             t.join()
-        os.close(self.wake_fd)
+        self.sink.close()

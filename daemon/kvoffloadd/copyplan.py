@@ -37,6 +37,11 @@ class CacheGeometry:
     offset_bytes: int
     row_stride_bytes: int
 
+    @property
+    def end_bytes(self) -> int:
+        """One past the last byte of the last row."""
+        return self.offset_bytes + (self.num_blocks - 1) * self.row_stride_bytes + self.page_bytes
+
 
 @dataclass(frozen=True)
 class Runs:
@@ -109,6 +114,28 @@ def build_runs(
         cache_off = cache.offset_bytes + block_ids * cache.row_stride_bytes
         out.append(merge_runs(region, cache_off, p))
     return out
+
+
+def split_at_boundaries(
+    region: I64, other: I64, nbytes: I64, boundary_bytes: int
+) -> tuple[I64, I64, I64]:
+    """Cut runs so that none crosses a multiple of ``boundary_bytes`` in the region.
+
+    ``region`` holds offsets from the region's start. GPU copies need it: a batched
+    copy may not span two host registrations (pinning chunks).
+    """
+    if region.size == 0:
+        return region, other, nbytes
+    first = region // boundary_bytes
+    pieces = (region + nbytes - 1) // boundary_bytes - first + 1
+    if int(pieces.max()) == 1:
+        return region, other, nbytes
+    idx = np.repeat(np.arange(region.size), pieces)
+    k = np.arange(idx.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = np.maximum(region[idx], (first[idx] + k) * boundary_bytes)
+    end = np.minimum(region[idx] + nbytes[idx], (first[idx] + k + 1) * boundary_bytes)
+    shift = start - region[idx]
+    return start, other[idx] + shift, end - start
 
 
 def merge_runs(region: I64, cache: I64, page_bytes: int) -> Runs:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import ConfigError, DaemonConfig, load_config
 from .copier import CpuCopier
+from .gpu import start_gpu
 from .logfmt import setup_logging
 from .metrics import MetricsEndpoint
 from .region import Geometry, InstanceLock, RegionError, SharedOffloadRegion
@@ -50,6 +51,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="drop an existing region that cannot be recovered instead of refusing to start",
     )
+    p.add_argument("--gpu", choices=("auto", "off"), help="GPU copies for CUDA engines")
+    p.add_argument(
+        "--no-pin",
+        dest="pin_region",
+        action="store_false",
+        default=None,
+        help="do not page-lock the region for GPU copies",
+    )
     p.add_argument(
         "--no-prefault",
         dest="prefault",
@@ -84,7 +93,12 @@ def build(
     except BaseException:
         lock.release()
         raise
+    if cfg.prefault:
+        region.start_prefault()
     copier = CpuCopier(cfg.copy_threads)
+    gpu, gpu_unavailable = start_gpu(cfg, region, copier.sink)
+    if gpu is None:
+        log.info("GPU copies off: %s", gpu_unavailable)
     metrics = None
     try:
         if listener is None:
@@ -92,11 +106,14 @@ def build(
         if cfg.metrics_port:
             metrics = MetricsEndpoint(cfg.metrics_address, cfg.metrics_port)
     except BaseException:
+        if gpu is not None:
+            gpu.close()
         copier.close()
         region.close(unlink=not cfg.keep_region)
         lock.release()
         raise
-    server = Server(Service(cfg, region, copier), listener, notifier, metrics)
+    service = Service(cfg, region, copier, gpu, gpu_unavailable)
+    server = Server(service, listener, notifier, metrics)
     return lock, region, copier, server
 
 
@@ -143,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", exc)
         notifier.notify(STATUS=f"cannot start: {exc}")
         return 1
-    if cfg.prefault:
-        region.start_prefault()
+    server.catch_signals()
     g = region.geometry
     if region.recovered:
         blocks = sum(len(ns.slots.extents) for ns in server.service.namespaces.values())
@@ -165,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server.metrics is not None:
             server.metrics.close()
+        if server.service.gpu is not None:
+            server.service.gpu.close()
         copier.close()
         region.close(unlink=not cfg.keep_region)
         server.listener.close()

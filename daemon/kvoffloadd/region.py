@@ -294,6 +294,15 @@ class SharedOffloadRegion:
         )
         self._prefault_thread.start()
 
+    @property
+    def prefaulting(self) -> bool:
+        return self._prefault_thread is not None and self._prefault_thread.is_alive()
+
+    def wait_prefault(self) -> None:
+        """Block until the background pre-fault (if any) has finished or stopped."""
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
+
     def _prefault(self) -> None:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         base = self.buffer.ctypes.data

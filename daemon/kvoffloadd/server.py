@@ -95,10 +95,15 @@ class Server:
 
     # ------------------------------------------------------------ main loop
 
-    def serve_forever(self) -> None:
+    def catch_signals(self) -> None:
+        """Turn SIGTERM/SIGINT into a graceful stop; call before announcing readiness,
+        or a stop request that comes right after start-up kills the daemon outright."""
         signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
+
+    def serve_forever(self) -> None:
+        self.catch_signals()
         next_cron = time.monotonic() + self._cron_period_s
         try:
             while not self._stop:
@@ -130,12 +135,16 @@ class Server:
         region = self.service.region
         data_bytes = region.geometry.num_extents * region.geometry.extent_bytes
         done = region.prefaulted_bytes
-        status = (
-            f"serving {len(self.clients)} clients"
-            if done >= data_bytes
-            else f"serving; pre-faulting region {100 * done // data_bytes}%"
-        )
+        pinner = self.service.gpu.pinner if self.service.gpu is not None else None
         fields: dict[str, str | int] = {}
+        if pinner is not None and pinner.running and pinner.total_bytes:
+            status = f"serving; pinning region {100 * pinner.pinned_bytes // pinner.total_bytes}%"
+            # Pinning hundreds of GiB takes minutes: keep systemd's timeouts ahead of it.
+            fields["EXTEND_TIMEOUT_USEC"] = int(4 * self._cron_period_s * 1e6)
+        elif done < data_bytes and region.prefaulting:
+            status = f"serving; pre-faulting region {100 * done // data_bytes}%"
+        else:
+            status = f"serving {len(self.clients)} clients"
         if status != self._status:
             fields["STATUS"] = self._status = status
         if self._watchdog_s is not None:

@@ -42,6 +42,7 @@ from .allocator import SlotPool
 from .config import DaemonConfig
 from .copier import Completion, CpuCopier
 from .copyplan import build_runs, check_transfer
+from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .recovery import read_namespaces
 from .region import SharedOffloadRegion
@@ -85,11 +86,18 @@ def layout_fingerprint(layout: m.KVLayout) -> str:
 
 class Service:
     def __init__(
-        self, config: DaemonConfig, region: SharedOffloadRegion, copier: CpuCopier
+        self,
+        config: DaemonConfig,
+        region: SharedOffloadRegion,
+        copier: CpuCopier,
+        gpu: GpuRuntime | None = None,
+        gpu_unavailable: str = "no GPU support was set up",
     ) -> None:
         self.config = config
         self.region = region
         self.copier = copier
+        self.gpu = gpu
+        self.gpu_unavailable = gpu_unavailable
         self.namespaces: dict[int, NamespaceIndex] = {}
         self._ns_by_name: dict[str, NamespaceIndex] = {}
         self.sessions: dict[int, Session] = {}
@@ -131,7 +139,7 @@ class Service:
             m.TakeEvents: self._on_take_events,
             m.Ping: lambda s, r: m.Pong(r.rid),
             m.OpenNamespace: lambda s, r: self._open_namespace(s, r.rid, r.name, r.layout),
-            m.AttachWorker: lambda s, r: self._attach(s, r.rid, r.ns, r.rank, r.caches),
+            m.AttachWorker: self._attach,
             m.DetachWorker: self._on_detach,
             m.Hello: self._on_hello,
             m.Evict: self._on_evict,
@@ -203,8 +211,12 @@ class Service:
         self._require_admin(s, "read the config")
         return m.ConfigReply(r.rid, self.config.effective())
 
-    def _on_detach(self, s: Session, r: m.DetachWorker) -> m.Reply:
-        self._detach(self._worker(s, r.worker))
+    def _on_detach(self, s: Session, r: m.DetachWorker) -> m.Reply | None:
+        w = self._worker(s, r.worker)
+        self._detach(w)
+        if w.worker_id in self.workers:  # copies still running: answer once drained, so
+            w.detach_rids.append(r.rid)  # the engine frees its caches only after them
+            return None
         return m.OkReply(r.rid)
 
     def _on_hello(self, s: Session, r: m.Hello) -> m.Reply:
@@ -348,23 +360,36 @@ class Service:
             raise InvalidArgumentError(f"worker {worker_id} is not attached on this connection")
         return w
 
-    def _attach(
-        self, s: Session, rid: int, ns_id: int, rank: int, caches: list[m.CacheDesc]
-    ) -> m.Reply:
-        nfds = max((c.fd_index + 1 for c in caches), default=0)
+    def _attach(self, s: Session, r: m.AttachWorker) -> m.Reply:
+        nfds = max((c.fd_index + 1 for c in r.caches), default=0)
         fds, s.fds = s.fds[:nfds], s.fds[nfds:]
-        index = self.namespaces[ns_id] if ns_id in s.namespaces else None
+        index = self.namespaces[r.ns] if r.ns in s.namespaces else None
         if index is None:
             close_fds(fds)
-            raise InvalidArgumentError(f"namespace id {ns_id} was not opened on this connection")
-        if not 0 <= rank < index.layout.world_size:
+            raise InvalidArgumentError(f"namespace id {r.ns} was not opened on this connection")
+        if not 0 <= r.rank < index.layout.world_size:
             close_fds(fds)
-            raise InvalidArgumentError(f"rank {rank} is not in 0..{index.layout.world_size - 1}")
-        mapped = attach_caches(index.layout, caches, fds)
+            raise InvalidArgumentError(f"rank {r.rank} is not in 0..{index.layout.world_size - 1}")
         wid = next(self._worker_ids)
-        self.workers[wid] = AttachedWorker(wid, s.session_id, ns_id, rank, mapped)
+        if r.device_uuid:
+            close_fds(fds)
+            if self.gpu is None:
+                raise InvalidArgumentError(
+                    f"this kvoffloadd cannot take GPU caches: {self.gpu_unavailable}"
+                )
+            gpu = self.gpu
+            ordinal, caches, event = gpu.attach(
+                index.layout, r.caches, r.device_uuid, r.store_event
+            )
+            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, ordinal, event)
+            w.release = lambda: gpu.release_event(ordinal, event)
+        else:
+            w = AttachedWorker(
+                wid, s.session_id, r.ns, r.rank, attach_caches(index.layout, r.caches, fds)
+            )
+        self.workers[wid] = w
         s.workers.add(wid)
-        return m.WorkerAttached(rid, wid)
+        return m.WorkerAttached(r.rid, wid)
 
     def _submit(
         self,
@@ -400,10 +425,11 @@ class Service:
         self._jobs[token] = _Job(worker_id, job_id, w.ns_id, slots.copy(), is_store)
         index.slots.mark_busy(slots)
         w.active_jobs.add(job_id)
-        if is_store:
-            self.copier.submit(token, region_addr, cache_addr, nbytes)
+        dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
+        if w.device is not None and self.gpu is not None:
+            self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event)
         else:
-            self.copier.submit(token, cache_addr, region_addr, nbytes)
+            self.copier.submit(token, dst, src, nbytes)
 
     def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
         """Apply finished copies; returns deferred replies as (session id, reply)."""
@@ -420,6 +446,8 @@ class Service:
             if w.closing:
                 if not w.active_jobs:
                     self._unmap(w)
+                    if w.session_id in self.sessions:
+                        replies.extend((w.session_id, m.OkReply(r)) for r in w.detach_rids)
                 continue
             w.finished.append(m.JobResult(job.job_id, c.success, c.nbytes, c.seconds))
             replies.extend(self._resolve_waits(w, job.job_id))

@@ -81,7 +81,28 @@ def render_stats(svc: Service) -> dict[str, Any]:
             "store_seconds_total": round(svc.store_seconds, 6),
             "load_seconds_total": round(svc.load_seconds, 6),
         },
+        "gpu": gpu_stats(svc),
         "errors": dict(sorted(svc.errors_by_code.items())),
+    }
+
+
+def gpu_stats(svc: Service) -> dict[str, Any]:
+    gpu = svc.gpu
+    if gpu is None:
+        return {"enabled": False, "reason": svc.gpu_unavailable}
+    batched, looped = gpu.lane_counts()
+    return {
+        "enabled": True,
+        "devices": gpu.describe(),
+        "batched_copies": gpu.api.has_batch,
+        "open_ipc_handles": gpu.open_handles,
+        "pinned_bytes": gpu.pinner.pinned_bytes,
+        "pin_target_bytes": gpu.pinner.total_bytes,
+        "pin_chunks": len(gpu.pinner.chunks),
+        "pin_seconds": round(gpu.pinner.seconds, 3),
+        "pin_error": gpu.pinner.error,
+        "batched_jobs_total": batched,
+        "looped_jobs_total": looped,
     }
 
 

@@ -1,4 +1,5 @@
-"""Engine caches imported into the daemon: memfd-backed CPU KV tensors.
+"""Engine caches imported into the daemon: memfd-backed CPU KV tensors, and the
+registration record of one worker (CUDA caches are imported by ``gpu``).
 
 Rules:
 - A cache arrives as a file descriptor (SCM_RIGHTS) plus a ``CacheDesc``. The daemon
@@ -16,7 +17,9 @@ import contextlib
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +32,18 @@ from .copyplan import CacheGeometry
 _F_SEAL_SHRINK = 0x0002
 
 
+class ImportedCache(Protocol):
+    """An engine cache the daemon can address: CPU mapping or imported GPU memory."""
+
+    @property
+    def geometry(self) -> CacheGeometry: ...
+    @property
+    def base_address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def close(self) -> None: ...
+
+
 @dataclass
 class MappedCache:
     geometry: CacheGeometry
@@ -39,17 +54,17 @@ class MappedCache:
     def base_address(self) -> int:
         return int(self.array.ctypes.data)
 
+    @property
+    def nbytes(self) -> int:
+        return len(self.mm)
+
     def close(self) -> None:
         del self.array
         self.mm.close()
 
 
-def map_cache(desc: CacheDesc, fd: int, expected_page_bytes: int) -> MappedCache:
-    """Validate and map one memfd cache; raises InvalidArgumentError."""
-    if desc.kind != "memfd":
-        raise InvalidArgumentError(
-            f"cache kind {desc.kind!r} is not supported here (expected 'memfd')"
-        )
+def check_desc(desc: CacheDesc, expected_page_bytes: int) -> CacheGeometry:
+    """The geometry a descriptor claims, if it is sane and fits the layout."""
     if desc.page_bytes != expected_page_bytes:
         raise InvalidArgumentError(
             f"cache page of {desc.page_bytes} bytes does not match the namespace layout "
@@ -61,6 +76,16 @@ def map_cache(desc: CacheDesc, fd: int, expected_page_bytes: int) -> MappedCache
             f"bad cache geometry: {desc.num_blocks} blocks, stride {stride}, "
             f"page {desc.page_bytes}, offset {desc.offset_bytes}"
         )
+    return CacheGeometry(desc.num_blocks, desc.page_bytes, desc.offset_bytes, stride)
+
+
+def map_cache(desc: CacheDesc, fd: int, expected_page_bytes: int) -> MappedCache:
+    """Validate and map one memfd cache; raises InvalidArgumentError."""
+    if desc.kind != "memfd":
+        raise InvalidArgumentError(
+            f"cache kind {desc.kind!r} is not supported here (expected 'memfd')"
+        )
+    geometry = check_desc(desc, expected_page_bytes)
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
@@ -71,11 +96,11 @@ def map_cache(desc: CacheDesc, fd: int, expected_page_bytes: int) -> MappedCache
             "allocate CPU caches with kvoffload.shared_kv_cache()"
         )
     size = os.fstat(fd).st_size
-    need = desc.offset_bytes + (desc.num_blocks - 1) * stride + desc.page_bytes
-    if need > size:
-        raise InvalidArgumentError(f"cache needs {need} bytes but its memfd holds {size}")
+    if geometry.end_bytes > size:
+        raise InvalidArgumentError(
+            f"cache needs {geometry.end_bytes} bytes but its memfd holds {size}"
+        )
     mm = mmap.mmap(fd, size)
-    geometry = CacheGeometry(desc.num_blocks, desc.page_bytes, desc.offset_bytes, stride)
     return MappedCache(geometry, mm, np.frombuffer(mm, dtype=np.uint8))
 
 
@@ -87,10 +112,14 @@ class AttachedWorker:
     session_id: int
     ns_id: int
     rank: int
-    caches: list[MappedCache]
+    caches: list[ImportedCache]
+    device: int | None = None  # CUDA ordinal for GPU caches
+    store_event: int = 0  # imported interprocess event stores wait on (GPU)
+    release: Callable[[], None] | None = None  # undoes the GPU imports
     active_jobs: set[int] = field(default_factory=set)
     finished: list[JobResult] = field(default_factory=list)
     closing: bool = False
+    detach_rids: list[int] = field(default_factory=list)  # answered once drained
 
     @property
     def geometries(self) -> list[CacheGeometry]:
@@ -98,12 +127,15 @@ class AttachedWorker:
 
     @property
     def cache_bytes(self) -> int:
-        return sum(len(c.mm) for c in self.caches)
+        return sum(c.nbytes for c in self.caches)
 
     def close(self) -> None:
         for cache in self.caches:
             cache.close()
         self.caches = []
+        if self.release is not None:
+            self.release()
+            self.release = None
 
 
 def close_fds(fds: list[int]) -> None:
@@ -112,7 +144,7 @@ def close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-def attach_caches(layout: KVLayout, descs: list[CacheDesc], fds: list[int]) -> list[MappedCache]:
+def attach_caches(layout: KVLayout, descs: list[CacheDesc], fds: list[int]) -> list[ImportedCache]:
     """Map every cache of a worker or none; always closes every fd it was given."""
     try:
         if len(descs) != len(layout.tensor_page_bytes):
@@ -120,7 +152,7 @@ def attach_caches(layout: KVLayout, descs: list[CacheDesc], fds: list[int]) -> l
                 f"the namespace layout has {len(layout.tensor_page_bytes)} tensors, "
                 f"the worker registered {len(descs)} caches"
             )
-        mapped: list[MappedCache] = []
+        mapped: list[ImportedCache] = []
         try:
             for desc, page in zip(descs, layout.tensor_page_bytes):
                 if not 0 <= desc.fd_index < len(fds):

@@ -70,10 +70,7 @@ def shared_kv_cache(num_blocks: int, page_bytes: int, *, name: str = "kvoffload-
 def describe_cache(tensor: Any) -> tuple[CacheDesc, int]:
     """(descriptor without fd index, memfd) for a view of a ``shared_kv_cache`` tensor."""
     if getattr(tensor, "is_cuda", False):
-        raise InvalidArgumentError(
-            "CUDA caches are exported by CUDA IPC, which this build's daemon path does not "
-            "take yet; use kvoffload.shared_kv_cache() CPU caches"
-        )
+        raise InvalidArgumentError("a worker's caches must be all CUDA or all CPU tensors")
     if tensor.dim() != 2 or tensor.stride(1) != 1:
         raise InvalidArgumentError(
             "a KV cache must be a 2-D (num_blocks, page) view with contiguous rows"

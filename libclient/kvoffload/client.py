@@ -289,11 +289,18 @@ class Namespace:
             return []
         return [OffloadEvent(unpack_keys(e.keys, e.key_bytes), e.removed) for e in r.events]
 
-    def attach_worker(self, caches: Sequence[Any], rank: int = 0) -> Worker:
-        """Register this rank's KV caches (``shared_kv_cache`` tensors) for daemon copies."""
+    def attach_worker(
+        self, caches: Sequence[Any], rank: int = 0, stream: int | None = None
+    ) -> Worker:
+        """Register this rank's KV caches for daemon copies.
+
+        ``caches`` are ``shared_kv_cache`` CPU tensors, or CUDA tensors (one GPU per
+        worker) exported by IPC handle. For CUDA, stores wait on work queued on
+        ``stream`` (a raw ``cudaStream_t``; default: PyTorch's current stream).
+        """
         from .worker import Worker
 
-        return Worker(self, caches, rank)
+        return Worker(self, caches, rank, stream)
 
 
 def _pack(keys: Sequence[bytes]) -> tuple[bytes, int]:

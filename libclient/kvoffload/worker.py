@@ -8,6 +8,12 @@ Rules:
 - Jobs in flight when the connection is lost are reported by ``get_finished`` as
   failed: their leases died with the connection.
 - Engine block ids and slots travel packed (int64).
+- CUDA caches are exported by IPC handle (``cuda_export``); each store first records
+  the worker's store fence on the engine's current CUDA stream (or ``stream``), so
+  the daemon never reads KV the engine has not finished writing. A load's completion
+  (``get_finished``/``wait``) means the bytes are on the GPU.
+- ``close`` returns only after the daemon stopped using the caches, so the engine may
+  free them right after.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 
 from .cache import describe_cache
+from .cuda_export import StoreFence, current_stream, export_cuda_caches, require_driver
 from .protocol import messages as m
 from .protocol.errors import DaemonUnavailableError, KVOffloadError
 from .protocol.messages import pack_ids
@@ -43,16 +50,31 @@ class TransferResult:
 
 
 class Worker:
-    def __init__(self, ns: Namespace, caches: Sequence[Any], rank: int) -> None:
+    def __init__(
+        self, ns: Namespace, caches: Sequence[Any], rank: int, stream: int | None = None
+    ) -> None:
         self.ns = ns
         self.rank = rank
         self.caches = list(caches)
-        described = [describe_cache(c) for c in self.caches]
-        self._fds = [fd for _, fd in described]
-        self._descs = [
-            m.CacheDesc(d.kind, d.num_blocks, d.page_bytes, i, d.offset_bytes, d.row_stride_bytes)
-            for i, (d, _) in enumerate(described)
-        ]
+        self._stream = stream
+        self._fence: StoreFence | None = None
+        self._device_uuid = b""
+        self._fds: list[int] = []
+        if self.caches and all(getattr(c, "is_cuda", False) for c in self.caches):
+            api = require_driver()
+            export = export_cuda_caches(self.caches, api)
+            self._descs = export.descs
+            self._device_uuid = export.device_uuid
+            self._fence = StoreFence(api, export.ordinal)
+        else:
+            described = [describe_cache(c) for c in self.caches]
+            self._fds = [fd for _, fd in described]
+            self._descs = [
+                m.CacheDesc(
+                    d.kind, d.num_blocks, d.page_bytes, i, d.offset_bytes, d.row_stride_bytes
+                )
+                for i, (d, _) in enumerate(described)
+            ]
         self.worker_id = -1
         self.last_error: KVOffloadError | None = None
         self._inflight: set[int] = set()
@@ -63,7 +85,10 @@ class Worker:
             client._register_worker(self)
 
     def _reattach(self, t: Transport) -> None:
-        req = m.AttachWorker(self.ns.client._rid(), self.ns.ns_id, self.rank, self._descs)
+        fence = self._fence.handle if self._fence is not None else b""
+        req = m.AttachWorker(
+            self.ns.client._rid(), self.ns.ns_id, self.rank, self._descs, self._device_uuid, fence
+        )
         reply = t.request(req, fds=self._fds)
         assert isinstance(reply, m.WorkerAttached)
         self.worker_id = reply.worker
@@ -87,6 +112,11 @@ class Worker:
     ) -> bool:
         """Copy engine blocks into leased slots (block_size_factor blocks per slot)."""
         ids, sl = pack_ids(engine_block_ids), pack_ids(slots)
+        if self._fence is not None:
+            ordinal = self._fence.ordinal
+            self._fence.record(
+                self._stream if self._stream is not None else current_stream(ordinal)
+            )
         return self._submit(job_id, lambda rid: m.SubmitStore(rid, self.worker_id, job_id, ids, sl))
 
     def submit_load(
@@ -136,3 +166,6 @@ class Worker:
                 client.call(lambda rid: m.DetachWorker(rid, self.worker_id), m.OkReply)
             except KVOffloadError as exc:
                 log.debug("detach: %s", exc)
+        if self._fence is not None:
+            self._fence.close()
+            self._fence = None

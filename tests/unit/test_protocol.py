@@ -152,7 +152,7 @@ def test_garbage_and_unknown_tags_are_protocol_errors() -> None:
 
 # Golden bytes: any change here is a wire-format change (bump PROTOCOL_VERSION).
 GOLDEN = [
-    (m.Hello(1, 1, "e", 7), "0c000000 95 a568656c6c6f 01 01 a165 07"),
+    (m.Hello(1, 2, "e", 7), "0c000000 95 a568656c6c6f 01 02 a165 07"),
     (m.Ping(3), "07000000 92 a470696e67 03"),
     (m.Lookup(2, 0, b"\x01\x02", 1), "0f000000 95 a66c6f6f6b7570 02 00 c4020102 01"),
     (m.LookupReply(9, None), "08000000 93 a468697473 09 c0"),
@@ -160,6 +160,10 @@ GOLDEN = [
     (
         m.OpenNamespace(5, "n", m.KVLayout([16], 1, 2, "m", "bf16", "")),
         "19000000 94 a76f70656e5f6e73 05 a16e 96 9110 01 02 a16d a462663136 a0",
+    ),
+    (
+        m.AttachWorker(6, 0, 1, [m.CacheDesc("cuda", 2, 16, -1, 8, 32, b"\x01")], b"\x02", b""),
+        "1f000000 97 a6617474616368 06 00 01 91 97 a463756461 02 10 ff 08 20 c40101 c40102 c400",
     ),
 ]
 

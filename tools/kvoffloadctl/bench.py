@@ -24,6 +24,7 @@ import numpy as np
 
 import kvoffload
 
+from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .launch import DaemonProcess
 
 MIB = 1 << 20
@@ -221,7 +222,7 @@ def run(quick: bool) -> dict[str, Any]:
     return r
 
 
-def report(r: dict[str, Any]) -> str:
+def cpu_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     base = r["memcpy_gbps"]
     rows = [
         ("machine", r["machine"], ""),
@@ -258,6 +259,13 @@ def report(r: dict[str, Any]) -> str:
         ),
         ("index memory per block", f"{r['index_bytes_per_block']:.0f} B", "target <= 314 B"),
     ]
+    return rows
+
+
+def report(r: dict[str, Any]) -> str:
+    rows = cpu_rows(r) if "memcpy_gbps" in r else []
+    if "gpu" in r:
+        rows += report_gpu(r["gpu"])
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len(b) for _, b, _ in rows)
     return "\n".join(f"{a.ljust(w0)}  {b.ljust(w1)}  {c}" for a, b, c in rows)
@@ -267,8 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvoffloadctl.bench")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--json", help="also write the raw figures to this file")
+    p.add_argument("--gpu-only", action="store_true", help="only the GPU data path")
+    p.add_argument("--daemon-args", default="", help="extra kvoffloadd flags (GPU part)")
     args = p.parse_args(argv)
-    r = run(args.quick)
+    r = {} if args.gpu_only else run(args.quick)
+    if cuda_available():
+        r["gpu"] = run_gpu(args.quick, args.daemon_args.split())
+    elif args.gpu_only:
+        print("no CUDA device: nothing to measure")
+        return 1
     print(report(r))
     if args.json:
         with open(args.json, "w") as f:

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEY_BYTES = 64
 
@@ -129,8 +129,10 @@ class CacheDesc(msgspec.Struct, frozen=True, array_like=True):
     """One canonical KV tensor of a worker: ``num_blocks`` rows of ``page_bytes``.
 
     ``kind`` is ``"memfd"`` (the descriptor at ``fd_index`` of the message's
-    SCM_RIGHTS payload is mapped by the daemon). Rows start at ``offset_bytes`` and are
-    ``row_stride_bytes`` apart (0 means ``page_bytes``).
+    SCM_RIGHTS payload is mapped by the daemon) or ``"cuda"`` (``ipc_handle`` is the
+    64-byte CUDA IPC handle of the allocation's base, on the worker's GPU). Rows start
+    at ``offset_bytes`` (into the memfd or the allocation) and are ``row_stride_bytes``
+    apart (0 means ``page_bytes``).
     """
 
     kind: str
@@ -139,13 +141,18 @@ class CacheDesc(msgspec.Struct, frozen=True, array_like=True):
     fd_index: int = -1
     offset_bytes: int = 0
     row_stride_bytes: int = 0
+    ipc_handle: bytes = b""
 
 
 class AttachWorker(_Msg, frozen=True, tag="attach"):
+    """CUDA workers add their GPU's UUID and the IPC handle of their store event."""
+
     rid: int
     ns: int
     rank: int
     caches: list[CacheDesc]
+    device_uuid: bytes = b""
+    store_event: bytes = b""
 
 
 class DetachWorker(_Msg, frozen=True, tag="detach"):
