@@ -17,6 +17,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +36,30 @@ class _Buffer:
 
 _buffers: dict[int, _Buffer] = {}
 _lock = threading.Lock()
+_dead: deque[int] = deque()  # base pointers of freed tensors, not yet forgotten
 
 
 def _forget(base_ptr: int) -> None:
-    with _lock:
-        buf = _buffers.pop(base_ptr, None)
-    if buf is not None:
-        os.close(buf.fd)
+    """Storage finalizer. It can run inside a garbage-collection pass triggered while
+    this very thread holds ``_lock``, so it never waits for the lock: it queues the
+    buffer, and whoever holds the lock forgets it on release (``_reap``)."""
+    _dead.append(base_ptr)
+    _reap()
+
+
+def _reap() -> None:
+    if not _lock.acquire(blocking=False):
+        return  # the holder reaps when it is done
+    try:
+        fds = []
+        while _dead:
+            buf = _buffers.pop(_dead.popleft(), None)
+            if buf is not None:
+                fds.append(buf.fd)
+    finally:
+        _lock.release()
+    for fd in fds:
+        os.close(fd)
 
 
 def shared_kv_cache(num_blocks: int, page_bytes: int, *, name: str = "kvoffload-kv") -> Any:
@@ -63,6 +81,7 @@ def shared_kv_cache(num_blocks: int, page_bytes: int, *, name: str = "kvoffload-
     base_ptr = tensor.data_ptr()
     with _lock:
         _buffers[base_ptr] = _Buffer(fd, base_ptr, nbytes)
+    _reap()
     weakref.finalize(tensor.untyped_storage(), _forget, base_ptr)
     return tensor
 
@@ -81,6 +100,7 @@ def describe_cache(tensor: Any) -> tuple[CacheDesc, int]:
         buf = next(
             (b for b in _buffers.values() if b.base_ptr <= ptr < b.base_ptr + b.nbytes), None
         )
+    _reap()
     if buf is None:
         raise InvalidArgumentError(
             "this tensor is not backed by kvoffload.shared_kv_cache(); the daemon cannot map it"
