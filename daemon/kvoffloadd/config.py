@@ -11,6 +11,7 @@ Rules:
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import sys
@@ -19,6 +20,8 @@ from typing import Any
 import msgspec
 
 from kvoffload.paths import default_socket_path
+
+from .access import AccessPolicy, NamespaceRule
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,6 +52,20 @@ def parse_size(value: int | str, key: str = "size") -> int:
     return n
 
 
+class NamespaceQuota(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Limits for namespaces whose name matches ``pattern`` (first match applies)."""
+
+    pattern: str
+    max_region_size: int | str = 0  # 0: unlimited
+    max_pinned_blocks: int = 0  # 0: unlimited
+
+    @property
+    def max_region_bytes(self) -> int:
+        if self.max_region_size in (0, "0"):
+            return 0
+        return parse_size(self.max_region_size, "namespace_quotas.max_region_size")
+
+
 class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     instance: str = "default"
     socket: str = ""  # empty: default_socket_path(instance)
@@ -69,6 +86,13 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics_address: str = "127.0.0.1"
     # uids allowed to evict and read the config; unset: root and the daemon's own uid
     admin_uids: list[int] | None = None
+    admin_gids: list[int] = msgspec.field(default_factory=list)
+    # who may connect; both unset: whoever can reach the socket (see access.py)
+    allow_uids: list[int] | None = None
+    allow_gids: list[int] | None = None
+    namespace_access: list[NamespaceRule] = msgspec.field(default_factory=list)
+    namespace_quotas: list[NamespaceQuota] = msgspec.field(default_factory=list)
+    max_inflight_jobs_per_client: int = 0  # 0: unlimited
 
     @property
     def socket_path(self) -> str:
@@ -120,14 +144,34 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"max_frame_bytes: {self.max_frame_bytes} is below 4096")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port: {self.metrics_port} is not in 0..65535")
+        for q in self.namespace_quotas:
+            q.max_region_bytes  # noqa: B018 - parse for the error message
+            if q.max_pinned_blocks < 0:
+                raise ConfigError(
+                    f"namespace_quotas.max_pinned_blocks: {q.max_pinned_blocks} is negative"
+                )
+        if self.max_inflight_jobs_per_client < 0:
+            raise ConfigError(
+                f"max_inflight_jobs_per_client: {self.max_inflight_jobs_per_client} is negative"
+            )
         if self.max_clients < 1:
             raise ConfigError(f"max_clients: {self.max_clients} is below 1")
         return self
 
-    def may_administer(self, uid: int) -> bool:
-        if self.admin_uids is None:
-            return uid in (0, os.getuid())
-        return uid in self.admin_uids
+    def quota_for(self, namespace: str) -> NamespaceQuota | None:
+        for q in self.namespace_quotas:
+            if fnmatch.fnmatchcase(namespace, q.pattern):
+                return q
+        return None
+
+    def access_policy(self) -> AccessPolicy:
+        return AccessPolicy(
+            self.allow_uids,
+            self.allow_gids,
+            self.admin_uids,
+            self.admin_gids,
+            self.namespace_access,
+        )
 
     def effective(self) -> dict[str, Any]:
         """Every key with its effective value, sizes in bytes."""

@@ -33,7 +33,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.plans import OffloadEvent, StorePlan
-from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
+from kvoffload.protocol.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    NotLeasedError,
+    QuotaExceededError,
+)
 from kvoffload.protocol.messages import KVLayout
 
 from .allocator import SlotPool
@@ -98,6 +103,10 @@ class NamespaceIndex:
         self._journal = journal or SlotJournal()
         self._reclaim = reclaim
         self._num_evictable = 0
+        self._num_pinned = 0  # blocks with ref > 0
+        # quotas (None: unlimited): slots this namespace may hold, blocks it may pin
+        self.max_blocks: int | None = None
+        self.max_pinned_blocks: int | None = None
         # slot -> key of the block in it (None: free); a list, 8 bytes per slot
         self._slot_key: list[bytes | None] = []
         # keys whose store completed (ref >= 0): lookup runs on this set in C
@@ -129,15 +138,19 @@ class NamespaceIndex:
         if not to_store:
             return StorePlan([], [], [])
         need = len(to_store)
-        if need > self.slots.num_free and self._reclaim is not None:
-            self._reclaim(self, need)
+        if need > self.slots.num_free and not self._quota_binds() and self._reclaim is not None:
+            self._reclaim(self, need)  # more region space; useless when the quota binds
         evicted: list[bytes] = []
-        n = need - self.slots.num_free
+        n = need - self._free_within_quota()
         if n > 0:
-            if n > self._num_evictable:
-                return None
-            victims = self._policy.evict(n, set(keys))
+            victims = self._policy.evict(n, set(keys)) if n <= self._num_evictable else None
             if victims is None:
+                if self._quota_binds():
+                    raise QuotaExceededError(
+                        f"namespace {self.name!r} holds {self.slots.num_used} of the "
+                        f"{self.max_blocks} blocks its quota allows, and not enough of them "
+                        f"can be evicted for {need} more"
+                    )
                 return None
             evicted = self._drop(victims)
         slots = self.slots.allocate(need)
@@ -151,6 +164,16 @@ class NamespaceIndex:
             self._journal.writing(slot, key)
         self._stores_prepared += need
         return StorePlan(to_store, slots, evicted)
+
+    def _free_within_quota(self) -> int:
+        """Free slots this namespace may still take (region space and its quota)."""
+        free = self.slots.num_free
+        if self.max_blocks is not None:
+            free = min(free, max(0, self.max_blocks - self.slots.num_used))
+        return free
+
+    def _quota_binds(self) -> bool:
+        return self._free_within_quota() < self.slots.num_free
 
     def complete_store(self, keys: Sequence[bytes], success: bool, client: int) -> None:
         get = self._policy.get
@@ -208,10 +231,18 @@ class NamespaceIndex:
                 state = "not stored" if block is None else "still being written"
                 raise NotFoundError(f"cannot load key {key.hex()}: {state}")
             blocks.append(block)
+        if self.max_pinned_blocks is not None:
+            new = len({id(b) for b in blocks if b.ref == 0})
+            if self._num_pinned + new > self.max_pinned_blocks:
+                raise QuotaExceededError(
+                    f"namespace {self.name!r} has {self._num_pinned} blocks pinned; "
+                    f"{new} more would pass its quota of {self.max_pinned_blocks}"
+                )
         pins = self._pins.setdefault(client, Counter())
         for key, block in zip(keys, blocks):
             if block.ref == 0:
                 self._num_evictable -= 1
+                self._num_pinned += 1
             block.ref += 1
             pins[key] += 1
         self._loads_prepared += len(keys)
@@ -235,6 +266,7 @@ class NamespaceIndex:
         block.ref -= 1
         if block.ref == 0:
             self._num_evictable += 1
+            self._num_pinned -= 1
         pins[key] -= 1
         if not pins[key]:
             del pins[key]

@@ -32,12 +32,14 @@ from kvoffload.protocol.errors import (
     NoSpaceError,
     NotLeasedError,
     PermissionDeniedError,
+    QuotaExceededError,
     ShuttingDownError,
     VersionMismatchError,
 )
 from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
 
 from . import __version__
+from .access import Peer, peer_groups
 from .allocator import SlotPool
 from .config import DaemonConfig
 from .copier import Completion, CpuCopier
@@ -69,6 +71,8 @@ class Session:
     bytes_stored: int = 0
     bytes_loaded: int = 0
     connected_s: float = field(default_factory=time.monotonic)
+    peer: Peer = field(default_factory=lambda: Peer(0, 0, frozenset()))
+    allowed: bool = True
 
 
 @dataclass
@@ -98,6 +102,7 @@ class Service:
         self.copier = copier
         self.gpu = gpu
         self.gpu_unavailable = gpu_unavailable
+        self.access = config.access_policy()
         self.namespaces: dict[int, NamespaceIndex] = {}
         self._ns_by_name: dict[str, NamespaceIndex] = {}
         self.sessions: dict[int, Session] = {}
@@ -120,6 +125,11 @@ class Service:
 
     def handle(self, s: Session, req: m.Request) -> m.Reply | None:
         self.requests_total += 1
+        if not s.allowed:
+            raise PermissionDeniedError(
+                f"uid {s.uid} may not connect to kvoffloadd; list it in allow_uids or "
+                "allow_gids of the daemon config"
+            )
         if self.shutting_down and type(req) not in _SERVED_WHILE_STOPPING:
             raise ShuttingDownError("kvoffloadd is shutting down")
         return self._handlers[type(req)](s, req)
@@ -196,12 +206,13 @@ class Service:
         events = self._ns(s, r.ns).take_events()
         return m.EventsReply(r.rid, [m.EventMsg(*pack_keys(e.keys), e.removed) for e in events])
 
+    def _deny(self, s: Session, what: str, fix: str) -> PermissionDeniedError:
+        log.warning("refused uid %d gid %d (pid %d): %s", s.uid, s.gid, s.pid, what)
+        return PermissionDeniedError(f"uid {s.uid} may not {what}; {fix}")
+
     def _require_admin(self, s: Session, what: str) -> None:
-        if not self.config.may_administer(s.uid):
-            log.warning("refused %s for uid %d (pid %d): not an admin uid", what, s.uid, s.pid)
-            raise PermissionDeniedError(
-                f"uid {s.uid} may not {what}; list it in admin_uids of the daemon config"
-            )
+        if not self.access.may_administer(s.peer):
+            raise self._deny(s, what, "list it in admin_uids or admin_gids of the daemon config")
 
     def _on_evict(self, s: Session, r: m.Evict) -> m.Reply:
         self._require_admin(s, "evict")
@@ -250,6 +261,8 @@ class Service:
     def _open_namespace(self, s: Session, rid: int, name: str, layout: m.KVLayout) -> m.Reply:
         if not name or len(name) > 200:
             raise InvalidArgumentError("namespace name must be 1..200 characters")
+        if not self.access.may_open(s.peer, name):
+            raise self._deny(s, f"open namespace {name!r}", "add a namespace_access rule for it")
         pages = layout.tensor_page_bytes
         if not pages or any(p <= 0 for p in pages) or layout.world_size < 1:
             raise InvalidArgumentError(
@@ -293,6 +306,12 @@ class Service:
             journal=self.region.journal_for(ns_id, slots),
             reclaim=self._reclaim,
         )
+        quota = self.config.quota_for(name)
+        if quota is not None:
+            if quota.max_region_bytes:
+                index.max_blocks = quota.max_region_bytes // slot_bytes
+            if quota.max_pinned_blocks:
+                index.max_pinned_blocks = quota.max_pinned_blocks
         self.namespaces[ns_id] = index
         self._ns_by_name[name] = index
         return index
@@ -405,6 +424,11 @@ class Service:
         index = self.namespaces[w.ns_id]
         if job_id in w.active_jobs:
             raise InvalidArgumentError(f"job {job_id} is already in flight")
+        limit = self.config.max_inflight_jobs_per_client
+        if limit and sum(len(self.workers[x].active_jobs) for x in s.workers) >= limit:
+            raise QuotaExceededError(
+                f"client has {limit} jobs in flight, the max_inflight_jobs_per_client quota"
+            )
         if np.unique(slots).size != slots.size:
             raise InvalidArgumentError("a transfer names the same slot twice")
         if not index.slots.is_valid(slots):
@@ -501,6 +525,10 @@ class Service:
 
     def open_session(self, session_id: int, pid: int, uid: int, gid: int) -> Session:
         s = Session(session_id, pid, uid, gid)
+        s.peer = Peer(pid, uid, peer_groups(pid, gid))
+        s.allowed = self.access.may_connect(s.peer)
+        if not s.allowed:
+            log.warning("refused connection from uid %d gid %d (pid %d)", uid, gid, pid)
         self.sessions[session_id] = s
         return s
 

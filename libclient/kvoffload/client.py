@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .paths import default_socket_path
 from .plans import LoadPlan, OffloadEvent, StorePlan
 from .protocol import messages as m
-from .protocol.errors import DaemonUnavailableError, InvalidArgumentError, NoSpaceError
+from .protocol.errors import (
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    KVOffloadError,
+    NoSpaceError,
+    QuotaExceededError,
+)
 from .protocol.messages import KVLayout, pack_keys, unpack_ids, unpack_keys
 from .transport import Transport
 
@@ -222,6 +228,7 @@ class Namespace:
         self.ns_id = -1
         self.slot_bytes = 0
         self.fingerprint = ""
+        self.last_error: KVOffloadError | None = None  # why prepare_store gave None
 
     def _reopen(self, t: Transport) -> None:
         reply = t.request(m.OpenNamespace(self.client._rid(), self.name, self.layout))
@@ -248,10 +255,15 @@ class Namespace:
             return 0
 
     def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
-        """Lease slots for the keys not stored yet; None when there is no space."""
+        """Lease slots for the keys not stored yet; None when there is no space.
+
+        None also when the namespace's quota is full and nothing of its own can be
+        evicted (``QUOTA_EXCEEDED``); the reason stays in ``last_error``.
+        """
         try:
             r = self._keys_call(m.PrepareStore, keys, m.StorePlanReply)
-        except (NoSpaceError, DaemonUnavailableError):
+        except (NoSpaceError, QuotaExceededError, DaemonUnavailableError) as exc:
+            self.last_error = exc
             return None
         return StorePlan(
             unpack_keys(r.keys, r.key_bytes),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import shutil
 import socket
@@ -13,6 +14,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import ctl, store_blocks
@@ -203,3 +205,44 @@ def test_config_file_is_used_and_bad_keys_refused(tmp_path: Path) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "regoin_size" in r.stderr
+
+
+def _connect_as(sock: str, uid: int, out: Any) -> None:
+    """Child process: drop to ``uid`` (keeping gid 0 to reach the socket), connect."""
+    os.setgroups([])
+    os.setuid(uid)
+    try:
+        kvoffload.connect(sock, timeout_s=5).ping()
+        out.put("connected")
+    except kvoffload.KVOffloadError as exc:
+        out.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_peer_credentials_decide_who_connects_and_which_namespaces(tmp_path: Path) -> None:
+    cfg = tmp_path / "k.toml"
+    cfg.write_text(
+        f'allow_uids = [4243]\n[[namespace_access]]\npattern = "ours-*"\nuids = [{os.getuid()}]\n'
+    )
+    run = Path(tempfile.mkdtemp(prefix="kvoffload-acl-"))  # reachable by other uids
+    run.chmod(0o755)
+    sock = str(run / "k.sock")
+    with DaemonProcess(
+        "32MiB", "--config", str(cfg), "--log-level", "error", socket_path=sock
+    ) as d:
+        c = kvoffload.connect(d.socket_path)
+        c.namespace("ours-1", kvoffload.KVLayout(tensor_page_bytes=[4096]))
+        with pytest.raises(kvoffload.PermissionDeniedError, match="namespace_access"):
+            c.namespace("theirs", kvoffload.KVLayout(tensor_page_bytes=[4096]))
+        if os.getuid() == 0 and os.getgid() == 0:  # only root can pose as other users
+            ctx = mp.get_context("spawn")
+            for uid, want in ((4242, "PermissionDeniedError"), (4243, "connected")):
+                q = ctx.Queue()
+                p = ctx.Process(target=_connect_as, args=(d.socket_path, uid, q))
+                p.start()
+                got = q.get(timeout=60)
+                p.join(60)
+                assert got.startswith(want), got
+        c.ping()  # the daemon is alive and serves us
+        assert c.stats()["errors"]["PERMISSION_DENIED"] >= 1
+        c.close()
+    shutil.rmtree(run, ignore_errors=True)

@@ -1,0 +1,163 @@
+"""Access control and quotas, against a Service with a real region (no socket)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import PermissionDeniedError, QuotaExceededError
+from kvoffload.protocol.messages import pack_keys, unpack_ids
+from kvoffloadd.access import AccessPolicy, NamespaceRule, Peer, peer_groups
+from kvoffloadd.config import DaemonConfig, NamespaceQuota, load_config
+from kvoffloadd.copier import CpuCopier
+from kvoffloadd.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service import Service, Session
+
+MIB = 1 << 20
+OTHER = 4242  # a uid/gid that is neither root nor ours
+
+
+def peer(uid: int, *gids: int) -> Peer:
+    return Peer(1, uid, frozenset(gids))
+
+
+def test_connect_allow_lists() -> None:
+    open_policy = AccessPolicy(None, None, None, [], [])
+    assert open_policy.may_connect(peer(OTHER, OTHER))
+    policy = AccessPolicy([1000], [997], None, [], [])
+    assert policy.may_connect(peer(1000, 5)) and policy.may_connect(peer(OTHER, 5, 997))
+    assert not policy.may_connect(peer(OTHER, OTHER))
+    assert policy.may_connect(peer(0, 0)) and policy.may_connect(peer(os.getuid(), 5))
+
+
+def test_namespace_rules_first_match_decides_and_unmatched_is_refused() -> None:
+    rules = [
+        NamespaceRule(pattern="team-a-*", uids=[1000]),
+        NamespaceRule(pattern="team-*", gids=[997]),
+    ]
+    policy = AccessPolicy(None, None, None, [], rules)
+    assert policy.may_open(peer(1000, 1), "team-a-llama")
+    assert not policy.may_open(peer(OTHER, 997), "team-a-llama")  # first rule decides
+    assert policy.may_open(peer(OTHER, 997), "team-b-llama")
+    assert not policy.may_open(peer(1000, 1), "other")
+    assert AccessPolicy(None, None, None, [], []).may_open(peer(OTHER), "anything")
+
+
+def test_admin_by_uid_or_group() -> None:
+    assert AccessPolicy(None, None, None, [], []).may_administer(peer(os.getuid()))
+    assert not AccessPolicy(None, None, None, [], []).may_administer(peer(OTHER, OTHER))
+    assert AccessPolicy(None, None, [OTHER], [], []).may_administer(peer(OTHER))
+    assert AccessPolicy(None, None, [], [77], []).may_administer(peer(OTHER, 1, 77))
+
+
+def test_supplementary_groups_come_from_proc() -> None:
+    groups = peer_groups(os.getpid(), os.getgid())
+    assert os.getgid() in groups and set(os.getgroups()) <= groups
+    assert peer_groups(2**22 + 12345, 5) == frozenset({5})  # no such pid
+
+
+def make_service(**cfg_fields: object) -> Iterator[Service]:
+    cfg = msgspec.convert(
+        {"instance": f"q{uuid.uuid4().hex[:8]}", "region_size": "16MiB", "extent_size": "1MiB"}
+        | cfg_fields,
+        DaemonConfig,
+    ).validate()
+    region = SharedOffloadRegion(cfg.region_name, Geometry.plan(cfg.region_bytes, MIB, 4096))
+    copier = CpuCopier(1)
+    yield Service(cfg, region, copier)
+    copier.close()
+    region.close()
+
+
+def session(svc: Service, sid: int, uid: int = 0) -> Session:
+    return svc.sessions.get(sid) or svc.open_session(sid, os.getpid(), uid, uid)
+
+
+def open_ns(svc: Service, s: Session, name: str) -> int:
+    r = svc.handle(s, m.OpenNamespace(1, name, m.KVLayout([65536])))
+    assert isinstance(r, m.NamespaceOpened)
+    return r.ns
+
+
+def test_refused_peer_gets_permission_denied_on_every_request() -> None:
+    for svc in make_service(allow_uids=[1000]):
+        s = session(svc, 1, uid=OTHER)
+        for req in (m.Hello(1, m.PROTOCOL_VERSION), m.Ping(2)):
+            with pytest.raises(PermissionDeniedError, match="allow_uids"):
+                svc.handle(s, req)
+        assert isinstance(svc.handle(session(svc, 2, uid=0), m.Ping(3)), m.Pong)
+
+
+def test_namespace_access_is_enforced_at_open() -> None:
+    rules = [{"pattern": "mine-*", "uids": [OTHER]}]
+    for svc in make_service(namespace_access=rules):
+        s = session(svc, 1, uid=OTHER)
+        assert open_ns(svc, s, "mine-1") >= 0
+        with pytest.raises(PermissionDeniedError, match="namespace_access"):
+            svc.handle(s, m.OpenNamespace(1, "yours-1", m.KVLayout([65536])))
+        with pytest.raises(PermissionDeniedError):
+            svc.handle(session(svc, 2, uid=0), m.OpenNamespace(1, "mine-2", m.KVLayout([65536])))
+
+
+def store(svc: Service, s: Session, ns: int, keys: list[bytes]) -> m.Reply | None:
+    kp, kb = pack_keys(keys)
+    r = svc.handle(s, m.PrepareStore(2, ns, kp, kb))
+    if isinstance(r, m.StorePlanReply):
+        svc.namespaces[ns].mark_written(unpack_ids(r.slots).tolist(), 0)
+        svc.handle(s, m.CompleteStore(3, ns, kp, kb, True))
+    return r
+
+
+def test_region_quota_evicts_own_blocks_then_refuses_never_others() -> None:
+    quotas = [{"pattern": "small", "max_region_size": "256KiB"}]  # 4 blocks of 64 KiB
+    for svc in make_service(namespace_quotas=quotas):
+        s = session(svc, 1)
+        big, small = open_ns(svc, s, "big"), open_ns(svc, s, "small")
+        store(svc, s, big, [b"big-%03d" % i for i in range(20)])
+        store(svc, s, small, [b"s-%03d" % i for i in range(4)])
+        r = store(svc, s, small, [b"s-%03d" % i for i in range(4, 6)])  # evicts its own
+        assert isinstance(r, m.StorePlanReply) and len(pack_keys([b"s-000"])[0]) * 2 == len(
+            r.evicted_keys
+        )
+        assert svc.namespaces[small].slots.num_used == 4
+        assert svc.namespaces[big].lookup([b"big-%03d" % i for i in range(20)]) == 20
+        kp, kb = pack_keys([b"s-%03d" % i for i in range(2, 6)])
+        svc.handle(s, m.PrepareLoad(4, small, kp, kb))  # pin all four
+        with pytest.raises(QuotaExceededError, match="quota"):
+            store(svc, s, small, [b"s-new"])
+        assert svc.namespaces[big].lookup([b"big-%03d" % i for i in range(20)]) == 20
+
+
+def test_pinned_block_quota() -> None:
+    quotas = [{"pattern": "*", "max_pinned_blocks": 3}]
+    for svc in make_service(namespace_quotas=quotas):
+        s = session(svc, 1)
+        ns = open_ns(svc, s, "p")
+        keys = [b"p-%03d" % i for i in range(5)]
+        store(svc, s, ns, keys)
+        kp, kb = pack_keys(keys[:3])
+        svc.handle(s, m.PrepareLoad(4, ns, kp, kb))
+        svc.handle(s, m.PrepareLoad(5, ns, kp, kb))  # the same blocks again: no new pins
+        kp4, kb4 = pack_keys(keys[3:4])
+        with pytest.raises(QuotaExceededError, match="quota of 3"):
+            svc.handle(s, m.PrepareLoad(6, ns, kp4, kb4))
+        svc.handle(s, m.CompleteLoad(7, ns, kp, kb))
+        svc.handle(s, m.CompleteLoad(8, ns, kp, kb))
+        assert isinstance(svc.handle(s, m.PrepareLoad(9, ns, kp4, kb4)), m.LoadPlanReply)
+
+
+def test_config_example_documents_every_key_and_loads(tmp_path: Path) -> None:
+    example = Path(__file__).parents[2] / "systemd" / "kvoffloadd.toml.example"
+    text = example.read_text()
+    for field in msgspec.structs.fields(DaemonConfig):
+        assert f"{field.name} =" in text or f"[[{field.name}]]" in text, field.name
+    cfg = load_config(str(example), {})
+    assert cfg.namespace_quotas == [] and cfg.quota_for("x") is None
+    q = NamespaceQuota(pattern="a*", max_region_size="1GiB")
+    assert q.max_region_bytes == 1 << 30
