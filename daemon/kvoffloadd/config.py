@@ -93,6 +93,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     namespace_access: list[NamespaceRule] = msgspec.field(default_factory=list)
     namespace_quotas: list[NamespaceQuota] = msgspec.field(default_factory=list)
     max_inflight_jobs_per_client: int = 0  # 0: unlimited
+    verify_checksums: bool = False  # CRC32 per stored block, checked on every load
 
     @property
     def socket_path(self) -> str:

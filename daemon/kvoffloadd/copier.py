@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -41,6 +42,33 @@ class Completion:
     success: bool
     nbytes: int
     seconds: float
+    checksums: list[int] | None = None  # stores with verification: one per area
+    corrupt: list[int] = field(default_factory=list)  # loads: areas that failed
+
+
+@dataclass(frozen=True)
+class ChecksumCheck:
+    """Block checksums for one job: CRC32 of each slot's rank area of the region.
+
+    Stores compute them after their copy; loads verify them before theirs and copy
+    nothing when one differs (``expected`` -1: not known, not checked).
+    """
+
+    areas: list[int]  # absolute addresses
+    area_bytes: int
+    expected: list[int] | None = None
+
+    def compute(self) -> list[int]:
+        n = self.area_bytes
+        return [zlib.crc32((ctypes.c_char * n).from_address(a)) for a in self.areas]
+
+    def mismatches(self) -> list[int]:
+        assert self.expected is not None
+        return [
+            i
+            for i, (want, got) in enumerate(zip(self.expected, self.compute()))
+            if want >= 0 and want != got
+        ]
 
 
 @dataclass
@@ -49,8 +77,19 @@ class _Job:
     nbytes: int
     parts_left: int
     started_s: float
+    check: ChecksumCheck | None = None
     failed: bool = False
+    corrupt: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish(self) -> Completion:
+        """The completion of a job whose every part ran (verification included)."""
+        seconds = time.perf_counter() - self.started_s
+        sums = None
+        if self.check is not None and self.check.expected is None and not self.failed:
+            sums = self.check.compute()
+        ok = not self.failed and not self.corrupt
+        return Completion(self.token, ok, self.nbytes if ok else 0, seconds, sums, self.corrupt)
 
 
 def chunk_runs(dst: I64, src: I64, nbytes: I64, chunk: int) -> tuple[I64, I64, I64]:
@@ -117,13 +156,17 @@ class CpuCopier:
         for t in self._threads:
             t.start()
 
-    def submit(self, token: int, dst: I64, src: I64, nbytes: I64) -> None:
+    def submit(
+        self, token: int, dst: I64, src: I64, nbytes: I64, check: ChecksumCheck | None = None
+    ) -> None:
         total = int(nbytes.sum())
         parts = len(self._threads) if total >= self.MIN_SPLIT_BYTES else 1
+        if check is not None and check.expected is not None:
+            parts = 1  # a verified load checks everything before it copies anything
         if parts > 1:
             dst, src, nbytes = chunk_runs(dst, src, nbytes, self.CHUNK_BYTES)
         ranges = split_by_bytes(nbytes, parts)
-        job = _Job(token, total, len(ranges), time.perf_counter())
+        job = _Job(token, total, len(ranges), time.perf_counter(), check)
         for a, b in ranges:
             self._queue.put((job, dst[a:b].tolist(), src[a:b].tolist(), nbytes[a:b].tolist()))
 
@@ -135,6 +178,10 @@ class CpuCopier:
             job, dst, src, sizes = item
             ok = True
             try:
+                if job.check is not None and job.check.expected is not None:
+                    job.corrupt = job.check.mismatches()
+                    if job.corrupt:
+                        dst = []
                 for d, s, n in zip(dst, src, sizes):
                     _memmove(d, s, n)
             except Exception:  # pragma: no cover - memmove of validated ranges
@@ -145,8 +192,7 @@ class CpuCopier:
                 job.parts_left -= 1
                 last = job.parts_left == 0
             if last:
-                seconds = time.perf_counter() - job.started_s
-                self.sink.post(Completion(job.token, not job.failed, job.nbytes, seconds))
+                self.sink.post(job.finish())
 
     def drain(self) -> list[Completion]:
         return self.sink.drain()

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +42,7 @@ from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc, KVLayout
 
 from .config import DaemonConfig
-from .copier import Completion, CompletionSink
+from .copier import ChecksumCheck, Completion, CompletionSink
 from .copyplan import CacheGeometry, split_at_boundaries
 from .pinning import RegionPinner, plan_chunks
 from .region import SharedOffloadRegion
@@ -80,6 +80,8 @@ class GpuJob:
     wait_event: int
     region_end_bytes: int  # one past the highest region offset the job touches
     started_s: float
+    check: ChecksumCheck | None = None
+    corrupt: list[int] = field(default_factory=list)
 
 
 class CopyLane:
@@ -120,6 +122,10 @@ class CopyLane:
 
     def _enqueue(self, job: GpuJob, stream: int) -> None:
         api = self._api
+        if job.check is not None and job.check.expected is not None:
+            job.corrupt = job.check.mismatches()  # verify the region before loading
+            if job.corrupt:
+                return
         if job.wait_event:
             api.stream_wait_event(stream, job.wait_event)
         if self._batch_ok(job):
@@ -169,9 +175,13 @@ class CopyLane:
                     ok = False
             for event in events:
                 self._free_events.put(event)
+            sums = None
+            if ok and job.check is not None and job.check.expected is None:
+                sums = job.check.compute()  # the store's bytes are in the region now
+            ok = ok and not job.corrupt
             nbytes = int(job.nbytes.sum()) if ok else 0
             seconds = time.perf_counter() - job.started_s
-            self._sink.post(Completion(job.token, ok, nbytes, seconds))
+            self._sink.post(Completion(job.token, ok, nbytes, seconds, sums, job.corrupt))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -301,7 +311,15 @@ class GpuRuntime:
         return self.api.has_batch and job.region_end_bytes <= self.pinner.pinned_bytes
 
     def submit(
-        self, ordinal: int, token: int, dst: I64, src: I64, nbytes: I64, to_host: bool, wait: int
+        self,
+        ordinal: int,
+        token: int,
+        dst: I64,
+        src: I64,
+        nbytes: I64,
+        to_host: bool,
+        wait: int,
+        check: ChecksumCheck | None = None,
     ) -> None:
         """Queue one transfer; addresses are absolute (region side: host addresses)."""
         region, other = (dst, src) if to_host else (src, dst)
@@ -311,7 +329,9 @@ class GpuRuntime:
         end = int((rel + nbytes).max()) if rel.size else 0
         region = rel + self._region_base
         dst, src = (region, other) if to_host else (other, region)
-        job = GpuJob(token, dst, src, nbytes, wait if to_host else 0, end, time.perf_counter())
+        job = GpuJob(
+            token, dst, src, nbytes, wait if to_host else 0, end, time.perf_counter(), check
+        )
         self._lane(ordinal, to_host).submit(job)
 
     def lane_counts(self) -> tuple[int, int]:

@@ -104,6 +104,9 @@ class NamespaceIndex:
         self._reclaim = reclaim
         self._num_evictable = 0
         self._num_pinned = 0  # blocks with ref > 0
+        # verify_checksums: CRC32 of each (slot, rank) area, and blocks found corrupt
+        self._checksums: dict[int, int] = {}
+        self._corrupt: set[bytes] = set()
         # quotas (None: unlimited): slots this namespace may hold, blocks it may pin
         self.max_blocks: int | None = None
         self.max_pinned_blocks: int | None = None
@@ -227,8 +230,14 @@ class NamespaceIndex:
         blocks: list[Block] = []
         for key in keys:
             block = get(key)
-            if block is None or block.ref < 0:
-                state = "not stored" if block is None else "still being written"
+            if block is None or block.ref < 0 or key in self._corrupt:
+                state = (
+                    "not stored"
+                    if block is None
+                    else "corrupt (evicted once unpinned)"
+                    if key in self._corrupt
+                    else "still being written"
+                )
                 raise NotFoundError(f"cannot load key {key.hex()}: {state}")
             blocks.append(block)
         if self.max_pinned_blocks is not None:
@@ -267,9 +276,44 @@ class NamespaceIndex:
         if block.ref == 0:
             self._num_evictable += 1
             self._num_pinned -= 1
+            if key in self._corrupt:
+                self._corrupt.discard(key)
+                self._policy.remove(key)
+                self._drop([(key, block)])
         pins[key] -= 1
         if not pins[key]:
             del pins[key]
+
+    # ------------------------------------------------------------ block checksums
+
+    def set_checksums(self, slots: Sequence[int], rank: int, crcs: Sequence[int]) -> None:
+        w = self.layout.world_size
+        for slot, crc in zip(slots, crcs):
+            if slot < len(self._slot_key) and self._slot_key[slot] is not None:
+                self._checksums[slot * w + rank] = crc
+
+    def checksums_for(self, slots: Sequence[int], rank: int) -> list[int]:
+        """Stored checksums of the slots' rank areas; -1 where none is known."""
+        w = self.layout.world_size
+        return [self._checksums.get(slot * w + rank, -1) for slot in slots]
+
+    def mark_corrupt(self, slots: Sequence[int]) -> list[bytes]:
+        """Blocks whose bytes no longer match their checksum: never served again,
+        evicted now or when their last pin goes."""
+        keys = []
+        for slot in slots:
+            key = self._slot_key[slot] if slot < len(self._slot_key) else None
+            block = self._policy.get(key) if key is not None else None
+            if key is None or block is None:
+                continue
+            keys.append(key)
+            self._ready.discard(key)
+            if block.ref == 0:
+                self._policy.remove(key)
+                self._drop([(key, block)])
+            else:
+                self._corrupt.add(key)
+        return keys
 
     def restore(self, blocks: list[tuple[int, bytes]]) -> None:
         """Re-insert completed stores found in a kept region, oldest first (warm restart)."""
@@ -392,6 +436,10 @@ class NamespaceIndex:
         self._slot_key[slot] = None
         self._ready.discard(key)
         self._written.pop(slot, None)
+        if self._checksums:
+            w = self.layout.world_size
+            for rank in range(w):
+                self._checksums.pop(slot * w + rank, None)
         self._journal.freed(slot)
         self.slots.free(slot)
 

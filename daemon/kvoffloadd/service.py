@@ -42,7 +42,7 @@ from . import __version__
 from .access import Peer, peer_groups
 from .allocator import SlotPool
 from .config import DaemonConfig
-from .copier import Completion, CpuCopier
+from .copier import ChecksumCheck, Completion, CpuCopier
 from .copyplan import build_runs, check_transfer
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
@@ -450,10 +450,22 @@ class Service:
         index.slots.mark_busy(slots)
         w.active_jobs.add(job_id)
         dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
+        check = self._checksum_check(index, w.rank, slots, is_store)
         if w.device is not None and self.gpu is not None:
-            self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event)
+            self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event, check)
         else:
-            self.copier.submit(token, dst, src, nbytes)
+            self.copier.submit(token, dst, src, nbytes, check)
+
+    def _checksum_check(
+        self, index: NamespaceIndex, rank: int, slots: np.ndarray, is_store: bool
+    ) -> ChecksumCheck | None:
+        if not self.config.verify_checksums:
+            return None
+        rank_bytes = index.layout.rank_bytes
+        base = int(self.region.buffer.ctypes.data) + rank * rank_bytes
+        areas = (index.slots.region_offsets(slots) + base).tolist()
+        expected = None if is_store else index.checksums_for(slots.tolist(), rank)
+        return ChecksumCheck(areas, rank_bytes, expected)
 
     def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
         """Apply finished copies; returns deferred replies as (session id, reply)."""
@@ -465,6 +477,16 @@ class Service:
             w = self.workers[job.worker_id]
             if c.success and job.is_store:
                 index.mark_written(job.slots.tolist(), w.rank)
+                if c.checksums is not None:
+                    index.set_checksums(job.slots.tolist(), w.rank, c.checksums)
+            if c.corrupt:
+                bad = index.mark_corrupt([int(job.slots[i]) for i in c.corrupt])
+                self.count_error("CHECKSUM_MISMATCH")
+                log.error(
+                    "namespace %s: %d blocks failed their checksum on load and are evicted",
+                    index.name,
+                    len(bad),
+                )
             w.active_jobs.discard(job.job_id)
             self._account(w, job, c)
             if w.closing:

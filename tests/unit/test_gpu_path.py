@@ -136,8 +136,13 @@ class Rig:
         return self.svc.on_completions(self.copier.drain()) if r else []
 
 
-def make_rig(fake: FakeCuda, pin: bool = True) -> Iterator[Rig]:
-    cfg = DaemonConfig(instance=f"g{uuid.uuid4().hex[:8]}", region_size="32MiB", extent_size="2MiB")
+def make_rig(fake: FakeCuda, pin: bool = True, verify: bool = False) -> Iterator[Rig]:
+    cfg = DaemonConfig(
+        instance=f"g{uuid.uuid4().hex[:8]}",
+        region_size="32MiB",
+        extent_size="2MiB",
+        verify_checksums=verify,
+    )
     region = SharedOffloadRegion(cfg.region_name, Geometry.plan(cfg.region_bytes, 2 * MIB, 4096))
     copier = CpuCopier(1)
     g = region.geometry
@@ -317,3 +322,27 @@ def test_a_daemon_without_gpus_refuses_cuda_workers_clearly() -> None:
     finally:
         copier.close()
         region.close()
+
+
+def test_gpu_loads_verify_checksums_before_copying() -> None:
+    fake = FakeCuda()
+    for r in make_rig(fake, verify=True):
+        ns = open_ns(r, 1)
+        w, fence = attach(r, ns, gpu_caches(fake, seed=3))
+        keys = [b"a", b"b"]
+        slots = prepare(r, ns, keys)
+        fence.record(0)
+        r.svc.handle(r.session(), m.SubmitStore(4, w, 1, pack_ids([1, 2]), pack_ids(slots)))
+        r.drain()
+        kp, kb = pack_keys(keys)
+        r.svc.handle(r.session(), m.CompleteStore(5, ns, kp, kb, True))
+        off = int(r.svc.namespaces[ns].slots.region_offsets(slots[1:])[0])
+        r.svc.region.buffer[off] ^= 1
+        dst = gpu_caches(fake, seed=None)
+        w2, _ = attach(r, ns, dst)
+        lslots = prepare(r, ns, keys, load=True)
+        r.svc.handle(r.session(), m.SubmitLoad(6, w2, 1, pack_ids(lslots), pack_ids([0, 1])))
+        r.drain()
+        assert r.svc.workers[w2].finished[0].success is False
+        assert not any(t.rows.any() for t in dst)
+        assert r.svc.errors_by_code["CHECKSUM_MISMATCH"] == 1
