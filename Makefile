@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-gpu bench lint clean
+.PHONY: setup run test test-gpu bench soak lint clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test-gpu: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m kvoffloadctl.bench $(ARGS)
+
+# Long random load from several engines with every loaded byte verified (not in test).
+soak: $(STAMP)
+	$(BIN)/python -m kvoffloadctl.soak $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check daemon libclient tools tests
