@@ -150,21 +150,24 @@ class Client:
 
     # ------------------------------------------------------------ public API
 
-    def _register(self, setup: Callable[[Transport], None]) -> None:
-        """Run a registration on the live transport (the lock held); a loss is recorded."""
-        t = self._ensure()
+    def _register(self, setup: Callable[[Transport], None], keep: Callable[[], None]) -> None:
+        """Run a registration now and ``keep`` it for reconnects (the lock held).
+
+        A daemon that is down, or lost during the registration, is no error: like
+        every registration, it runs again when the client reconnects. Other errors
+        (a layout mismatch, a refused cache) propagate and nothing is kept.
+        """
         try:
-            setup(t)
+            setup(self._ensure())
         except DaemonUnavailableError as exc:
             self._lost(exc)
-            raise
+        keep()
 
     def namespace(self, name: str, layout: KVLayout) -> Namespace:
         """Open (or join) a namespace; LayoutMismatchError if it exists with another layout."""
         with self._lock:
             ns = Namespace(self, name, layout)
-            self._register(ns._reopen)
-            self._namespaces.append(ns)
+            self._register(ns._reopen, lambda: self._namespaces.append(ns))
             return ns
 
     def ping(self) -> float:

@@ -81,8 +81,7 @@ class Worker:
         self._failed_locally: list[TransferResult] = []
         client = ns.client
         with client._lock:
-            client._register(self._reattach)
-            client._register_worker(self)
+            client._register(self._reattach, lambda: client._register_worker(self))
 
     def _reattach(self, t: Transport) -> None:
         fence = self._fence.handle if self._fence is not None else b""

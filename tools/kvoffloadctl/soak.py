@@ -46,7 +46,7 @@ class Engine:
         self._open()
 
     def _open(self) -> None:
-        self.client = kvoffload.connect(self.sock)
+        self.client = kvoffload.connect(self.sock, lazy=True)  # survives a daemon restart
         self.ns = self.client.namespace("soak", kvoffload.KVLayout(tensor_page_bytes=PAGES))
         self.caches = [kvoffload.shared_kv_cache(ENGINE_BLOCKS, p) for p in PAGES]
         self.worker = self.ns.attach_worker(self.caches)
@@ -121,9 +121,10 @@ class Engine:
         self.stats["evictions"] += 1
 
     def reconnect(self) -> None:
-        self.worker.close()
-        self.client.close()
-        self._open()
+        old_client, old_worker = self.client, self.worker
+        self._open()  # raises while the daemon is down: keep the old connection then
+        old_worker.close()
+        old_client.close()
         self.stats["reconnects"] += 1
 
     def step(self) -> None:
