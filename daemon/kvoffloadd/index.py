@@ -263,7 +263,8 @@ class NamespaceIndex:
         for key, count in wanted.items():
             if pins is None or pins[key] < count:
                 raise NotLeasedError(f"key {key.hex()} is not pinned by this client")
-        assert pins is not None
+        if pins is None:
+            return  # no keys at all (found by the live fuzz test: it used to be fatal)
         for key in keys:
             self._unpin(key, pins)
         if not pins:

@@ -49,6 +49,7 @@ MAX_QUEUED_FDS = 1024
 MAX_OUTBUF_BYTES = 64 * 1024 * 1024
 CRON_PERIOD_S = 1.0
 DRAIN_TIMEOUT_S = 30.0
+LINGER_S = 5.0  # how long a client closed for a protocol error has to read its replies
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 
 
@@ -59,6 +60,7 @@ class _Client:
     session: Session
     outbuf: bytearray = field(default_factory=bytearray)
     writing: bool = False
+    closing_by_s: float = 0.0  # after a protocol error: deliver the replies, then close
 
 
 class Server:
@@ -128,6 +130,9 @@ class Server:
 
     def _cron(self) -> None:
         self.service.cron()
+        now = time.monotonic()
+        for c in [c for c in self.clients.values() if c.closing_by_s and now > c.closing_by_s]:
+            self._drop(c, "did not read its replies after a protocol error")
         if self.metrics is not None:
             self.metrics.publish(render_stats(self.service), self._cron_period_s)
         if not self.notifier.enabled:
@@ -196,7 +201,9 @@ class Server:
     def _io(self, c: _Client, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
             self._flush(c)
-        if mask & selectors.EVENT_READ and c.session.session_id in self.clients:
+        # nothing more is read from a client being closed after a protocol error
+        alive = c.session.session_id in self.clients and not c.closing_by_s
+        if mask & selectors.EVENT_READ and alive:
             self._read(c)
 
     def _read(self, c: _Client) -> None:
@@ -229,8 +236,10 @@ class Server:
             c.outbuf += encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, str(exc.args[0])))
             self.service.count_error(ErrorCode.PROTOCOL_ERROR.name)
             log.warning("client %d (pid %d): %s", c.session.session_id, c.session.pid, exc)
+            # Replies to the requests before the bad frame are still owed: send them
+            # all, then close (or give up after LINGER_S if the client stops reading).
+            c.closing_by_s = time.monotonic() + LINGER_S
             self._flush(c)
-            self._drop(c, "protocol error")
             return
         self._flush(c)
 
@@ -271,12 +280,17 @@ class Server:
                 self._drop(c, "write failed")
                 return
             del c.outbuf[:n]
+        if c.closing_by_s and not c.outbuf:
+            self._drop(c, "protocol error")
+            return
         if len(c.outbuf) > MAX_OUTBUF_BYTES:
             self._drop(c, "not reading its replies")
             return
         want_write = bool(c.outbuf)
-        if want_write != c.writing and c.session.session_id in self.clients:
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0)
+        if (want_write != c.writing or c.closing_by_s) and c.session.session_id in self.clients:
+            events = (0 if c.closing_by_s else selectors.EVENT_READ) | (
+                selectors.EVENT_WRITE if want_write else 0
+            )
             self.sel.modify(c.sock, events, lambda s, mk, cl=c: self._io(cl, mk))
             c.writing = want_write
 

@@ -4,15 +4,18 @@ Most frames are well-formed requests of every type with random field values (hug
 negative, empty, unknown ids, wrong lengths), which exercise every handler's
 validation while the connection stays open; each batch ends with a mutated frame
 (bit flips, truncation, random bytes) that exercises the decoder and usually ends the
-connection. Afterwards a client that was storing before the fuzz, and a new one, must
-still be served correctly, with identical bytes.
+connection, after the replies to everything before it. Afterwards a client that was
+storing before the fuzz, and a new one, must still be served correctly, with identical
+bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import struct
+import threading
 import typing
 from typing import Any
 
@@ -73,12 +76,18 @@ def mutated(rng: random.Random) -> bytes:
 
 
 def run_batch(path: str, frames: list[bytes]) -> int:
-    """Send Hello, the frames and a final Ping; return how many replies came back."""
+    """Send Hello, the frames and a final Ping; return how many replies came back.
+
+    Replies are read while the frames are sent, as a real client does: a client that
+    stops reading is (rightly) dropped by the daemon's output-buffer limit.
+    """
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(30)
     s.connect(path)
-    s.sendall(encode_frame(m.Hello(1, m.PROTOCOL_VERSION, "fuzz", 0)))
-    s.sendall(b"".join(frames) + encode_frame(m.Ping(987654321)))
+    payload = b"".join(frames) + encode_frame(m.Ping(987654321))
+    hello = encode_frame(m.Hello(1, m.PROTOCOL_VERSION, "fuzz", 0))
+    sender = threading.Thread(target=_send_all, args=(s, hello + payload), daemon=True)
+    sender.start()
     data = bytearray()
     replies = 0
     dec = msgspec.msgpack.Decoder(m.Reply)
@@ -94,12 +103,18 @@ def run_batch(path: str, frames: list[bytes]) -> int:
                 del data[: 4 + n]
                 replies += 1
                 if isinstance(reply, m.Pong) and reply.rid == 987654321:
-                    return replies
+                    return replies - 1  # the Welcome counts, the final Pong does not
     except (ConnectionResetError, BrokenPipeError):
         pass
     finally:
         s.close()
-    return replies
+        sender.join(30)
+    return replies - 1
+
+
+def _send_all(s: socket.socket, payload: bytes) -> None:
+    with contextlib.suppress(OSError):  # the daemon may close on a mutated frame
+        s.sendall(payload)
 
 
 def test_100k_fuzzed_frames_leave_the_daemon_serving_correctly() -> None:
@@ -123,7 +138,9 @@ def test_100k_fuzzed_frames_leave_the_daemon_serving_correctly() -> None:
             replies += run_batch(d.socket_path, frames)
             sent += len(frames)
             assert d.alive(), f"daemon died after {sent} fuzzed frames"
-        assert replies >= FRAMES * 0.9, f"only {replies} replies to {sent} frames"
+        # every well-formed request is answered, even in a batch that ends with a bad one
+        bad = sent // BATCH
+        assert replies >= sent - bad, f"only {replies} replies to {sent - bad} requests"
 
         # The canary, connected all along, still gets exactly its bytes back.
         dst = kvoffload.shared_kv_cache(8, 4096)

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,7 @@ def test_peer_credentials_decide_who_connects_and_which_namespaces(tmp_path: Pat
     with DaemonProcess(
         "32MiB", "--config", str(cfg), "--log-level", "error", socket_path=sock
     ) as d:
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660
         c = kvoffload.connect(d.socket_path)
         c.namespace("ours-1", kvoffload.KVLayout(tensor_page_bytes=[4096]))
         with pytest.raises(kvoffload.PermissionDeniedError, match="namespace_access"):

@@ -161,3 +161,24 @@ def test_config_example_documents_every_key_and_loads(tmp_path: Path) -> None:
     assert cfg.namespace_quotas == [] and cfg.quota_for("x") is None
     q = NamespaceQuota(pattern="a*", max_region_size="1GiB")
     assert q.max_region_bytes == 1 << 30
+
+
+def test_socket_is_0660_in_a_0750_directory(tmp_path: Path) -> None:
+    import stat
+
+    from kvoffloadd.server import bind_listener
+
+    path = tmp_path / "run" / "k.sock"
+    sock = bind_listener(str(path))
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o750
+    finally:
+        sock.close()
+
+
+def test_empty_complete_load_without_pins_is_harmless() -> None:
+    for svc in make_service():
+        s = session(svc, 1)
+        ns = open_ns(svc, s, "e")
+        assert isinstance(svc.handle(s, m.CompleteLoad(2, ns, b"", 8)), m.OkReply)
