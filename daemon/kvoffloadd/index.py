@@ -59,6 +59,8 @@ class NamespaceStatistics:
     stored_blocks: int
     writing_blocks: int
     pinned_blocks: int
+    quota_blocks: int  # 0: no quota
+    quota_pinned_blocks: int  # 0: no quota
     lookups_total: int
     lookup_keys_total: int
     hit_keys_total: int
@@ -463,6 +465,8 @@ class NamespaceIndex:
             stored_blocks=sum(1 for _, b in blocks if b.ref >= 0),
             writing_blocks=len(self._writers),
             pinned_blocks=sum(1 for _, b in blocks if b.ref > 0),
+            quota_blocks=self.max_blocks or 0,
+            quota_pinned_blocks=self.max_pinned_blocks or 0,
             lookups_total=self._lookups,
             lookup_keys_total=self._lookup_keys,
             hit_keys_total=self._hit_keys,

@@ -126,6 +126,8 @@ def test_region_quota_evicts_own_blocks_then_refuses_never_others() -> None:
             r.evicted_keys
         )
         assert svc.namespaces[small].slots.num_used == 4
+        st = svc.namespaces[small].statistics()
+        assert (st.quota_blocks, st.quota_pinned_blocks) == (4, 0)
         assert svc.namespaces[big].lookup([b"big-%03d" % i for i in range(20)]) == 20
         kp, kb = pack_keys([b"s-%03d" % i for i in range(2, 6)])
         svc.handle(s, m.PrepareLoad(4, small, kp, kb))  # pin all four
