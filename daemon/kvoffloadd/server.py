@@ -37,7 +37,8 @@ from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 
 from .metrics import MetricsEndpoint
-from .service import Service, Session
+from .service import Service
+from .session import Session
 from .stats import render_stats
 from .systemd import Notifier, watchdog_interval_s
 

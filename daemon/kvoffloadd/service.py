@@ -1,12 +1,12 @@
 """Request handlers: the daemon's metadata and what each message does to it.
 
 Rules:
-- Runs on the loop thread only; it owns namespaces, workers, jobs and sessions.
+- Runs on the loop thread only; it owns namespaces and sessions, and its
+  ``transfers`` (transfers.py) own the workers and their copy jobs.
 - A handler returns the reply, or ``None`` when the reply is deferred (``WaitJobs``).
   Client mistakes raise ``KVOffloadError`` and become an ``ErrorReply`` for that
   request; nothing is changed by a request that fails validation.
-- Copies are validated here (slots leased, block ids inside the registered caches)
-  before any address reaches the copier (invariant 4).
+- Copies are validated in full before any address reaches a copier (invariant 4).
 - A session that goes away fails its stores, drops its pins and detaches its workers;
   their mappings close once their copies have drained (invariant 5).
 """
@@ -14,25 +14,20 @@ Rules:
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
     LayoutMismatchError,
     NoSpaceError,
-    NotLeasedError,
     PermissionDeniedError,
-    QuotaExceededError,
     ShuttingDownError,
     VersionMismatchError,
 )
@@ -42,46 +37,20 @@ from . import __version__
 from .access import Peer, peer_groups
 from .allocator import SlotPool
 from .config import DaemonConfig
-from .copier import ChecksumCheck, Completion, CpuCopier
-from .copyplan import build_runs, check_transfer
+from .copier import Completion, CpuCopier
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .recovery import read_namespaces
 from .region import SharedOffloadRegion
+from .session import Session
 from .stats import client_infos, render_stats
-from .workers import AttachedWorker, attach_caches, close_fds
+from .transfers import Transfers
+from .workers import AttachedWorker, close_fds
 
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
 _SERVED_WHILE_STOPPING = (m.GetStats, m.Ping, m.ListClients)
-
-
-@dataclass
-class Session:
-    session_id: int
-    pid: int
-    uid: int
-    gid: int
-    name: str = ""
-    fds: list[int] = field(default_factory=list)
-    namespaces: set[int] = field(default_factory=set)
-    workers: set[int] = field(default_factory=set)
-    waits: list[tuple[int, int, set[int]]] = field(default_factory=list)  # rid, worker, jobs
-    bytes_stored: int = 0
-    bytes_loaded: int = 0
-    connected_s: float = field(default_factory=time.monotonic)
-    peer: Peer = field(default_factory=lambda: Peer(0, 0, frozenset()))
-    allowed: bool = True
-
-
-@dataclass
-class _Job:
-    worker_id: int
-    job_id: int
-    ns_id: int
-    slots: np.ndarray
-    is_store: bool
 
 
 def layout_fingerprint(layout: m.KVLayout) -> str:
@@ -106,17 +75,20 @@ class Service:
         self.namespaces: dict[int, NamespaceIndex] = {}
         self._ns_by_name: dict[str, NamespaceIndex] = {}
         self.sessions: dict[int, Session] = {}
-        self.workers: dict[int, AttachedWorker] = {}
-        self._jobs: dict[int, _Job] = {}
-        self._tokens = itertools.count(1)
-        self._worker_ids = itertools.count(1)
+        self.errors_by_code: dict[str, int] = {}
+        self.transfers = Transfers(
+            config,
+            region,
+            copier,
+            gpu,
+            gpu_unavailable,
+            self.namespaces,
+            self.sessions,
+            self.count_error,
+        )
         self.shutting_down = False
         self.started_s = time.monotonic()
         self.requests_total = 0
-        self.errors_by_code: dict[str, int] = {}
-        self.bytes_stored = self.bytes_loaded = 0
-        self.jobs_failed = 0
-        self.store_seconds = self.load_seconds = 0.0
         self._handlers = self._make_handlers()
         if region.recovered:
             self._recover()
@@ -149,7 +121,7 @@ class Service:
             m.TakeEvents: self._on_take_events,
             m.Ping: lambda s, r: m.Pong(r.rid),
             m.OpenNamespace: lambda s, r: self._open_namespace(s, r.rid, r.name, r.layout),
-            m.AttachWorker: self._attach,
+            m.AttachWorker: lambda s, r: self.transfers.attach(s, r),
             m.DetachWorker: self._on_detach,
             m.Hello: self._on_hello,
             m.Evict: self._on_evict,
@@ -181,21 +153,22 @@ class Service:
         return m.OkReply(r.rid)
 
     def _on_submit_store(self, s: Session, r: m.SubmitStore) -> m.Reply:
-        self._submit(s, r.worker, r.job_id, unpack_ids(r.slots), unpack_ids(r.block_ids), 0, True)
+        slots, ids = unpack_ids(r.slots), unpack_ids(r.block_ids)
+        self.transfers.submit(s, r.worker, r.job_id, slots, ids, 0, True)
         return m.OkReply(r.rid)
 
     def _on_submit_load(self, s: Session, r: m.SubmitLoad) -> m.Reply:
         slots, ids = unpack_ids(r.slots), unpack_ids(r.block_ids)
-        self._submit(s, r.worker, r.job_id, slots, ids, r.skip, False)
+        self.transfers.submit(s, r.worker, r.job_id, slots, ids, r.skip, False)
         return m.OkReply(r.rid)
 
     def _on_get_finished(self, s: Session, r: m.GetFinished) -> m.Reply:
-        w = self._worker(s, r.worker)
+        w = self.transfers.worker(s, r.worker)
         results, w.finished = w.finished, []
         return m.FinishedReply(r.rid, results)
 
     def _on_wait(self, s: Session, r: m.WaitJobs) -> m.Reply | None:
-        w = self._worker(s, r.worker)
+        w = self.transfers.worker(s, r.worker)
         pending = set(r.job_ids) & w.active_jobs
         if not pending:
             return m.OkReply(r.rid)
@@ -223,8 +196,8 @@ class Service:
         return m.ConfigReply(r.rid, self.config.effective())
 
     def _on_detach(self, s: Session, r: m.DetachWorker) -> m.Reply | None:
-        w = self._worker(s, r.worker)
-        self._detach(w)
+        w = self.transfers.worker(s, r.worker)
+        self.transfers.detach(w)
         if w.worker_id in self.workers:  # copies still running: answer once drained, so
             w.detach_rids.append(r.rid)  # the engine frees its caches only after them
             return None
@@ -371,178 +344,6 @@ class Service:
         log.info("admin evicted %d blocks from %s", n, namespace or "all namespaces")
         return n
 
-    # ------------------------------------------------------------ workers and copies
-
-    def _worker(self, s: Session, worker_id: int) -> AttachedWorker:
-        w = self.workers.get(worker_id)
-        if w is None or w.session_id != s.session_id or w.closing:
-            raise InvalidArgumentError(f"worker {worker_id} is not attached on this connection")
-        return w
-
-    def _attach(self, s: Session, r: m.AttachWorker) -> m.Reply:
-        nfds = max((c.fd_index + 1 for c in r.caches), default=0)
-        fds, s.fds = s.fds[:nfds], s.fds[nfds:]
-        index = self.namespaces[r.ns] if r.ns in s.namespaces else None
-        if index is None:
-            close_fds(fds)
-            raise InvalidArgumentError(f"namespace id {r.ns} was not opened on this connection")
-        if not 0 <= r.rank < index.layout.world_size:
-            close_fds(fds)
-            raise InvalidArgumentError(f"rank {r.rank} is not in 0..{index.layout.world_size - 1}")
-        wid = next(self._worker_ids)
-        if r.device_uuid:
-            close_fds(fds)
-            if self.gpu is None:
-                raise InvalidArgumentError(
-                    f"this kvoffloadd cannot take GPU caches: {self.gpu_unavailable}"
-                )
-            gpu = self.gpu
-            ordinal, caches, event = gpu.attach(
-                index.layout, r.caches, r.device_uuid, r.store_event
-            )
-            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, ordinal, event)
-            w.release = lambda: gpu.release_event(ordinal, event)
-        else:
-            w = AttachedWorker(
-                wid, s.session_id, r.ns, r.rank, attach_caches(index.layout, r.caches, fds)
-            )
-        self.workers[wid] = w
-        s.workers.add(wid)
-        return m.WorkerAttached(r.rid, wid)
-
-    def _submit(
-        self,
-        s: Session,
-        worker_id: int,
-        job_id: int,
-        slots: np.ndarray,
-        block_ids: np.ndarray,
-        skip: int,
-        is_store: bool,
-    ) -> None:
-        w = self._worker(s, worker_id)
-        index = self.namespaces[w.ns_id]
-        if job_id in w.active_jobs:
-            raise InvalidArgumentError(f"job {job_id} is already in flight")
-        limit = self.config.max_inflight_jobs_per_client
-        if limit and sum(len(self.workers[x].active_jobs) for x in s.workers) >= limit:
-            raise QuotaExceededError(
-                f"client has {limit} jobs in flight, the max_inflight_jobs_per_client quota"
-            )
-        if np.unique(slots).size != slots.size:
-            raise InvalidArgumentError("a transfer names the same slot twice")
-        if not index.slots.is_valid(slots):
-            raise_not_leased(index, slots)
-        if is_store:
-            index.check_store_slots(slots)
-        else:
-            index.check_load_slots(slots)
-        check_transfer(index.layout, slots.size, block_ids, skip, w.geometries)
-        runs = build_runs(
-            index.layout, w.rank, index.slots.region_offsets(slots), block_ids, skip, w.geometries
-        )
-        region_base = int(self.region.buffer.ctypes.data)
-        region_addr = np.concatenate([r.region for r in runs]) + region_base
-        cache_addr = np.concatenate([r.cache + c.base_address for r, c in zip(runs, w.caches)])
-        nbytes = np.concatenate([r.nbytes for r in runs])
-        token = next(self._tokens)
-        self._jobs[token] = _Job(worker_id, job_id, w.ns_id, slots.copy(), is_store)
-        index.slots.mark_busy(slots)
-        w.active_jobs.add(job_id)
-        dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
-        check = self._checksum_check(index, w.rank, slots, is_store)
-        if w.device is not None and self.gpu is not None:
-            self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event, check)
-        else:
-            self.copier.submit(token, dst, src, nbytes, check)
-
-    def _checksum_check(
-        self, index: NamespaceIndex, rank: int, slots: np.ndarray, is_store: bool
-    ) -> ChecksumCheck | None:
-        if not self.config.verify_checksums:
-            return None
-        rank_bytes = index.layout.rank_bytes
-        base = int(self.region.buffer.ctypes.data) + rank * rank_bytes
-        areas = (index.slots.region_offsets(slots) + base).tolist()
-        expected = None if is_store else index.checksums_for(slots.tolist(), rank)
-        return ChecksumCheck(areas, rank_bytes, expected)
-
-    def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
-        """Apply finished copies; returns deferred replies as (session id, reply)."""
-        replies: list[tuple[int, m.Reply]] = []
-        for c in done:
-            job = self._jobs.pop(c.token)
-            index = self.namespaces[job.ns_id]
-            index.slots.unmark_busy(job.slots)
-            w = self.workers[job.worker_id]
-            if c.success and job.is_store:
-                index.mark_written(job.slots.tolist(), w.rank)
-                if c.checksums is not None:
-                    index.set_checksums(job.slots.tolist(), w.rank, c.checksums)
-            if c.corrupt:
-                bad = index.mark_corrupt([int(job.slots[i]) for i in c.corrupt])
-                self.count_error("CHECKSUM_MISMATCH")
-                log.error(
-                    "namespace %s: %d blocks failed their checksum on load and are evicted",
-                    index.name,
-                    len(bad),
-                )
-            w.active_jobs.discard(job.job_id)
-            self._account(w, job, c)
-            if w.closing:
-                if not w.active_jobs:
-                    self._unmap(w)
-                    if w.session_id in self.sessions:
-                        replies.extend((w.session_id, m.OkReply(r)) for r in w.detach_rids)
-                continue
-            w.finished.append(m.JobResult(job.job_id, c.success, c.nbytes, c.seconds))
-            replies.extend(self._resolve_waits(w, job.job_id))
-        return replies
-
-    def _account(self, w: AttachedWorker, job: _Job, c: Completion) -> None:
-        if not c.success:
-            self.jobs_failed += 1
-            return
-        s = self.sessions.get(w.session_id)
-        if job.is_store:
-            self.bytes_stored += c.nbytes
-            self.store_seconds += c.seconds
-            if s is not None:
-                s.bytes_stored += c.nbytes
-        else:
-            self.bytes_loaded += c.nbytes
-            self.load_seconds += c.seconds
-            if s is not None:
-                s.bytes_loaded += c.nbytes
-
-    def _resolve_waits(self, w: AttachedWorker, job_id: int) -> list[tuple[int, m.Reply]]:
-        s = self.sessions.get(w.session_id)
-        if s is None:
-            return []
-        out: list[tuple[int, m.Reply]] = []
-        for wait in list(s.waits):
-            rid, wid, pending = wait
-            if wid == w.worker_id:
-                pending.discard(job_id)
-                if not pending:
-                    s.waits.remove(wait)
-                    out.append((s.session_id, m.OkReply(rid)))
-        return out
-
-    def _detach(self, w: AttachedWorker) -> None:
-        w.closing = True
-        s = self.sessions.get(w.session_id)
-        if s is not None:
-            s.workers.discard(w.worker_id)
-            for wait in [x for x in s.waits if x[1] == w.worker_id]:
-                s.waits.remove(wait)
-        if not w.active_jobs:
-            self._unmap(w)
-
-    def _unmap(self, w: AttachedWorker) -> None:
-        w.close()
-        del self.workers[w.worker_id]
-
     # ------------------------------------------------------------ sessions
 
     def open_session(self, session_id: int, pid: int, uid: int, gid: int) -> Session:
@@ -568,10 +369,14 @@ class Service:
                     self.namespaces[ns_id].name,
                 )
         for wid in list(s.workers):
-            self._detach(self.workers[wid])
+            self.transfers.detach(self.workers[wid])
         close_fds(s.fds)  # descriptors no message claimed
         s.fds = []
         del self.sessions[s.session_id]
+
+    def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
+        """Apply finished copies; returns deferred replies as (session id, reply)."""
+        return self.transfers.on_completions(done)
 
     def cron(self) -> None:
         for ns in self.namespaces.values():
@@ -579,9 +384,8 @@ class Service:
 
     @property
     def inflight_jobs(self) -> int:
-        return len(self._jobs)
+        return self.transfers.inflight_jobs
 
-
-def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:
-    bad = [int(x) for x in slots if not 0 <= x < index.slots.capacity][:1]
-    raise NotLeasedError(f"slot {bad[0] if bad else '?'} of namespace {index.name!r} is not leased")
+    @property
+    def workers(self) -> dict[int, AttachedWorker]:
+        return self.transfers.workers

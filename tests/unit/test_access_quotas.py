@@ -17,7 +17,8 @@ from kvoffloadd.access import AccessPolicy, NamespaceRule, Peer, peer_groups
 from kvoffloadd.config import DaemonConfig, NamespaceQuota, load_config
 from kvoffloadd.copier import CpuCopier
 from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service, Session
+from kvoffloadd.service import Service
+from kvoffloadd.session import Session
 
 MIB = 1 << 20
 OTHER = 4242  # a uid/gid that is neither root nor ours

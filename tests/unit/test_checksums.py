@@ -19,7 +19,8 @@ from kvoffload.protocol.messages import pack_ids, pack_keys
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copier import CpuCopier
 from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service, Session
+from kvoffloadd.service import Service
+from kvoffloadd.session import Session
 
 MIB = 1 << 20
 PAGE = 16384

@@ -17,7 +17,8 @@ from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copier import CpuCopier
 from kvoffloadd.region import Geometry, SharedOffloadRegion
 from kvoffloadd.server import Server, bind_listener
-from kvoffloadd.service import Service, Session
+from kvoffloadd.service import Service
+from kvoffloadd.session import Session
 
 
 class BrokenService(Service):

@@ -1,0 +1,254 @@
+"""Workers and their copy jobs: registration, validated submission, completions.
+
+Rules:
+- Runs on the loop thread only, as part of the service; it owns the attached workers
+  and the jobs in flight, and reads the service's namespaces and sessions.
+- A transfer is validated completely (slots leased to the namespace in the right
+  state, no slot twice, engine block ids inside the registered caches, quotas) before
+  any address reaches a copier (invariant 4); then its slots are marked busy so they
+  cannot be freed under the copy.
+- A completion updates the index (written ranks, checksums, corrupt blocks), the
+  counters and the worker's results, and answers the waits it ends.
+- A detached worker (or one whose client died) keeps its mappings until its copies
+  have drained; only then are they closed and a pending detach answered (invariant 5).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import InvalidArgumentError, NotLeasedError, QuotaExceededError
+
+from .config import DaemonConfig
+from .copier import ChecksumCheck, Completion, CpuCopier
+from .copyplan import build_runs, check_transfer
+from .gpu import GpuRuntime
+from .index import NamespaceIndex
+from .region import SharedOffloadRegion
+from .session import Session
+from .workers import AttachedWorker, attach_caches, close_fds
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    worker_id: int
+    job_id: int
+    ns_id: int
+    slots: np.ndarray
+    is_store: bool
+
+
+class Transfers:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        region: SharedOffloadRegion,
+        copier: CpuCopier,
+        gpu: GpuRuntime | None,
+        gpu_unavailable: str,
+        namespaces: dict[int, NamespaceIndex],
+        sessions: dict[int, Session],
+        count_error: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.region = region
+        self.copier = copier
+        self.gpu = gpu
+        self.gpu_unavailable = gpu_unavailable
+        self.namespaces = namespaces
+        self.sessions = sessions
+        self._count_error = count_error
+        self.workers: dict[int, AttachedWorker] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._tokens = itertools.count(1)
+        self._worker_ids = itertools.count(1)
+        self.bytes_stored = self.bytes_loaded = 0
+        self.jobs_failed = 0
+        self.store_seconds = self.load_seconds = 0.0
+
+    @property
+    def inflight_jobs(self) -> int:
+        return len(self._jobs)
+
+    def worker(self, s: Session, worker_id: int) -> AttachedWorker:
+        w = self.workers.get(worker_id)
+        if w is None or w.session_id != s.session_id or w.closing:
+            raise InvalidArgumentError(f"worker {worker_id} is not attached on this connection")
+        return w
+
+    def attach(self, s: Session, r: m.AttachWorker) -> m.Reply:
+        nfds = max((c.fd_index + 1 for c in r.caches), default=0)
+        fds, s.fds = s.fds[:nfds], s.fds[nfds:]
+        index = self.namespaces[r.ns] if r.ns in s.namespaces else None
+        if index is None:
+            close_fds(fds)
+            raise InvalidArgumentError(f"namespace id {r.ns} was not opened on this connection")
+        if not 0 <= r.rank < index.layout.world_size:
+            close_fds(fds)
+            raise InvalidArgumentError(f"rank {r.rank} is not in 0..{index.layout.world_size - 1}")
+        wid = next(self._worker_ids)
+        if r.device_uuid:
+            close_fds(fds)
+            if self.gpu is None:
+                raise InvalidArgumentError(
+                    f"this kvoffloadd cannot take GPU caches: {self.gpu_unavailable}"
+                )
+            gpu = self.gpu
+            ordinal, caches, event = gpu.attach(
+                index.layout, r.caches, r.device_uuid, r.store_event
+            )
+            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, ordinal, event)
+            w.release = lambda: gpu.release_event(ordinal, event)
+        else:
+            w = AttachedWorker(
+                wid, s.session_id, r.ns, r.rank, attach_caches(index.layout, r.caches, fds)
+            )
+        self.workers[wid] = w
+        s.workers.add(wid)
+        return m.WorkerAttached(r.rid, wid)
+
+    def submit(
+        self,
+        s: Session,
+        worker_id: int,
+        job_id: int,
+        slots: np.ndarray,
+        block_ids: np.ndarray,
+        skip: int,
+        is_store: bool,
+    ) -> None:
+        w = self.worker(s, worker_id)
+        index = self.namespaces[w.ns_id]
+        if job_id in w.active_jobs:
+            raise InvalidArgumentError(f"job {job_id} is already in flight")
+        limit = self.config.max_inflight_jobs_per_client
+        if limit and sum(len(self.workers[x].active_jobs) for x in s.workers) >= limit:
+            raise QuotaExceededError(
+                f"client has {limit} jobs in flight, the max_inflight_jobs_per_client quota"
+            )
+        if np.unique(slots).size != slots.size:
+            raise InvalidArgumentError("a transfer names the same slot twice")
+        if not index.slots.is_valid(slots):
+            raise_not_leased(index, slots)
+        if is_store:
+            index.check_store_slots(slots)
+        else:
+            index.check_load_slots(slots)
+        check_transfer(index.layout, slots.size, block_ids, skip, w.geometries)
+        runs = build_runs(
+            index.layout, w.rank, index.slots.region_offsets(slots), block_ids, skip, w.geometries
+        )
+        region_base = int(self.region.buffer.ctypes.data)
+        region_addr = np.concatenate([r.region for r in runs]) + region_base
+        cache_addr = np.concatenate([r.cache + c.base_address for r, c in zip(runs, w.caches)])
+        nbytes = np.concatenate([r.nbytes for r in runs])
+        token = next(self._tokens)
+        self._jobs[token] = _Job(worker_id, job_id, w.ns_id, slots.copy(), is_store)
+        index.slots.mark_busy(slots)
+        w.active_jobs.add(job_id)
+        dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
+        check = self._checksum_check(index, w.rank, slots, is_store)
+        if w.device is not None and self.gpu is not None:
+            self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event, check)
+        else:
+            self.copier.submit(token, dst, src, nbytes, check)
+
+    def _checksum_check(
+        self, index: NamespaceIndex, rank: int, slots: np.ndarray, is_store: bool
+    ) -> ChecksumCheck | None:
+        if not self.config.verify_checksums:
+            return None
+        rank_bytes = index.layout.rank_bytes
+        base = int(self.region.buffer.ctypes.data) + rank * rank_bytes
+        areas = (index.slots.region_offsets(slots) + base).tolist()
+        expected = None if is_store else index.checksums_for(slots.tolist(), rank)
+        return ChecksumCheck(areas, rank_bytes, expected)
+
+    def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
+        """Apply finished copies; returns deferred replies as (session id, reply)."""
+        replies: list[tuple[int, m.Reply]] = []
+        for c in done:
+            job = self._jobs.pop(c.token)
+            index = self.namespaces[job.ns_id]
+            index.slots.unmark_busy(job.slots)
+            w = self.workers[job.worker_id]
+            if c.success and job.is_store:
+                index.mark_written(job.slots.tolist(), w.rank)
+                if c.checksums is not None:
+                    index.set_checksums(job.slots.tolist(), w.rank, c.checksums)
+            if c.corrupt:
+                bad = index.mark_corrupt([int(job.slots[i]) for i in c.corrupt])
+                self._count_error("CHECKSUM_MISMATCH")
+                log.error(
+                    "namespace %s: %d blocks failed their checksum on load and are evicted",
+                    index.name,
+                    len(bad),
+                )
+            w.active_jobs.discard(job.job_id)
+            self._account(w, job, c)
+            if w.closing:
+                if not w.active_jobs:
+                    self._unmap(w)
+                    if w.session_id in self.sessions:
+                        replies.extend((w.session_id, m.OkReply(r)) for r in w.detach_rids)
+                continue
+            w.finished.append(m.JobResult(job.job_id, c.success, c.nbytes, c.seconds))
+            replies.extend(self._resolve_waits(w, job.job_id))
+        return replies
+
+    def _account(self, w: AttachedWorker, job: _Job, c: Completion) -> None:
+        if not c.success:
+            self.jobs_failed += 1
+            return
+        s = self.sessions.get(w.session_id)
+        if job.is_store:
+            self.bytes_stored += c.nbytes
+            self.store_seconds += c.seconds
+            if s is not None:
+                s.bytes_stored += c.nbytes
+        else:
+            self.bytes_loaded += c.nbytes
+            self.load_seconds += c.seconds
+            if s is not None:
+                s.bytes_loaded += c.nbytes
+
+    def _resolve_waits(self, w: AttachedWorker, job_id: int) -> list[tuple[int, m.Reply]]:
+        s = self.sessions.get(w.session_id)
+        if s is None:
+            return []
+        out: list[tuple[int, m.Reply]] = []
+        for wait in list(s.waits):
+            rid, wid, pending = wait
+            if wid == w.worker_id:
+                pending.discard(job_id)
+                if not pending:
+                    s.waits.remove(wait)
+                    out.append((s.session_id, m.OkReply(rid)))
+        return out
+
+    def detach(self, w: AttachedWorker) -> None:
+        w.closing = True
+        s = self.sessions.get(w.session_id)
+        if s is not None:
+            s.workers.discard(w.worker_id)
+            for wait in [x for x in s.waits if x[1] == w.worker_id]:
+                s.waits.remove(wait)
+        if not w.active_jobs:
+            self._unmap(w)
+
+    def _unmap(self, w: AttachedWorker) -> None:
+        w.close()
+        del self.workers[w.worker_id]
+
+
+def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:
+    bad = [int(x) for x in slots if not 0 <= x < index.slots.capacity][:1]
+    raise NotLeasedError(f"slot {bad[0] if bad else '?'} of namespace {index.name!r} is not leased")
