@@ -84,12 +84,26 @@ class _Job:
 
     def finish(self) -> Completion:
         """The completion of a job whose every part ran (verification included)."""
-        seconds = time.perf_counter() - self.started_s
-        sums = None
-        if self.check is not None and self.check.expected is None and not self.failed:
-            sums = self.check.compute()
-        ok = not self.failed and not self.corrupt
-        return Completion(self.token, ok, self.nbytes if ok else 0, seconds, sums, self.corrupt)
+        return finished(
+            self.token, not self.failed, self.nbytes, self.started_s, self.check, self.corrupt
+        )
+
+
+def finished(
+    token: int,
+    ok: bool,
+    nbytes: int,
+    started_s: float,
+    check: ChecksumCheck | None,
+    corrupt: list[int],
+) -> Completion:
+    """A job's completion, for CPU and GPU copiers alike: a verified store's checksums
+    are taken now that its bytes are in the region; a load that failed verification
+    copied nothing and fails."""
+    sums = check.compute() if ok and check is not None and check.expected is None else None
+    ok = ok and not corrupt
+    seconds = time.perf_counter() - started_s
+    return Completion(token, ok, nbytes if ok else 0, seconds, sums, corrupt)
 
 
 def chunk_runs(dst: I64, src: I64, nbytes: I64, chunk: int) -> tuple[I64, I64, I64]:

@@ -42,7 +42,7 @@ from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc, KVLayout
 
 from .config import DaemonConfig
-from .copier import ChecksumCheck, Completion, CompletionSink
+from .copier import ChecksumCheck, CompletionSink, finished
 from .copyplan import CacheGeometry, split_at_boundaries
 from .pinning import RegionPinner, plan_chunks
 from .region import SharedOffloadRegion
@@ -102,7 +102,8 @@ class CopyLane:
         self._api, self.ordinal, self.to_host = api, ordinal, to_host
         self._sink, self._batch_ok = sink, batch_ok
         self._jobs: queue.SimpleQueue[GpuJob | None] = queue.SimpleQueue()
-        self._issued: queue.SimpleQueue[tuple[GpuJob, list[int], bool] | None] = queue.SimpleQueue()
+        # (job, completion event or 0, enqueued without error)
+        self._issued: queue.SimpleQueue[tuple[GpuJob, int, bool] | None] = queue.SimpleQueue()
         self._free_events: queue.SimpleQueue[int] = queue.SimpleQueue()
         name = f"kvoffload-gpu{ordinal}-{'store' if to_host else 'load'}"
         self._waiter = threading.Thread(target=self._complete, name=f"{name}-done", daemon=True)
@@ -142,19 +143,19 @@ class CopyLane:
         stream = api.stream_create()
         while (job := self._jobs.get()) is not None:
             ok = True
-            events: list[int] = []
+            event = 0
             try:
                 self._enqueue(job, stream)
             except CudaError as exc:
                 log.error("GPU %d copy job %d failed: %s", self.ordinal, job.token, exc)
                 ok = False
             try:  # even after a failure: completion waits for what was enqueued
-                events.append(self._event())
-                api.event_record(events[-1], stream)
+                event = self._event()
+                api.event_record(event, stream)
             except CudaError as exc:
                 log.error("GPU %d cannot record a completion event: %s", self.ordinal, exc)
                 ok = False
-            self._issued.put((job, events, ok))
+            self._issued.put((job, event, ok))
         self._issued.put(None)
         self._waiter.join()
         with contextlib.suppress(CudaError, queue.Empty):
@@ -166,22 +167,16 @@ class CopyLane:
     def _complete(self) -> None:
         self._api.set_device(self.ordinal)
         while (item := self._issued.get()) is not None:
-            job, events, ok = item
-            if events:
+            job, event, ok = item
+            if event:
                 try:
-                    self._api.event_synchronize(events[-1])
+                    self._api.event_synchronize(event)
                 except CudaError as exc:
                     log.error("GPU %d copy job %d failed: %s", self.ordinal, job.token, exc)
                     ok = False
-            for event in events:
                 self._free_events.put(event)
-            sums = None
-            if ok and job.check is not None and job.check.expected is None:
-                sums = job.check.compute()  # the store's bytes are in the region now
-            ok = ok and not job.corrupt
-            nbytes = int(job.nbytes.sum()) if ok else 0
-            seconds = time.perf_counter() - job.started_s
-            self._sink.post(Completion(job.token, ok, nbytes, seconds, sums, job.corrupt))
+            nbytes = int(job.nbytes.sum())
+            self._sink.post(finished(job.token, ok, nbytes, job.started_s, job.check, job.corrupt))
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -254,12 +249,9 @@ class GpuRuntime:
     def attach(
         self, layout: KVLayout, descs: list[CacheDesc], uuid: bytes, store_event: bytes
     ) -> tuple[int, list[ImportedCache], int]:
-        """Import one worker's caches: (ordinal, caches, imported store event)."""
-        if len(descs) != len(layout.tensor_page_bytes):
-            raise InvalidArgumentError(
-                f"the namespace layout has {len(layout.tensor_page_bytes)} tensors, "
-                f"the worker registered {len(descs)} caches"
-            )
+        """Import one worker's caches: (ordinal, caches, imported store event).
+
+        The caller checked that there is one descriptor per tensor of the layout."""
         if any(d.kind != "cuda" or len(d.ipc_handle) != IPC_HANDLE_BYTES for d in descs):
             raise InvalidArgumentError(
                 f"every cache of a GPU worker must be kind 'cuda' with a "

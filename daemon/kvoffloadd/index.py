@@ -232,15 +232,11 @@ class NamespaceIndex:
         blocks: list[Block] = []
         for key in keys:
             block = get(key)
-            if block is None or block.ref < 0 or key in self._corrupt:
-                state = (
-                    "not stored"
-                    if block is None
-                    else "corrupt (evicted once unpinned)"
-                    if key in self._corrupt
-                    else "still being written"
-                )
+            if block is None or block.ref < 0:
+                state = "not stored" if block is None else "still being written"
                 raise NotFoundError(f"cannot load key {key.hex()}: {state}")
+            if key in self._corrupt:
+                raise NotFoundError(f"cannot load key {key.hex()}: corrupt (evicted once unpinned)")
             blocks.append(block)
         if self.max_pinned_blocks is not None:
             new = len({id(b) for b in blocks if b.ref == 0})

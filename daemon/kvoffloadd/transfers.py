@@ -84,16 +84,29 @@ class Transfers:
             raise InvalidArgumentError(f"worker {worker_id} is not attached on this connection")
         return w
 
+    def _attach_target(self, s: Session, r: m.AttachWorker) -> NamespaceIndex:
+        """The namespace a registration is for, once its rank and cache count fit."""
+        index = self.namespaces[r.ns] if r.ns in s.namespaces else None
+        if index is None:
+            raise InvalidArgumentError(f"namespace id {r.ns} was not opened on this connection")
+        layout = index.layout
+        if not 0 <= r.rank < layout.world_size:
+            raise InvalidArgumentError(f"rank {r.rank} is not in 0..{layout.world_size - 1}")
+        if len(r.caches) != len(layout.tensor_page_bytes):
+            raise InvalidArgumentError(
+                f"the namespace layout has {len(layout.tensor_page_bytes)} tensors, "
+                f"the worker registered {len(r.caches)} caches"
+            )
+        return index
+
     def attach(self, s: Session, r: m.AttachWorker) -> m.Reply:
         nfds = max((c.fd_index + 1 for c in r.caches), default=0)
         fds, s.fds = s.fds[:nfds], s.fds[nfds:]
-        index = self.namespaces[r.ns] if r.ns in s.namespaces else None
-        if index is None:
+        try:
+            index = self._attach_target(s, r)
+        except InvalidArgumentError:
             close_fds(fds)
-            raise InvalidArgumentError(f"namespace id {r.ns} was not opened on this connection")
-        if not 0 <= r.rank < index.layout.world_size:
-            close_fds(fds)
-            raise InvalidArgumentError(f"rank {r.rank} is not in 0..{index.layout.world_size - 1}")
+            raise
         wid = next(self._worker_ids)
         if r.device_uuid:
             close_fds(fds)

@@ -145,13 +145,10 @@ def close_fds(fds: list[int]) -> None:
 
 
 def attach_caches(layout: KVLayout, descs: list[CacheDesc], fds: list[int]) -> list[ImportedCache]:
-    """Map every cache of a worker or none; always closes every fd it was given."""
+    """Map every cache of a worker or none; always closes every fd it was given.
+
+    The caller checked that there is one descriptor per tensor of the layout."""
     try:
-        if len(descs) != len(layout.tensor_page_bytes):
-            raise InvalidArgumentError(
-                f"the namespace layout has {len(layout.tensor_page_bytes)} tensors, "
-                f"the worker registered {len(descs)} caches"
-            )
         mapped: list[ImportedCache] = []
         try:
             for desc, page in zip(descs, layout.tensor_page_bytes):

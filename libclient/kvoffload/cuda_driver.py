@@ -31,7 +31,6 @@ _EVENT_DISABLE_TIMING = 2
 _EVENT_INTERPROCESS = 4
 _STREAM_NON_BLOCKING = 1
 _HOST_REGISTER_PORTABLE = 1
-_ATTR_DEVICE_ORDINAL = 9
 _ATTR_IS_LEGACY_IPC_CAPABLE = 10
 _ATTR_RANGE_START = 11
 _ATTR_RANGE_SIZE = 12
@@ -61,7 +60,6 @@ class CudaApi(Protocol):
     def device_name(self, ordinal: int) -> str: ...
     def set_device(self, ordinal: int) -> None: ...
     def address_range(self, ptr: int) -> tuple[int, int]: ...
-    def pointer_device(self, ptr: int) -> int: ...
     def ipc_capable(self, ptr: int) -> bool: ...
     def ipc_get_mem_handle(self, base: int) -> bytes: ...
     def ipc_open_mem_handle(self, handle: bytes) -> int: ...
@@ -192,9 +190,6 @@ class DriverApi:
             self._attr(ptr, _ATTR_RANGE_SIZE, ctypes.c_size_t),
         )
 
-    def pointer_device(self, ptr: int) -> int:
-        return self._attr(ptr, _ATTR_DEVICE_ORDINAL, ctypes.c_int)
-
     def ipc_capable(self, ptr: int) -> bool:
         return bool(self._attr(ptr, _ATTR_IS_LEGACY_IPC_CAPABLE, ctypes.c_int))
 
@@ -250,7 +245,9 @@ class DriverApi:
 
     def stream_create(self) -> int:
         s = _vp()
-        self._check("cuStreamCreate", self._lib.cuStreamCreate(ctypes.byref(s), 1))
+        self._check(
+            "cuStreamCreate", self._lib.cuStreamCreate(ctypes.byref(s), _STREAM_NON_BLOCKING)
+        )
         return int(s.value or 0)
 
     def stream_destroy(self, stream: int) -> None:

@@ -114,9 +114,6 @@ class FakeCuda:
                 return base, buf.size
         raise CudaError("cuPointerGetAttribute", 1, "CUDA_ERROR_INVALID_VALUE")
 
-    def pointer_device(self, ptr: int) -> int:
-        return 0
-
     def ipc_capable(self, ptr: int) -> bool:
         return self._ipc_capable
 

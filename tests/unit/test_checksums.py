@@ -14,7 +14,7 @@ import torch
 from kvoffload import shared_kv_cache
 from kvoffload.cache import describe_cache
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.errors import NotFoundError
+from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError
 from kvoffload.protocol.messages import pack_ids, pack_keys
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copier import CpuCopier
@@ -102,3 +102,20 @@ def test_corrupted_block_fails_its_load_and_is_evicted(svc: Service) -> None:
     assert isinstance(lplan, m.LoadPlanReply)
     assert run(svc, m.SubmitLoad(11, w2, 2, lplan.slots, pack_ids([0, 1, 3])), s).success
     assert torch.equal(dst[[0, 1, 3]], src[[0, 1, 3]])
+
+
+def test_a_cache_count_that_does_not_fit_the_layout_is_refused_and_fds_closed(
+    svc: Service,
+) -> None:
+    s = svc.open_session(1, os.getpid(), 0, 0)
+    r = svc.handle(s, m.OpenNamespace(1, "two", m.KVLayout([PAGE, PAGE])))
+    assert isinstance(r, m.NamespaceOpened)
+    cache = shared_kv_cache(8, PAGE)
+    desc, fd = describe_cache(cache)
+    s.fds = [os.dup(fd)]
+    sent = s.fds[0]
+    one = m.CacheDesc(desc.kind, desc.num_blocks, desc.page_bytes, 0)
+    with pytest.raises(InvalidArgumentError, match="layout has 2 tensors"):
+        svc.handle(s, m.AttachWorker(2, r.ns, 0, [one]))
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(sent)  # the daemon closed the descriptor it was given

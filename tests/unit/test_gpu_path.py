@@ -261,6 +261,8 @@ def test_import_is_validated_and_never_leaks_handles(rig: Rig) -> None:
     s = rig.session()
     with pytest.raises(InvalidArgumentError, match="not visible to kvoffloadd"):
         rig.svc.handle(s, m.AttachWorker(2, ns, 0, export.descs, b"\x22" * 16, fence))
+    with pytest.raises(InvalidArgumentError, match="layout has 2 tensors"):
+        rig.svc.handle(s, m.AttachWorker(2, ns, 0, export.descs[:1], UUID, fence))
     with pytest.raises(InvalidArgumentError, match="store event"):
         rig.svc.handle(s, m.AttachWorker(2, ns, 0, export.descs, UUID, b""))
     too_big = [
