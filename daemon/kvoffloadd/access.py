@@ -14,6 +14,9 @@ Rules:
   every namespace.
 - Administering (evict, reading the config): ``admin_uids`` (unset: root and the
   daemon's own uid) or ``admin_gids``.
+- Mapping the region (client-copy workers, which copy their own caches and so can read
+  and write every block of every namespace): ``client_copy_uids`` (unset: root and the
+  daemon's own uid) or ``client_copy_gids``.
 - Every refusal is a ``PERMISSION_DENIED`` reply and a warning in the log.
 """
 
@@ -61,12 +64,17 @@ class AccessPolicy:
         admin_uids: list[int] | None,
         admin_gids: list[int],
         namespace_rules: list[NamespaceRule],
+        client_copy_uids: list[int] | None = None,
+        client_copy_gids: list[int] | None = None,
     ) -> None:
         self._allow_uids = None if allow_uids is None else frozenset(allow_uids)
         self._allow_gids = None if allow_gids is None else frozenset(allow_gids)
         self._admin_uids = frozenset((0, os.getuid()) if admin_uids is None else admin_uids)
         self._admin_gids = frozenset(admin_gids)
         self._rules = list(namespace_rules)
+        own = (0, os.getuid())
+        self._copy_uids = frozenset(own if client_copy_uids is None else client_copy_uids)
+        self._copy_gids = frozenset(client_copy_gids or ())
 
     @staticmethod
     def _matches(peer: Peer, uids: frozenset[int] | None, gids: frozenset[int] | None) -> bool:
@@ -89,3 +97,6 @@ class AccessPolicy:
 
     def may_administer(self, peer: Peer) -> bool:
         return self._matches(peer, self._admin_uids, self._admin_gids)
+
+    def may_map_region(self, peer: Peer) -> bool:
+        return self._matches(peer, self._copy_uids, self._copy_gids)

@@ -94,6 +94,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     namespace_quotas: list[NamespaceQuota] = msgspec.field(default_factory=list)
     max_inflight_jobs_per_client: int = 0  # 0: unlimited
     verify_checksums: bool = False  # CRC32 per stored block, checked on every load
+    # who may map the region for client-copy workers; unset: root and the daemon's uid
+    client_copy_uids: list[int] | None = None
+    client_copy_gids: list[int] = msgspec.field(default_factory=list)
 
     @property
     def socket_path(self) -> str:
@@ -172,6 +175,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             self.admin_uids,
             self.admin_gids,
             self.namespace_access,
+            self.client_copy_uids,
+            self.client_copy_gids,
         )
 
     def effective(self) -> dict[str, Any]:

@@ -6,6 +6,12 @@ canonical tensors with engine-block page sizes p_0..p_{T-1}::
     slot: | rank 0 | rank 1 | ... | rank W-1 |            rank area = f * sum(p)
     rank: | tensor 0: f pages of p_0 | tensor 1: f pages of p_1 | ...
 
+A worker may register one cache per layout tensor, or several caches that tile one
+tensor's page in order (``place_caches``): a vLLM worker whose canonical tensors are
+only known on the worker side opens the namespace with one page per rank,
+``sum(p)``, and registers its tensors as parts of it. Every engine of a namespace
+registers the same tensors, so the bytes mean the same to all of them.
+
 Engine block ids map to sub-blocks in order, as vLLM's ``expand_block_ids``: slot i
 holds sub-blocks ``i*f .. i*f+f-1``. A load may start inside the first slot by skipping
 its first ``skip`` sub-blocks (``0 <= skip < f``); stores are always aligned.
@@ -56,14 +62,41 @@ class Runs:
         return int(self.nbytes.sum())
 
 
-def rank_tensor_offsets(layout: KVLayout) -> list[int]:
-    """Offset of each tensor's first page inside one rank's area of a slot."""
+@dataclass(frozen=True)
+class Placement:
+    """Where one cache's page lives in a rank's area: sub-block ``s`` of the cache's
+    page starts at ``tensor_offset + s * tensor_page_bytes + part_offset``."""
+
+    tensor_offset: int
+    tensor_page_bytes: int
+    part_offset: int
+
+
+def place_caches(layout: KVLayout, cache_page_bytes: list[int]) -> list[Placement]:
+    """Placement of each cache, in order; InvalidArgumentError unless the caches'
+    pages tile the layout's tensor pages exactly (one or more caches per tensor)."""
     f = layout.block_size_factor
-    offsets, acc = [], 0
-    for p in layout.tensor_page_bytes:
-        offsets.append(acc)
-        acc += p * f
-    return offsets
+    out: list[Placement] = []
+    pages = iter(cache_page_bytes)
+    tensor_offset = 0
+    for t, p in enumerate(layout.tensor_page_bytes):
+        part = 0
+        while part < p:
+            c = next(pages, None)
+            if c is None or c <= 0 or part + c > p:
+                raise InvalidArgumentError(
+                    f"cache pages {cache_page_bytes} do not tile the namespace layout's "
+                    f"tensor pages {layout.tensor_page_bytes} (at tensor {t})"
+                )
+            out.append(Placement(tensor_offset, p, part))
+            part += c
+        tensor_offset += p * f
+    if len(out) != len(cache_page_bytes):
+        raise InvalidArgumentError(
+            f"{len(cache_page_bytes)} caches registered, but pages {cache_page_bytes[: len(out)]} "
+            f"already fill the namespace layout {layout.tensor_page_bytes}"
+        )
+    return out
 
 
 def expand_positions(num_slots: int, f: int, skip: int) -> tuple[I64, I64]:
@@ -102,18 +135,27 @@ def build_runs(
     block_ids: I64,
     skip: int,
     caches: list[CacheGeometry],
+    placements: list[Placement],
 ) -> list[Runs]:
     """Merged copy runs per cache for one transfer (the caller validated the inputs)."""
     f = layout.block_size_factor
     slot_idx, sub_idx = expand_positions(slot_offsets.size, f, skip)
     base = slot_offsets[slot_idx] + rank * layout.rank_bytes
     out = []
-    for t_off, cache in zip(rank_tensor_offsets(layout), caches):
-        p = cache.page_bytes
-        region = base + t_off + sub_idx * p
+    for at, cache in zip(placements, caches):
+        region = base + at.tensor_offset + at.part_offset + sub_idx * at.tensor_page_bytes
         cache_off = cache.offset_bytes + block_ids * cache.row_stride_bytes
-        out.append(merge_runs(region, cache_off, p))
+        out.append(merge_runs(region, cache_off, cache.page_bytes))
     return out
+
+
+def select_caches(count: int, wanted: list[int]) -> list[int]:
+    """The cache indices one transfer copies (empty: all); InvalidArgumentError if bad."""
+    if not wanted:
+        return list(range(count))
+    if len(set(wanted)) != len(wanted) or not all(0 <= i < count for i in wanted):
+        raise InvalidArgumentError(f"cache indices {wanted} must be distinct and in 0..{count - 1}")
+    return wanted
 
 
 def split_at_boundaries(

@@ -251,7 +251,7 @@ class GpuRuntime:
     ) -> tuple[int, list[ImportedCache], int]:
         """Import one worker's caches: (ordinal, caches, imported store event).
 
-        The caller checked that there is one descriptor per tensor of the layout."""
+        The caller checked that the caches' pages fit the layout."""
         if any(d.kind != "cuda" or len(d.ipc_handle) != IPC_HANDLE_BYTES for d in descs):
             raise InvalidArgumentError(
                 f"every cache of a GPU worker must be kind 'cuda' with a "
@@ -260,7 +260,7 @@ class GpuRuntime:
         if len(store_event) != IPC_HANDLE_BYTES:
             raise InvalidArgumentError("a GPU worker must send the IPC handle of its store event")
         ordinal = self._ordinal(uuid)
-        geometries = [check_desc(d, p) for d, p in zip(descs, layout.tensor_page_bytes)]
+        geometries = [check_desc(d) for d in descs]
         self.api.set_device(ordinal)
         caches: list[ImportedCache] = []
         try:

@@ -24,7 +24,7 @@ Everything here runs on the daemon's loop thread only: no locks.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
@@ -42,9 +42,8 @@ from kvoffload.protocol.errors import (
 from kvoffload.protocol.messages import KVLayout
 
 from .allocator import SlotPool
+from .events import EventFeed
 from .policies import Block, make_policy
-
-MAX_PENDING_EVENTS = 65536
 
 
 @dataclass(frozen=True)
@@ -120,11 +119,11 @@ class NamespaceIndex:
         self._all_ranks = (1 << layout.world_size) - 1
         self._writers: dict[bytes, int] = {}
         self._pins: dict[int, Counter[bytes]] = {}
-        self._events: deque[OffloadEvent] = deque()
+        self.events = EventFeed()
         # statistics
         self._lookups = self._lookup_keys = self._hit_keys = self._lookup_misses = 0
         self._stores_prepared = self._stored = self._store_failures = 0
-        self._loads_prepared = self._evicted = self._events_dropped = 0
+        self._loads_prepared = self._evicted = 0
 
     # ------------------------------------------------------------ scheduler side
 
@@ -330,10 +329,13 @@ class NamespaceIndex:
     def touch(self, keys: Sequence[bytes]) -> None:
         self._policy.touch(keys)
 
-    def take_events(self) -> list[OffloadEvent]:
-        events = list(self._events)
-        self._events.clear()
-        return events
+    def take_events(self, subscriber: int = 0) -> list[OffloadEvent]:
+        """Events for one subscriber since its last take (see ``events.EventFeed``)."""
+        return self.events.take(subscriber)[0]
+
+    def ready_keys(self) -> list[bytes]:
+        """Every key a lookup would hit right now (a snapshot for client mirrors)."""
+        return list(self._ready)
 
     # ------------------------------------------------------------ leases (data path)
 
@@ -443,10 +445,7 @@ class NamespaceIndex:
         self.slots.free(slot)
 
     def _emit(self, event: OffloadEvent) -> None:
-        if len(self._events) >= MAX_PENDING_EVENTS:
-            self._events.popleft()
-            self._events_dropped += 1
-        self._events.append(event)
+        self.events.emit(event)
 
     def statistics(self) -> NamespaceStatistics:
         blocks = list(self._policy.items())
@@ -473,5 +472,5 @@ class NamespaceIndex:
             store_failures_total=self._store_failures,
             loads_prepared_total=self._loads_prepared,
             evicted_blocks_total=self._evicted,
-            events_dropped_total=self._events_dropped,
+            events_dropped_total=self.events.dropped_total,
         )

@@ -334,6 +334,10 @@ class SharedOffloadRegion:
             time.monotonic() - t0,
         )
 
+    def open_fd(self) -> int:
+        """A new descriptor of the region, for a trusted client-copy worker to map."""
+        return os.dup(self._shm.fd)
+
     def close(self, unlink: bool = True) -> None:
         self._stop_prefault.set()
         if self._prefault_thread is not None:

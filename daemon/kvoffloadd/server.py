@@ -30,6 +30,7 @@ import signal
 import socket
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from kvoffload.protocol import NeedData, ServerConnection, encode_frame
@@ -41,6 +42,7 @@ from .service import Service
 from .session import Session
 from .stats import render_stats
 from .systemd import Notifier, watchdog_interval_s
+from .workers import close_fds
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,9 @@ class _Client:
     conn: ServerConnection
     session: Session
     outbuf: bytearray = field(default_factory=bytearray)
+    sent_bytes: int = 0  # everything ever sent, to place descriptors in the stream
+    # (stream position, fds): descriptors that go out with the byte at that position
+    fd_marks: deque[tuple[int, list[int]]] = field(default_factory=deque)
     writing: bool = False
     closing_by_s: float = 0.0  # after a protocol error: deliver the replies, then close
 
@@ -260,6 +265,9 @@ class Server:
             self.service.count_error(ErrorCode.INTERNAL.name)
             reply = m.ErrorReply(req.rid, ErrorCode.INTERNAL, f"internal error: {exc!r}")
         if reply is not None:
+            if c.session.out_fds:  # they travel with the first byte of this reply
+                c.fd_marks.append((c.sent_bytes + len(c.outbuf), c.session.out_fds))
+                c.session.out_fds = []
             c.outbuf += c.conn.send(reply)
 
     def _copies_done(self, fd: object, mask: int) -> None:
@@ -272,7 +280,7 @@ class Server:
     def _flush(self, c: _Client) -> None:
         while c.outbuf:
             try:
-                n = c.sock.send(c.outbuf)
+                n = self._send_some(c)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
@@ -281,6 +289,7 @@ class Server:
                 self._drop(c, "write failed")
                 return
             del c.outbuf[:n]
+            c.sent_bytes += n
         if c.closing_by_s and not c.outbuf:
             self._drop(c, "protocol error")
             return
@@ -295,9 +304,26 @@ class Server:
             self.sel.modify(c.sock, events, lambda s, mk, cl=c: self._io(cl, mk))
             c.writing = want_write
 
+    @staticmethod
+    def _send_some(c: _Client) -> int:
+        """Send from the output buffer; descriptors go with the byte they are marked at."""
+        if not c.fd_marks:
+            return c.sock.send(c.outbuf)
+        pos, fds = c.fd_marks[0]
+        if pos > c.sent_bytes:  # send up to the mark, without descriptors
+            return c.sock.send(memoryview(c.outbuf)[: pos - c.sent_bytes])
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        n = c.sock.sendmsg([c.outbuf], anc)
+        c.fd_marks.popleft()
+        close_fds(fds)  # the peer has its own copies now
+        return n
+
     def _drop(self, c: _Client, why: str) -> None:
         if self.clients.pop(c.session.session_id, None) is None:
             return
+        for _, fds in c.fd_marks:
+            close_fds(fds)
+        c.fd_marks.clear()
         log.debug("client %d (pid %d): %s", c.session.session_id, c.session.pid, why)
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(c.sock)

@@ -119,6 +119,8 @@ class Service:
             m.GetFinished: self._on_get_finished,
             m.WaitJobs: self._on_wait,
             m.TakeEvents: self._on_take_events,
+            m.SyncKeys: self._on_sync_keys,
+            m.ClientCopyDone: self._on_client_copy_done,
             m.Ping: lambda s, r: m.Pong(r.rid),
             m.OpenNamespace: lambda s, r: self._open_namespace(s, r.rid, r.name, r.layout),
             m.AttachWorker: lambda s, r: self.transfers.attach(s, r),
@@ -153,13 +155,14 @@ class Service:
         return m.OkReply(r.rid)
 
     def _on_submit_store(self, s: Session, r: m.SubmitStore) -> m.Reply:
-        slots, ids = unpack_ids(r.slots), unpack_ids(r.block_ids)
-        self.transfers.submit(s, r.worker, r.job_id, slots, ids, 0, True)
-        return m.OkReply(r.rid)
+        return self.transfers.submit(s, r, unpack_ids(r.slots), unpack_ids(r.block_ids), 0, True)
 
     def _on_submit_load(self, s: Session, r: m.SubmitLoad) -> m.Reply:
         slots, ids = unpack_ids(r.slots), unpack_ids(r.block_ids)
-        self.transfers.submit(s, r.worker, r.job_id, slots, ids, r.skip, False)
+        return self.transfers.submit(s, r, slots, ids, r.skip, False)
+
+    def _on_client_copy_done(self, s: Session, r: m.ClientCopyDone) -> m.Reply:
+        self.transfers.client_copy_done(s, r)
         return m.OkReply(r.rid)
 
     def _on_get_finished(self, s: Session, r: m.GetFinished) -> m.Reply:
@@ -176,8 +179,23 @@ class Service:
         return None  # answered by on_completions
 
     def _on_take_events(self, s: Session, r: m.TakeEvents) -> m.Reply:
-        events = self._ns(s, r.ns).take_events()
-        return m.EventsReply(r.rid, [m.EventMsg(*pack_keys(e.keys), e.removed) for e in events])
+        events, lost = self._ns(s, r.ns).events.take(s.session_id)
+        msgs = [m.EventMsg(*pack_keys(e.keys), e.removed) for e in events]
+        return m.EventsReply(r.rid, msgs, lost)
+
+    def _on_sync_keys(self, s: Session, r: m.SyncKeys) -> m.Reply:
+        """Pages of a snapshot of the ready keys; offset 0 restarts the event feed."""
+        index = self._ns(s, r.ns)
+        if r.offset == 0:
+            s.snapshots[r.ns] = index.ready_keys()
+            index.events.subscribe(s.session_id)
+        snap = s.snapshots.get(r.ns)
+        if snap is None or not 0 <= r.offset < max(len(snap), 1):
+            raise InvalidArgumentError("no key snapshot at that offset; start with offset 0")
+        end = r.offset + max(1, (self.config.max_frame_bytes - 4096) // (m.MAX_KEY_BYTES + 8))
+        if end >= len(snap):
+            del s.snapshots[r.ns]
+        return m.KeysPage(r.rid, snap[r.offset : end], -1 if end >= len(snap) else end)
 
     def _deny(self, s: Session, what: str, fix: str) -> PermissionDeniedError:
         log.warning("refused uid %d gid %d (pid %d): %s", s.uid, s.gid, s.pid, what)
@@ -262,7 +280,9 @@ class Service:
             self.region.register_namespace(ns_id, name, fp, msgspec.msgpack.encode(layout))
             index = self._new_index(ns_id, name, layout, fp, slot_bytes)
             log.info("namespace %s opened: %d-byte slots, fingerprint %s", name, slot_bytes, fp)
-        s.namespaces.add(index.ns_id)
+        if index.ns_id not in s.namespaces:
+            s.namespaces.add(index.ns_id)
+            index.events.subscribe(s.session_id)
         return m.NamespaceOpened(rid, index.ns_id, index.slots.slot_bytes, fp)
 
     def _new_index(
@@ -358,6 +378,7 @@ class Service:
     def close_session(self, s: Session) -> None:
         """Invariant 5: fail stores, drop pins, detach workers (unmapped after drain)."""
         for ns_id in s.namespaces:
+            self.namespaces[ns_id].events.unsubscribe(s.session_id)
             writes, pins = self.namespaces[ns_id].release_client(s.session_id)
             if writes or pins:
                 log.info(

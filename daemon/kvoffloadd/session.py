@@ -16,6 +16,8 @@ class Session:
     gid: int
     name: str = ""
     fds: list[int] = field(default_factory=list)
+    out_fds: list[int] = field(default_factory=list)  # go out with the next reply
+    snapshots: dict[int, list[bytes]] = field(default_factory=dict)  # ns -> SyncKeys pages
     namespaces: set[int] = field(default_factory=set)
     workers: set[int] = field(default_factory=set)
     waits: list[tuple[int, int, set[int]]] = field(default_factory=list)  # rid, worker, jobs

@@ -11,28 +11,47 @@ Rules:
   counters and the worker's results, and answers the waits it ends.
 - A detached worker (or one whose client died) keeps its mappings until its copies
   have drained; only then are they closed and a pending detach answered (invariant 5).
+- Client-copy workers (trusted uids only, see access.py) get the region's descriptor
+  and, per submitted job, the copy runs the daemon validated; they copy themselves and
+  end the job with ``ClientCopyDone``, whose completion goes through the same path as
+  the daemon's own copies. A client-copy worker that goes away fails its open jobs.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.errors import InvalidArgumentError, NotLeasedError, QuotaExceededError
+from kvoffload.protocol.errors import (
+    InvalidArgumentError,
+    NotLeasedError,
+    PermissionDeniedError,
+    QuotaExceededError,
+)
+from kvoffload.protocol.messages import pack_ids
 
 from .config import DaemonConfig
-from .copier import ChecksumCheck, Completion, CpuCopier
-from .copyplan import build_runs, check_transfer
+from .copier import ChecksumCheck, Completion, CpuCopier, finished
+from .copyplan import CacheGeometry, Runs, build_runs, check_transfer, place_caches, select_caches
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .region import SharedOffloadRegion
 from .session import Session
-from .workers import AttachedWorker, attach_caches, close_fds
+from .workers import (
+    AttachedWorker,
+    ClientCache,
+    ClientJob,
+    ImportedCache,
+    attach_caches,
+    check_desc,
+    close_fds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +85,7 @@ class Transfers:
         self.namespaces = namespaces
         self.sessions = sessions
         self._count_error = count_error
+        self.access = config.access_policy()
         self.workers: dict[int, AttachedWorker] = {}
         self._jobs: dict[int, _Job] = {}
         self._tokens = itertools.count(1)
@@ -92,10 +112,12 @@ class Transfers:
         layout = index.layout
         if not 0 <= r.rank < layout.world_size:
             raise InvalidArgumentError(f"rank {r.rank} is not in 0..{layout.world_size - 1}")
-        if len(r.caches) != len(layout.tensor_page_bytes):
-            raise InvalidArgumentError(
-                f"the namespace layout has {len(layout.tensor_page_bytes)} tensors, "
-                f"the worker registered {len(r.caches)} caches"
+        place_caches(layout, [c.page_bytes for c in r.caches])
+        if r.client_copy and not self.access.may_map_region(s.peer):
+            raise PermissionDeniedError(
+                f"uid {s.uid} may not map the region for client-copy mode; list it in "
+                "client_copy_uids or client_copy_gids of the daemon config, or register "
+                "exportable caches (kvoffload.shared_kv_cache or CUDA tensors)"
             )
         return index
 
@@ -108,6 +130,17 @@ class Transfers:
             close_fds(fds)
             raise
         wid = next(self._worker_ids)
+        placements = place_caches(index.layout, [c.page_bytes for c in r.caches])
+        caches: list[ImportedCache]
+        if r.client_copy:
+            close_fds(fds)
+            caches = [ClientCache(check_desc(d)) for d in r.caches]
+            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
+            w.client_copy = True
+            s.out_fds = [self.region.open_fd()]
+            self.workers[wid] = w
+            s.workers.add(wid)
+            return m.WorkerAttached(r.rid, wid, self.region.geometry.region_bytes)
         if r.device_uuid:
             close_fds(fds)
             if self.gpu is None:
@@ -118,12 +151,11 @@ class Transfers:
             ordinal, caches, event = gpu.attach(
                 index.layout, r.caches, r.device_uuid, r.store_event
             )
-            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, ordinal, event)
+            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements, ordinal, event)
             w.release = lambda: gpu.release_event(ordinal, event)
         else:
-            w = AttachedWorker(
-                wid, s.session_id, r.ns, r.rank, attach_caches(index.layout, r.caches, fds)
-            )
+            caches = attach_caches(r.caches, fds)
+            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
         self.workers[wid] = w
         s.workers.add(wid)
         return m.WorkerAttached(r.rid, wid)
@@ -131,17 +163,16 @@ class Transfers:
     def submit(
         self,
         s: Session,
-        worker_id: int,
-        job_id: int,
+        r: m.SubmitStore | m.SubmitLoad,
         slots: np.ndarray,
         block_ids: np.ndarray,
         skip: int,
         is_store: bool,
-    ) -> None:
-        w = self.worker(s, worker_id)
+    ) -> m.Reply:
+        w = self.worker(s, r.worker)
         index = self.namespaces[w.ns_id]
-        if job_id in w.active_jobs:
-            raise InvalidArgumentError(f"job {job_id} is already in flight")
+        if r.job_id in w.active_jobs:
+            raise InvalidArgumentError(f"job {r.job_id} is already in flight")
         limit = self.config.max_inflight_jobs_per_client
         if limit and sum(len(self.workers[x].active_jobs) for x in s.workers) >= limit:
             raise QuotaExceededError(
@@ -155,24 +186,78 @@ class Transfers:
             index.check_store_slots(slots)
         else:
             index.check_load_slots(slots)
-        check_transfer(index.layout, slots.size, block_ids, skip, w.geometries)
+        chosen = select_caches(len(w.caches), r.caches)
+        caches = [w.caches[i] for i in chosen]
+        geometries: list[CacheGeometry] = [c.geometry for c in caches]
+        check_transfer(index.layout, slots.size, block_ids, skip, geometries)
         runs = build_runs(
-            index.layout, w.rank, index.slots.region_offsets(slots), block_ids, skip, w.geometries
+            index.layout,
+            w.rank,
+            index.slots.region_offsets(slots),
+            block_ids,
+            skip,
+            geometries,
+            [w.placements[i] for i in chosen],
         )
-        region_base = int(self.region.buffer.ctypes.data)
-        region_addr = np.concatenate([r.region for r in runs]) + region_base
-        cache_addr = np.concatenate([r.cache + c.base_address for r, c in zip(runs, w.caches)])
-        nbytes = np.concatenate([r.nbytes for r in runs])
+        region_off = np.concatenate([x.region for x in runs])
+        nbytes = np.concatenate([x.nbytes for x in runs])
         token = next(self._tokens)
-        self._jobs[token] = _Job(worker_id, job_id, w.ns_id, slots.copy(), is_store)
+        self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store)
         index.slots.mark_busy(slots)
-        w.active_jobs.add(job_id)
-        dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
+        w.active_jobs.add(r.job_id)
         check = self._checksum_check(index, w.rank, slots, is_store)
+        if w.client_copy:
+            return self._client_plan(w, r, token, runs, chosen, region_off, nbytes, check)
+        region_addr = region_off + int(self.region.buffer.ctypes.data)
+        cache_addr = np.concatenate([x.cache + c.base_address for x, c in zip(runs, caches)])
+        dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
         if w.device is not None and self.gpu is not None:
             self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event, check)
         else:
             self.copier.submit(token, dst, src, nbytes, check)
+        return m.OkReply(r.rid)
+
+    def _client_plan(
+        self,
+        w: AttachedWorker,
+        r: m.SubmitStore | m.SubmitLoad,
+        token: int,
+        runs: list[Runs],
+        chosen: list[int],
+        region_off: np.ndarray,
+        nbytes: np.ndarray,
+        check: ChecksumCheck | None,
+    ) -> m.Reply:
+        """The runs a client-copy worker copies itself; a load whose blocks fail their
+        checksum gets no runs and fails when the client reports it done."""
+        corrupt = check.mismatches() if check is not None and check.expected else []
+        w.client_jobs[r.job_id] = ClientJob(
+            token, int(nbytes.sum()), time.perf_counter(), check, corrupt
+        )
+        if corrupt:
+            empty = b""
+            return m.CopyPlanReply(r.rid, empty, empty, empty, empty)
+        which = np.concatenate([np.full(x.region.size, i) for x, i in zip(runs, chosen)])
+        return m.CopyPlanReply(
+            r.rid,
+            pack_ids(region_off),
+            pack_ids(np.concatenate([x.cache for x in runs])),
+            pack_ids(nbytes),
+            pack_ids(which),
+        )
+
+    def client_copy_done(self, s: Session, r: m.ClientCopyDone) -> None:
+        """A client-copy worker finished a job: complete it like a daemon copy."""
+        w = self.worker(s, r.worker)
+        job = w.client_jobs.pop(r.job_id, None)
+        if job is None:
+            raise InvalidArgumentError(f"job {r.job_id} is not a client copy in flight")
+        self._post_client_done(job, r.success)
+
+    def _post_client_done(self, job: ClientJob, ok: bool) -> None:
+        check = job.check if job.check is not None and job.check.expected is None else None
+        done = finished(job.token, ok, job.nbytes, job.started_s, check, job.corrupt)
+        self.copier.sink.post(done)
 
     def _checksum_check(
         self, index: NamespaceIndex, rank: int, slots: np.ndarray, is_store: bool
@@ -249,6 +334,9 @@ class Transfers:
 
     def detach(self, w: AttachedWorker) -> None:
         w.closing = True
+        for job in w.client_jobs.values():  # nobody will finish these copies now
+            self._post_client_done(job, False)
+        w.client_jobs.clear()
         s = self.sessions.get(w.session_id)
         if s is not None:
             s.workers.discard(w.worker_id)

@@ -25,9 +25,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import CacheDesc, JobResult, KVLayout
+from kvoffload.protocol.messages import CacheDesc, JobResult
 
-from .copyplan import CacheGeometry
+from .copier import ChecksumCheck
+from .copyplan import CacheGeometry, Placement
 
 _F_SEAL_SHRINK = 0x0002
 
@@ -63,15 +64,16 @@ class MappedCache:
         self.mm.close()
 
 
-def check_desc(desc: CacheDesc, expected_page_bytes: int) -> CacheGeometry:
-    """The geometry a descriptor claims, if it is sane and fits the layout."""
-    if desc.page_bytes != expected_page_bytes:
-        raise InvalidArgumentError(
-            f"cache page of {desc.page_bytes} bytes does not match the namespace layout "
-            f"({expected_page_bytes} bytes)"
-        )
+def check_desc(desc: CacheDesc) -> CacheGeometry:
+    """The geometry a descriptor claims, if it is sane (``place_caches`` checks that
+    the pages fit the namespace layout)."""
     stride = desc.row_stride_bytes or desc.page_bytes
-    if desc.num_blocks <= 0 or stride < desc.page_bytes or desc.offset_bytes < 0:
+    if (
+        desc.num_blocks <= 0
+        or desc.page_bytes <= 0
+        or stride < desc.page_bytes
+        or desc.offset_bytes < 0
+    ):
         raise InvalidArgumentError(
             f"bad cache geometry: {desc.num_blocks} blocks, stride {stride}, "
             f"page {desc.page_bytes}, offset {desc.offset_bytes}"
@@ -79,13 +81,13 @@ def check_desc(desc: CacheDesc, expected_page_bytes: int) -> CacheGeometry:
     return CacheGeometry(desc.num_blocks, desc.page_bytes, desc.offset_bytes, stride)
 
 
-def map_cache(desc: CacheDesc, fd: int, expected_page_bytes: int) -> MappedCache:
+def map_cache(desc: CacheDesc, fd: int) -> MappedCache:
     """Validate and map one memfd cache; raises InvalidArgumentError."""
     if desc.kind != "memfd":
         raise InvalidArgumentError(
             f"cache kind {desc.kind!r} is not supported here (expected 'memfd')"
         )
-    geometry = check_desc(desc, expected_page_bytes)
+    geometry = check_desc(desc)
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
@@ -104,6 +106,30 @@ def map_cache(desc: CacheDesc, fd: int, expected_page_bytes: int) -> MappedCache
     return MappedCache(geometry, mm, np.frombuffer(mm, dtype=np.uint8))
 
 
+@dataclass(frozen=True)
+class ClientJob:
+    """A job a client-copy worker is copying: what its completion needs."""
+
+    token: int
+    nbytes: int
+    started_s: float
+    check: ChecksumCheck | None
+    corrupt: list[int]  # loads: areas that failed their checksum (nothing was copied)
+
+
+@dataclass
+class ClientCache:
+    """A cache the client copies itself: the daemon only knows its geometry, and the
+    copy runs it hands out are offsets from the cache's start."""
+
+    geometry: CacheGeometry
+    base_address: int = 0
+    nbytes: int = 0
+
+    def close(self) -> None:
+        return
+
+
 @dataclass
 class AttachedWorker:
     """One engine rank's registration: its caches, in-flight jobs and finished results."""
@@ -113,6 +139,7 @@ class AttachedWorker:
     ns_id: int
     rank: int
     caches: list[ImportedCache]
+    placements: list[Placement]  # where each cache's page lives in a rank's area
     device: int | None = None  # CUDA ordinal for GPU caches
     store_event: int = 0  # imported interprocess event stores wait on (GPU)
     release: Callable[[], None] | None = None  # undoes the GPU imports
@@ -120,6 +147,8 @@ class AttachedWorker:
     finished: list[JobResult] = field(default_factory=list)
     closing: bool = False
     detach_rids: list[int] = field(default_factory=list)  # answered once drained
+    client_copy: bool = False  # the client copies; jobs end with ClientCopyDone
+    client_jobs: dict[int, ClientJob] = field(default_factory=dict)  # job id -> in flight
 
     @property
     def geometries(self) -> list[CacheGeometry]:
@@ -144,20 +173,18 @@ def close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-def attach_caches(layout: KVLayout, descs: list[CacheDesc], fds: list[int]) -> list[ImportedCache]:
-    """Map every cache of a worker or none; always closes every fd it was given.
-
-    The caller checked that there is one descriptor per tensor of the layout."""
+def attach_caches(descs: list[CacheDesc], fds: list[int]) -> list[ImportedCache]:
+    """Map every cache of a worker or none; always closes every fd it was given."""
     try:
         mapped: list[ImportedCache] = []
         try:
-            for desc, page in zip(descs, layout.tensor_page_bytes):
+            for desc in descs:
                 if not 0 <= desc.fd_index < len(fds):
                     raise InvalidArgumentError(
                         f"cache refers to descriptor #{desc.fd_index}, "
                         f"but {len(fds)} came with the message"
                     )
-                mapped.append(map_cache(desc, fds[desc.fd_index], page))
+                mapped.append(map_cache(desc, fds[desc.fd_index]))
         except BaseException:
             for m in mapped:
                 m.close()

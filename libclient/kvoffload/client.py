@@ -16,6 +16,7 @@ the cache is down):
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -298,24 +299,54 @@ class Namespace:
             self.client.send_nowait(lambda rid: m.Touch(rid, self.ns_id, packed, kb))
 
     def take_events(self) -> list[OffloadEvent]:
+        """Events of this namespace since the last take on this connection: stores that
+        completed (by any engine) and evictions. [] when the daemon is unavailable."""
         try:
-            r = self.client.call(lambda rid: m.TakeEvents(rid, self.ns_id), m.EventsReply)
+            return self.read_feed()[0]
         except DaemonUnavailableError:
             return []
-        return [OffloadEvent(unpack_keys(e.keys, e.key_bytes), e.removed) for e in r.events]
+
+    def read_feed(self) -> tuple[list[OffloadEvent], bool]:
+        """(events, lost): like ``take_events``; ``lost`` says the daemon dropped some
+        (its per-connection queue overflowed), so a mirror must ``sync_keys`` again.
+        Raises DaemonUnavailableError."""
+        r = self.client.call(lambda rid: m.TakeEvents(rid, self.ns_id), m.EventsReply)
+        events = [OffloadEvent(unpack_keys(e.keys, e.key_bytes), e.removed) for e in r.events]
+        return events, r.lost
+
+    def sync_keys(self) -> list[bytes]:
+        """Every key ready in the namespace now, and the event feed restarted at that
+        instant: keys + later ``read_feed`` events are exact. Raises
+        DaemonUnavailableError."""
+        keys: list[bytes] = []
+        offset = 0
+        while offset >= 0:
+            page = self.client.call(
+                functools.partial(m.SyncKeys, ns=self.ns_id, offset=offset), m.KeysPage
+            )
+            keys.extend(page.keys)
+            offset = page.next_offset
+        return keys
 
     def attach_worker(
-        self, caches: Sequence[Any], rank: int = 0, stream: int | None = None
+        self,
+        caches: Sequence[Any],
+        rank: int = 0,
+        stream: int | None = None,
+        copy_mode: str = "auto",
     ) -> Worker:
-        """Register this rank's KV caches for daemon copies.
+        """Register this rank's KV caches.
 
-        ``caches`` are ``shared_kv_cache`` CPU tensors, or CUDA tensors (one GPU per
-        worker) exported by IPC handle. For CUDA, stores wait on work queued on
+        ``caches`` are ``shared_kv_cache`` CPU tensors or CUDA tensors (one GPU per
+        worker, exported by IPC handle), which the daemon copies; or, with
+        ``copy_mode`` "client" (or "auto" when the caches cannot be exported), plain CPU
+        tensors that the worker copies itself through a mapping of the region, which
+        the daemon allows only for trusted uids. For CUDA, stores wait on work queued on
         ``stream`` (a raw ``cudaStream_t``; default: PyTorch's current stream).
         """
         from .worker import Worker
 
-        return Worker(self, caches, rank, stream)
+        return Worker(self, caches, rank, stream, copy_mode)
 
 
 def _pack(keys: Sequence[bytes]) -> tuple[bytes, int]:

@@ -10,13 +10,15 @@ Rules:
 - Replies to fire-and-forget requests (``send_nowait``) are read and dropped while
   waiting for a later reply.
 - File descriptors go out with SCM_RIGHTS in the same ``sendmsg`` as the frame that
-  refers to them.
+  refers to them; descriptors a reply brings (the region, for client-copy workers)
+  wait in ``received_fds`` for whoever asked for them.
 """
 
 from __future__ import annotations
 
 import array
 import logging
+import os
 import socket
 import struct
 import time
@@ -32,6 +34,7 @@ from .protocol.errors import (
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 256 * 1024
+_ANC_BYTES = socket.CMSG_SPACE(4 * 4)  # room for a few descriptors (one is expected)
 
 
 class Transport:
@@ -40,6 +43,7 @@ class Transport:
         self.timeout_s = timeout_s
         self.conn = ClientConnection()
         self._nowait: set[int] = set()
+        self.received_fds: list[int] = []  # SCM_RIGHTS descriptors replies brought
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(timeout_s)
         try:
@@ -61,7 +65,13 @@ class Transport:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self._kernel_timeout_s = timeout_s
 
+    def take_fds(self) -> list[int]:
+        fds, self.received_fds = self.received_fds, []
+        return fds
+
     def close(self) -> None:
+        for fd in self.take_fds():
+            os.close(fd)
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -119,9 +129,14 @@ class Transport:
                 if time.monotonic() > deadline:
                     raise TimeoutError
                 try:
-                    data = self.sock.recv(RECV_BYTES)
+                    data, anc, _, _ = self.sock.recvmsg(RECV_BYTES, _ANC_BYTES)
                 except BlockingIOError:  # SO_RCVTIMEO expired
                     raise TimeoutError from None
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds = array.array("i")
+                        fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                        self.received_fds.extend(fds)
                 if not data:
                     raise ConnectionResetError("kvoffloadd closed the connection")
                 self.conn.receive_data(data)

@@ -14,12 +14,19 @@ Rules:
   (``get_finished``/``wait``) means the bytes are on the GPU.
 - ``close`` returns only after the daemon stopped using the caches, so the engine may
   free them right after.
+- Copy modes (``copy_mode``): "daemon" — the daemon copies through exported caches
+  (CUDA IPC, ``shared_kv_cache`` memfds); "client" — the worker copies itself through
+  a mapping of the region (``client_copy``), for plain CPU tensors and trusted uids;
+  "auto" (default) picks daemon copies whenever the caches can be exported.
+- ``caches`` on a submit selects which registered caches a job copies (vLLM's KV
+  cache groups each use their own tensors); the default is all of them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 
 from .cache import describe_cache
+from .client_copy import RegionMapping, describe_plain_cache
 from .cuda_export import StoreFence, current_stream, export_cuda_caches, require_driver
 from .protocol import messages as m
-from .protocol.errors import DaemonUnavailableError, KVOffloadError
+from .protocol.errors import DaemonUnavailableError, InvalidArgumentError, KVOffloadError
 from .protocol.messages import pack_ids
 from .transport import Transport
 
@@ -49,10 +57,20 @@ class TransferResult:
     seconds: float
 
 
+COPY_MODES = ("auto", "daemon", "client")
+
+
 class Worker:
     def __init__(
-        self, ns: Namespace, caches: Sequence[Any], rank: int, stream: int | None = None
+        self,
+        ns: Namespace,
+        caches: Sequence[Any],
+        rank: int,
+        stream: int | None = None,
+        copy_mode: str = "auto",
     ) -> None:
+        if copy_mode not in COPY_MODES:
+            raise InvalidArgumentError(f"copy_mode must be one of {COPY_MODES}, not {copy_mode!r}")
         self.ns = ns
         self.rank = rank
         self.caches = list(caches)
@@ -60,12 +78,22 @@ class Worker:
         self._fence: StoreFence | None = None
         self._device_uuid = b""
         self._fds: list[int] = []
+        self._region: RegionMapping | None = None
+        self._cache_bases: list[int] = []
+        self.copy_mode = "daemon"
         if self.caches and all(getattr(c, "is_cuda", False) for c in self.caches):
+            if copy_mode == "client":
+                raise InvalidArgumentError("client-copy mode takes CPU tensors only")
             api = require_driver()
             export = export_cuda_caches(self.caches, api)
             self._descs = export.descs
             self._device_uuid = export.device_uuid
             self._fence = StoreFence(api, export.ordinal)
+        elif copy_mode == "client" or (copy_mode == "auto" and not _exportable(self.caches)):
+            described_plain = [describe_plain_cache(c) for c in self.caches]
+            self._descs = [d for d, _ in described_plain]
+            self._cache_bases = [base for _, base in described_plain]
+            self.copy_mode = "client"
         else:
             described = [describe_cache(c) for c in self.caches]
             self._fds = [fd for _, fd in described]
@@ -85,20 +113,41 @@ class Worker:
 
     def _reattach(self, t: Transport) -> None:
         fence = self._fence.handle if self._fence is not None else b""
+        client_copy = self.copy_mode == "client"
         req = m.AttachWorker(
-            self.ns.client._rid(), self.ns.ns_id, self.rank, self._descs, self._device_uuid, fence
+            self.ns.client._rid(),
+            self.ns.ns_id,
+            self.rank,
+            self._descs,
+            self._device_uuid,
+            fence,
+            client_copy,
         )
         reply = t.request(req, fds=self._fds)
         assert isinstance(reply, m.WorkerAttached)
+        if client_copy:
+            fds = t.take_fds()
+            for extra in fds[1:]:
+                os.close(extra)
+            if not fds:
+                raise DaemonUnavailableError("kvoffloadd sent no region descriptor")
+            if self._region is not None:
+                self._region.close()
+            self._region = RegionMapping(fds[0], reply.region_bytes)
         self.worker_id = reply.worker
 
     def _fail_inflight(self) -> None:
         self._failed_locally.extend(TransferResult(j, False, 0, 0.0) for j in self._inflight)
         self._inflight.clear()
 
-    def _submit(self, job_id: int, make: Any) -> bool:
+    def _submit(self, job_id: int, make: Any, is_store: bool) -> bool:
+        client = self.ns.client
         try:
-            self.ns.client.call(make, m.OkReply)
+            with client._lock:  # the copy and its report stay with this connection
+                if self.copy_mode == "daemon":
+                    client.call(make, m.OkReply)
+                else:
+                    self._copy_myself(job_id, client.call(make, m.CopyPlanReply), is_store)
         except KVOffloadError as exc:
             self.last_error = exc
             log.warning("job %d refused: %s", job_id, exc)
@@ -106,25 +155,49 @@ class Worker:
         self._inflight.add(job_id)
         return True
 
+    def _copy_myself(self, job_id: int, plan: m.CopyPlanReply, is_store: bool) -> None:
+        """Client-copy mode: run the validated copies, then tell the daemon."""
+        assert self._region is not None
+        ok = True
+        try:
+            self._region.run(plan, self._cache_bases, is_store)
+        except (OSError, ValueError) as exc:
+            log.error("job %d: client copy failed: %s", job_id, exc)
+            ok = False
+        self.ns.client.send_nowait(lambda rid: m.ClientCopyDone(rid, self.worker_id, job_id, ok))
+
     def submit_store(
-        self, job_id: int, engine_block_ids: npt.ArrayLike, slots: npt.ArrayLike
+        self,
+        job_id: int,
+        engine_block_ids: npt.ArrayLike,
+        slots: npt.ArrayLike,
+        caches: Sequence[int] = (),
     ) -> bool:
         """Copy engine blocks into leased slots (block_size_factor blocks per slot)."""
-        ids, sl = pack_ids(engine_block_ids), pack_ids(slots)
+        ids, sl, sel = pack_ids(engine_block_ids), pack_ids(slots), list(caches)
         if self._fence is not None:
             ordinal = self._fence.ordinal
             self._fence.record(
                 self._stream if self._stream is not None else current_stream(ordinal)
             )
-        return self._submit(job_id, lambda rid: m.SubmitStore(rid, self.worker_id, job_id, ids, sl))
+        return self._submit(
+            job_id, lambda rid: m.SubmitStore(rid, self.worker_id, job_id, ids, sl, sel), True
+        )
 
     def submit_load(
-        self, job_id: int, slots: npt.ArrayLike, engine_block_ids: npt.ArrayLike, skip: int = 0
+        self,
+        job_id: int,
+        slots: npt.ArrayLike,
+        engine_block_ids: npt.ArrayLike,
+        skip: int = 0,
+        caches: Sequence[int] = (),
     ) -> bool:
         """Copy pinned slots into engine blocks, skipping ``skip`` sub-blocks of the first."""
-        ids, sl = pack_ids(engine_block_ids), pack_ids(slots)
+        ids, sl, sel = pack_ids(engine_block_ids), pack_ids(slots), list(caches)
         return self._submit(
-            job_id, lambda rid: m.SubmitLoad(rid, self.worker_id, job_id, sl, ids, skip)
+            job_id,
+            lambda rid: m.SubmitLoad(rid, self.worker_id, job_id, sl, ids, skip, sel),
+            False,
         )
 
     def get_finished(self) -> list[TransferResult]:
@@ -168,3 +241,16 @@ class Worker:
         if self._fence is not None:
             self._fence.close()
             self._fence = None
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+
+def _exportable(caches: list[Any]) -> bool:
+    """Whether every cache is a view of a ``shared_kv_cache`` (the daemon can map it)."""
+    try:
+        for c in caches:
+            describe_cache(c)
+    except InvalidArgumentError:
+        return False
+    return True

@@ -138,7 +138,9 @@ def test_unsealed_or_foreign_cache_is_refused(daemon: DaemonProcess) -> None:
     c = kvoffload.connect(daemon.socket_path)
     ns = c.namespace("a", LAYOUT)
     with pytest.raises(kvoffload.InvalidArgumentError, match="shared_kv_cache"):
-        ns.attach_worker([torch.zeros(8, 4096, dtype=torch.int8)])
+        ns.attach_worker([torch.zeros(8, 4096, dtype=torch.int8)], copy_mode="daemon")
+    with pytest.raises(kvoffload.InvalidArgumentError, match="copy_mode"):
+        ns.attach_worker([torch.zeros(8, 4096, dtype=torch.int8)], copy_mode="magic")
     with pytest.raises(kvoffload.InvalidArgumentError, match="layout"):
         ns.attach_worker([kvoffload.shared_kv_cache(8, 2048)])
     with pytest.raises(kvoffload.InvalidArgumentError, match="rank"):

@@ -93,7 +93,7 @@ def test_corrupted_block_fails_its_load_and_is_evicted(svc: Service) -> None:
         svc.handle(s, m.PrepareLoad(8, ns, k2, b2))
     svc.handle(s, m.CompleteLoad(9, ns, kp, kb))
     assert index.lookup(keys) == 2 and index.lookup(keys[3:]) == 1  # block 2 is gone
-    assert any(e.removed and keys[2] in e.keys for e in index.take_events())
+    assert any(e.removed and keys[2] in e.keys for e in index.take_events(s.session_id))
     assert svc.errors_by_code["CHECKSUM_MISMATCH"] == 1
 
     good = [keys[0], keys[1], keys[3]]
@@ -115,7 +115,7 @@ def test_a_cache_count_that_does_not_fit_the_layout_is_refused_and_fds_closed(
     s.fds = [os.dup(fd)]
     sent = s.fds[0]
     one = m.CacheDesc(desc.kind, desc.num_blocks, desc.page_bytes, 0)
-    with pytest.raises(InvalidArgumentError, match="layout has 2 tensors"):
+    with pytest.raises(InvalidArgumentError, match="do not tile"):
         svc.handle(s, m.AttachWorker(2, r.ns, 0, [one]))
     with pytest.raises(OSError, match="Bad file descriptor"):
         os.fstat(sent)  # the daemon closed the descriptor it was given

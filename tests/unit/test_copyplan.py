@@ -7,7 +7,13 @@ import pytest
 
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
-from kvoffloadd.copyplan import CacheGeometry, build_runs, check_transfer, merge_runs
+from kvoffloadd.copyplan import (
+    CacheGeometry,
+    build_runs,
+    check_transfer,
+    merge_runs,
+    place_caches,
+)
 
 
 def expand_block_ids(ids: list[int], f: int, skip: int) -> list[int]:
@@ -52,7 +58,8 @@ def test_runs_reproduce_the_reference_layout(f: int, skip: int, world: int, rank
     slots = [5, 0, 2]
     ids = rng.permutation(40)[: 3 * f - skip]
     check_transfer(layout, len(slots), ids, skip, geoms)
-    runs = build_runs(layout, rank, np.array(slots) * slot_bytes, ids, skip, geoms)
+    at = place_caches(layout, pages)
+    runs = build_runs(layout, rank, np.array(slots) * slot_bytes, ids, skip, geoms, at)
     region = np.zeros(6 * slot_bytes, dtype=np.uint8)
     for r, cache in zip(runs, caches):
         flat = cache.reshape(-1)
@@ -65,9 +72,10 @@ def test_runs_reproduce_the_reference_layout(f: int, skip: int, world: int, rank
 def test_adjacent_pages_merge_into_one_run() -> None:
     layout = KVLayout(tensor_page_bytes=[4096], block_size_factor=2)
     geoms = [CacheGeometry(16, 4096, 0, 4096)]
-    runs = build_runs(layout, 0, np.array([0, 8192, 16384]), np.arange(6), 0, geoms)
+    at = place_caches(layout, [4096])
+    runs = build_runs(layout, 0, np.array([0, 8192, 16384]), np.arange(6), 0, geoms, at)
     assert runs[0].region.tolist() == [0] and runs[0].nbytes.tolist() == [6 * 4096]
-    runs = build_runs(layout, 0, np.array([0, 16384]), np.array([0, 1, 5, 6]), 0, geoms)
+    runs = build_runs(layout, 0, np.array([0, 16384]), np.array([0, 1, 5, 6]), 0, geoms, at)
     assert runs[0].nbytes.tolist() == [8192, 8192]
     empty = merge_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), 4096)
     assert empty.total_bytes == 0
@@ -85,3 +93,36 @@ def test_check_transfer_refuses_bad_ids_and_skip() -> None:
     ]:
         with pytest.raises(InvalidArgumentError, match=needle):
             check_transfer(layout, 2, np.array(ids), skip, geoms)
+
+
+@pytest.mark.parametrize(("f", "skip", "world", "rank"), [(1, 0, 1, 0), (3, 2, 2, 1)])
+def test_caches_that_tile_one_tensor_page_land_side_by_side(
+    f: int, skip: int, world: int, rank: int
+) -> None:
+    """A vLLM worker registers its tensors as parts of one page per rank."""
+    rng = np.random.default_rng(7)
+    parts = [512, 1024, 256]
+    layout = KVLayout(tensor_page_bytes=[sum(parts)], world_size=world, block_size_factor=f)
+    caches = [rng.integers(0, 256, (40, p), dtype=np.uint8) for p in parts]
+    geoms = [CacheGeometry(40, p, 0, p) for p in parts]
+    slots, slot_bytes = [4, 1], layout.block_bytes
+    ids = rng.permutation(40)[: 2 * f - skip]
+    at = place_caches(layout, parts)
+    runs = build_runs(layout, rank, np.array(slots) * slot_bytes, ids, skip, geoms, at)
+    region = np.zeros(5 * slot_bytes, dtype=np.uint8)
+    for r, cache in zip(runs, caches):
+        for ro, co, n in zip(r.region, r.cache, r.nbytes):
+            region[ro : ro + n] = cache.reshape(-1)[co : co + n]
+    for j, b in enumerate(ids.tolist()):
+        slot, sub = divmod(j + skip, f)
+        start = slots[slot] * slot_bytes + rank * layout.rank_bytes + sub * sum(parts)
+        want = np.concatenate([c[b] for c in caches])
+        assert np.array_equal(region[start : start + sum(parts)], want)
+
+
+def test_caches_must_tile_the_layout_exactly() -> None:
+    layout = KVLayout(tensor_page_bytes=[1024, 512])
+    assert [p.part_offset for p in place_caches(layout, [512, 512, 512])] == [0, 512, 0]
+    for bad in ([1024], [1024, 512, 8], [768, 512], [512, 1024], [1024, 0, 512]):
+        with pytest.raises(InvalidArgumentError, match="tile|already fill"):
+            place_caches(layout, bad)

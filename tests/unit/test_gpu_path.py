@@ -261,7 +261,7 @@ def test_import_is_validated_and_never_leaks_handles(rig: Rig) -> None:
     s = rig.session()
     with pytest.raises(InvalidArgumentError, match="not visible to kvoffloadd"):
         rig.svc.handle(s, m.AttachWorker(2, ns, 0, export.descs, b"\x22" * 16, fence))
-    with pytest.raises(InvalidArgumentError, match="layout has 2 tensors"):
+    with pytest.raises(InvalidArgumentError, match="do not tile"):
         rig.svc.handle(s, m.AttachWorker(2, ns, 0, export.descs[:1], UUID, fence))
     with pytest.raises(InvalidArgumentError, match="store event"):
         rig.svc.handle(s, m.AttachWorker(2, ns, 0, export.descs, UUID, b""))
@@ -318,9 +318,9 @@ def test_a_daemon_without_gpus_refuses_cuda_workers_clearly() -> None:
         s = svc.open_session(1, 1, 0, 0)
         r = svc.handle(s, m.OpenNamespace(1, "n", m.KVLayout(PAGES)))
         assert isinstance(r, m.NamespaceOpened)
-        desc = m.CacheDesc("cuda", 4, 4096, -1, 0, 4096, b"\0" * 64)
+        descs = [m.CacheDesc("cuda", 4, p, -1, 0, p, b"\0" * 64) for p in PAGES]
         with pytest.raises(InvalidArgumentError, match=r"libcuda\.so\.1 missing"):
-            svc.handle(s, m.AttachWorker(2, r.ns, 0, [desc, desc], UUID, b"\0" * 64))
+            svc.handle(s, m.AttachWorker(2, r.ns, 0, descs, UUID, b"\0" * 64))
     finally:
         copier.close()
         region.close()

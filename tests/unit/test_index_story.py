@@ -39,7 +39,9 @@ def make_index(policy: str, num_blocks: int = 4) -> NamespaceIndex:
     pool = ExtentPool(num_extents=1, extent_bytes=num_blocks * 4096)
     slots = SlotPool(pool, owner=0, slot_bytes=4096)
     layout = KVLayout(tensor_page_bytes=[4096])
-    return CopyingIndex(0, "story", layout, "fp", slots, policy=policy)
+    idx = CopyingIndex(0, "story", layout, "fp", slots, policy=policy)
+    idx.events.subscribe(0)  # the engine under test, as the service does on open
+    return idx
 
 
 def stored(*ids: int) -> OffloadEvent:

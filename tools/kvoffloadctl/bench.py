@@ -166,7 +166,6 @@ def index_bytes_per_block(n: int) -> float:
         assert plan is not None
         idx.mark_written(plan.slots, 0)
         idx.complete_store(batch, True, 1)
-    idx.take_events()
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     del keys

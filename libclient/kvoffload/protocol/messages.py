@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEY_BYTES = 64
 
@@ -121,8 +121,23 @@ class Touch(_Msg, frozen=True, tag="touch"):
 
 
 class TakeEvents(_Msg, frozen=True, tag="events"):
+    """Store/evict events of the namespace since this connection's last take."""
+
     rid: int
     ns: int
+
+
+class SyncKeys(_Msg, frozen=True, tag="sync_keys"):
+    """Page through the namespace's ready keys, for a client-side lookup mirror.
+
+    ``offset`` 0 takes a snapshot of the ready keys *and* restarts this connection's
+    event feed at that instant, so snapshot + later ``TakeEvents`` is exact. Further
+    pages continue the same snapshot from ``KeysPage.next_offset``.
+    """
+
+    rid: int
+    ns: int
+    offset: int = 0
 
 
 class CacheDesc(msgspec.Struct, frozen=True, array_like=True):
@@ -153,6 +168,7 @@ class AttachWorker(_Msg, frozen=True, tag="attach"):
     caches: list[CacheDesc]
     device_uuid: bytes = b""
     store_event: bytes = b""
+    client_copy: bool = False  # the worker copies itself; the reply brings the region fd
 
 
 class DetachWorker(_Msg, frozen=True, tag="detach"):
@@ -166,6 +182,7 @@ class SubmitStore(_Msg, frozen=True, tag="sub_store"):
     job_id: int
     block_ids: bytes
     slots: bytes
+    caches: list[int] = []  # indices of the registered caches to copy; empty: all
 
 
 class SubmitLoad(_Msg, frozen=True, tag="sub_load"):
@@ -175,6 +192,16 @@ class SubmitLoad(_Msg, frozen=True, tag="sub_load"):
     slots: bytes
     block_ids: bytes
     skip: int = 0
+    caches: list[int] = []
+
+
+class ClientCopyDone(_Msg, frozen=True, tag="copied"):
+    """A client-copy worker finished (or failed) the copy of a submitted job."""
+
+    rid: int
+    worker: int
+    job_id: int
+    success: bool
 
 
 class GetFinished(_Msg, frozen=True, tag="finished"):
@@ -221,6 +248,8 @@ Request = (
     | CompleteLoad
     | Touch
     | TakeEvents
+    | SyncKeys
+    | ClientCopyDone
     | AttachWorker
     | DetachWorker
     | SubmitStore
@@ -296,11 +325,30 @@ class EventMsg(msgspec.Struct, frozen=True, array_like=True):
 class EventsReply(_Msg, frozen=True, tag="ev"):
     rid: int
     events: list[EventMsg]
+    lost: bool = False  # events were dropped (feed overflow): resync with SyncKeys
+
+
+class KeysPage(_Msg, frozen=True, tag="keys"):
+    rid: int
+    keys: list[bytes]
+    next_offset: int  # -1: the snapshot is complete
+
+
+class CopyPlanReply(_Msg, frozen=True, tag="copy_plan"):
+    """Runs a client-copy worker must copy: region offset, offset inside cache
+    ``cache_index`` (both packed int64) and length, one entry per run."""
+
+    rid: int
+    region: bytes
+    cache: bytes
+    nbytes: bytes
+    cache_index: bytes
 
 
 class WorkerAttached(_Msg, frozen=True, tag="attached"):
     rid: int
     worker: int
+    region_bytes: int = 0  # client-copy workers: the region's size (its fd comes along)
 
 
 class JobResult(msgspec.Struct, frozen=True, array_like=True):
@@ -363,6 +411,8 @@ Reply = (
     | StorePlanReply
     | LoadPlanReply
     | EventsReply
+    | KeysPage
+    | CopyPlanReply
     | WorkerAttached
     | FinishedReply
     | StatsReply
