@@ -124,5 +124,5 @@ def test_caches_must_tile_the_layout_exactly() -> None:
     layout = KVLayout(tensor_page_bytes=[1024, 512])
     assert [p.part_offset for p in place_caches(layout, [512, 512, 512])] == [0, 512, 0]
     for bad in ([1024], [1024, 512, 8], [768, 512], [512, 1024], [1024, 0, 512]):
-        with pytest.raises(InvalidArgumentError, match="tile|already fill"):
+        with pytest.raises(InvalidArgumentError, match=r"tile|already fill"):
             place_caches(layout, bad)
