@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-gpu bench soak lint clean
+.PHONY: setup run test test-gpu test-vllm bench soak lint clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,21 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu $(PYTEST_ARGS)
 
+# The vLLM plug-in against the real vLLM 0.33 classes, in a separate virtualenv:
+# vllm with --no-deps (its kv_offload modules import nothing beyond torch and numpy),
+# so `make test` stays free of vLLM and its tests skip there.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvoffload-installed
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev]'
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps vllm==0.33.0
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
+
 bench: $(STAMP)
 	$(BIN)/python -m kvoffloadctl.bench $(ARGS)
 
@@ -41,4 +56,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -14,7 +14,9 @@ registers the same tensors, so the bytes mean the same to all of them.
 
 Engine block ids map to sub-blocks in order, as vLLM's ``expand_block_ids``: slot i
 holds sub-blocks ``i*f .. i*f+f-1``. A load may start inside the first slot by skipping
-its first ``skip`` sub-blocks (``0 <= skip < f``); stores are always aligned.
+its first ``skip`` sub-blocks (``0 <= skip < f``); stores are always aligned. The last
+slot may be partly filled (a request's tail shorter than f engine blocks): the ids
+then cover fewer than ``num_slots * f - skip`` sub-blocks, but touch every slot.
 
 Descriptors are built with numpy on the loop thread, adjacent runs are merged (both
 sides contiguous), and the copier (CPU threads here, CUDA streams elsewhere) only
@@ -99,9 +101,10 @@ def place_caches(layout: KVLayout, cache_page_bytes: list[int]) -> list[Placemen
     return out
 
 
-def expand_positions(num_slots: int, f: int, skip: int) -> tuple[I64, I64]:
-    """(slot index, sub-block index) for every engine block of a transfer."""
-    sub = np.arange(skip, num_slots * f, dtype=np.int64)
+def expand_positions(count: int, f: int, skip: int) -> tuple[I64, I64]:
+    """(slot index, sub-block index) for each of the ``count`` engine blocks of a
+    transfer that starts ``skip`` sub-blocks into its first slot."""
+    sub = np.arange(skip, skip + count, dtype=np.int64)
     return sub // f, sub % f
 
 
@@ -112,11 +115,12 @@ def check_transfer(
     f = layout.block_size_factor
     if not 0 <= skip < f:
         raise InvalidArgumentError(f"skip {skip} is not in 0..{f - 1}")
-    expected = num_slots * f - skip
-    if block_ids.size != expected:
+    most = num_slots * f - skip
+    least = max(most - f + 1, 0) if num_slots else 0
+    if not least <= block_ids.size <= most:
         raise InvalidArgumentError(
             f"{num_slots} slots with block_size_factor {f} and skip {skip} need "
-            f"{expected} engine block ids, got {block_ids.size}"
+            f"{least}..{most} engine block ids, got {block_ids.size}"
         )
     if block_ids.size:
         limit = min(c.num_blocks for c in caches)
@@ -139,7 +143,7 @@ def build_runs(
 ) -> list[Runs]:
     """Merged copy runs per cache for one transfer (the caller validated the inputs)."""
     f = layout.block_size_factor
-    slot_idx, sub_idx = expand_positions(slot_offsets.size, f, skip)
+    slot_idx, sub_idx = expand_positions(block_ids.size, f, skip)
     base = slot_offsets[slot_idx] + rank * layout.rank_bytes
     out = []
     for at, cache in zip(placements, caches):

@@ -1,0 +1,171 @@
+"""vLLM's OffloadingWorker (one per engine rank), backed by kvoffloadd copies.
+
+Rules:
+- Built from vLLM's ``CanonicalKVCaches``: every canonical tensor is registered, in
+  order, as a part of the rank's page (``identity``), CUDA tensors by IPC handle,
+  memfd tensors by descriptor, plain CPU tensors in client-copy mode. The mode is
+  picked automatically and logged.
+- A vLLM job covers one or more KV cache groups (``GPULoadStoreSpec.group_sizes``);
+  each group's blocks live only in that group's tensors, so each non-empty group is
+  one kvoffload job that copies only those tensors. The first engine block of a group
+  may sit inside its first offloaded block (``block_indices[g] % blocks_per_chunk``):
+  that many sub-blocks are skipped, as in vLLM's ``compute_sub_block_ptrs``.
+- A vLLM job finishes when all its parts did; it succeeded only if all did.
+- A load whose ``prepare_load`` failed (``SlotsSpec.failed``) copies nothing and is
+  reported failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from ..client import Namespace
+from .manager import SlotsSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    parts_left: int
+    success: bool = True
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class KVOffloadWorker(OffloadingWorker):
+    def __init__(
+        self,
+        ns: Namespace,
+        kv_caches: CanonicalKVCaches,
+        rank: int,
+        blocks_per_chunk: int,
+        copy_mode: str = "auto",
+    ) -> None:
+        tensors = [t.tensor for t in kv_caches.tensors]
+        self.f = blocks_per_chunk
+        everything = list(range(len(tensors)))
+        self.group_caches: list[list[int]] = []
+        for refs in kv_caches.group_data_refs:
+            used = sorted({ref.tensor_idx for ref in refs})
+            self.group_caches.append([] if used == everything else used)
+        self.worker = ns.attach_worker(tensors, rank=rank, copy_mode=copy_mode)
+        log.info(
+            "kvoffload: rank %d attached %d KV tensors to namespace %s (%s copies)",
+            rank,
+            len(tensors),
+            ns.name,
+            "client" if self.worker.copy_mode == "client" else "daemon",
+        )
+        self._part_ids = itertools.count(1)
+        self._part_job: dict[int, int] = {}  # kvoffload job id -> vLLM job id
+        self._jobs: dict[int, _Job] = {}
+        self._done: list[TransferResult] = []
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        return self._submit(job_id, src_spec, dst_spec, is_store=True)
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        return self._submit(job_id, dst_spec, src_spec, is_store=False)
+
+    def _submit(
+        self, job_id: int, gpu: GPULoadStoreSpec, slot_spec: LoadStoreSpec, is_store: bool
+    ) -> bool:
+        if not isinstance(slot_spec, SlotsSpec):
+            raise TypeError(f"expected kvoffload slots, got {type(slot_spec).__name__}")
+        if slot_spec.failed:
+            log.error("job %d: not loaded: %s", job_id, slot_spec.failed)
+            self._done.append(TransferResult(job_id, False, 0, 0.0))
+            return True
+        parts = self._split(gpu, slot_spec.block_ids.tolist())
+        job = _Job(len(parts))
+        self._jobs[job_id] = job
+        if not parts:
+            del self._jobs[job_id]
+            self._done.append(TransferResult(job_id, True, 0, 0.0))
+            return True
+        for ids, slots, skip, caches in parts:
+            part = next(self._part_ids)
+            if is_store:
+                ok = self.worker.submit_store(part, ids, slots, caches=caches)
+            else:
+                ok = self.worker.submit_load(part, slots, ids, skip=skip, caches=caches)
+            if ok:
+                self._part_job[part] = job_id
+            else:
+                job.success = False
+                self._finish_part(job_id)
+        return True
+
+    def _split(
+        self, gpu: GPULoadStoreSpec, slots: list[int]
+    ) -> list[tuple[list[int], list[int], int, list[int]]]:
+        """(engine block ids, slots, skip, cache indices) per non-empty group."""
+        ids = gpu.block_ids.tolist()
+        out = []
+        at_id = at_slot = 0
+        for g, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
+            if size == 0:
+                continue
+            skip = first % self.f
+            n_slots = -(-(size + skip) // self.f)
+            out.append(
+                (
+                    ids[at_id : at_id + size],
+                    slots[at_slot : at_slot + n_slots],
+                    skip,
+                    self.group_caches[g],
+                )
+            )
+            at_id += size
+            at_slot += n_slots
+        if at_id != len(ids) or at_slot != len(slots):
+            raise ValueError(
+                f"spec does not add up: {len(ids)} GPU blocks and {len(slots)} slots for "
+                f"groups {list(gpu.group_sizes)} starting at {list(gpu.block_indices)}"
+            )
+        return out
+
+    def _finish_part(self, job_id: int, nbytes: int = 0, seconds: float = 0.0) -> None:
+        job = self._jobs[job_id]
+        job.parts_left -= 1
+        job.nbytes += nbytes
+        job.seconds = max(job.seconds, seconds)
+        if job.parts_left == 0:
+            del self._jobs[job_id]
+            self._done.append(TransferResult(job_id, job.success, job.nbytes, job.seconds))
+
+    def get_finished(self) -> list[TransferResult]:
+        for r in self.worker.get_finished():
+            job_id = self._part_job.pop(r.job_id, None)
+            if job_id is None:
+                continue
+            if not r.success:
+                self._jobs[job_id].success = False
+            self._finish_part(job_id, r.nbytes, r.seconds)
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.worker.wait([p for p, j in self._part_job.items() if j in job_ids])
+
+    def shutdown(self) -> None:
+        self.worker.close()

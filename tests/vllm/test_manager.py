@@ -1,0 +1,149 @@
+"""KVOffloadSpec.get_manager() against a live daemon: vLLM's CPU manager story."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingManager,
+    OffloadingSpec,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm_config import offloading_config
+
+import kvoffload
+from kvoffload.vllm import KVOffloadSpec
+from kvoffloadctl.launch import DaemonProcess
+
+HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+CTX = ReqContext(req_id="r")
+SLOT_BYTES = 16 * 1024  # a 4 KiB block rounds up to the daemon's minimum slot
+
+
+def k(*ids: int) -> list[bytes]:
+    return [make_offload_key(str(i).encode(), 0) for i in ids]
+
+
+@pytest.fixture
+def four_block_daemon() -> Iterator[DaemonProcess]:
+    """A daemon whose vLLM namespaces hold 4 blocks, like vLLM's manager test."""
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(f'[[namespace_quotas]]\npattern = "vllm/*"\nmax_region_size = {4 * SLOT_BYTES}\n')
+    with DaemonProcess("64MiB", "--config", f.name, "--log-level", "warning") as d:
+        yield d
+        assert d.stop() == 0
+    os.unlink(f.name)
+
+
+def manager(d: DaemonProcess, **kw: object) -> OffloadingManager:
+    spec = OffloadingSpecFactory.create_spec(offloading_config(d.socket_path, **kw))  # type: ignore[arg-type]
+    assert isinstance(spec, KVOffloadSpec) and isinstance(spec, OffloadingSpec)
+    return spec.get_manager()
+
+
+def results(mgr: OffloadingManager, *ids: int) -> list[LookupResult]:
+    with mgr.lock:
+        return [mgr.lookup(key, CTX) for key in k(*ids)]
+
+
+def events(mgr: OffloadingManager) -> list[tuple[set[bytes], bool]]:
+    return [(set(e.keys), e.removed) for e in mgr.take_events()]
+
+
+def test_cpu_manager_story(four_block_daemon: DaemonProcess) -> None:
+    mgr = manager(four_block_daemon)
+    other = manager(four_block_daemon, engine_id="e1")  # a second vLLM instance
+
+    out = mgr.prepare_store(k(1, 2), CTX)
+    assert out is not None and (out.keys_to_store, out.evicted_keys) == (k(1, 2), [])
+    assert len(set(out.store_spec.block_ids.tolist())) == 2
+    assert results(mgr, 1, 2, 3) == [PENDING, PENDING, MISS]  # not readable yet
+    assert events(mgr) == []
+
+    mgr.complete_store(k(1, 2), CTX)
+    assert results(mgr, 1, 2, 3) == [HIT, HIT, MISS]
+    assert events(mgr) == [(set(k(1, 2)), False)]
+
+    out = mgr.prepare_store(k(2, 3, 4, 5), CTX)
+    assert out is not None and (out.keys_to_store, out.evicted_keys) == (k(3, 4, 5), k(1))
+    assert results(mgr, 1) == [MISS]
+    assert mgr.prepare_store(k(1, 6), CTX) is None  # only 2 is evictable, 2 are needed
+    mgr.complete_store(k(3, 4, 5), CTX)
+
+    spec = mgr.prepare_load(k(2, 3), CTX)  # pinned blocks are never evicted
+    assert len(spec.block_ids) == 2 and not spec.failed
+    assert mgr.prepare_store(k(6, 7, 8), CTX) is None
+    mgr.complete_load(k(2, 3), CTX)
+    out = mgr.prepare_store(k(6, 7, 8), CTX)
+    assert out is not None and out.evicted_keys == k(2, 3, 4)
+    mgr.complete_store(k(6, 7, 8), CTX)
+
+    mgr.touch(k(5, 6, 7), CTX)
+    out = mgr.prepare_store(k(9), CTX)
+    assert out is not None and out.evicted_keys == k(8)
+    mgr.complete_store(k(7, 9), CTX, success=False)
+    assert results(mgr, 7, 9) == [HIT, MISS]
+    assert events(mgr) == [
+        (set(k(1)), True),
+        (set(k(3, 4, 5)), False),
+        (set(k(2, 3, 4)), True),
+        (set(k(6, 7, 8)), False),
+        (set(k(8)), True),
+    ]
+    # the other instance shares the pool: it sees the same blocks and the same history
+    assert results(other, 5, 6, 7, 8, 9) == [HIT, HIT, HIT, MISS, MISS]
+    assert events(other)[-1] == (set(k(8)), True)
+    mgr.shutdown()
+    other.shutdown()
+
+
+def test_a_stale_hit_fails_its_load_cleanly(four_block_daemon: DaemonProcess) -> None:
+    mgr = manager(four_block_daemon)
+    out = mgr.prepare_store(k(1), CTX)
+    assert out is not None
+    mgr.complete_store(k(1), CTX)
+    assert results(mgr, 1) == [HIT]
+    admin = kvoffload.connect(four_block_daemon.socket_path)
+    assert admin.evict(keys=k(1)) == 1  # another engine's pressure, between lookup and load
+    spec = mgr.prepare_load(k(1), CTX)
+    assert spec.failed and len(spec.block_ids) == 0
+    assert results(mgr, 1) == [MISS]  # the mirror caught up
+    mgr.complete_load(k(1), CTX)  # harmless
+    admin.close()
+    mgr.shutdown()
+
+
+def test_a_daemon_that_goes_away_turns_lookups_into_retry_then_miss() -> None:
+    d = DaemonProcess("64MiB", "--log-level", "warning").start()
+    mgr = manager(d, retry_s=0.3, mirror_max_age_s=0.0)
+    out = mgr.prepare_store(k(1), CTX)
+    assert out is not None
+    mgr.complete_store(k(1), CTX)
+    assert results(mgr, 1) == [HIT]
+    assert d.stop() == 0
+    assert results(mgr, 1, 2) == [LookupResult.RETRY, LookupResult.RETRY]
+    import time
+
+    time.sleep(0.35)
+    assert results(mgr, 1) == [MISS]
+    assert mgr.prepare_store(k(2), CTX) is None
+    mgr.shutdown()
+
+
+def test_namespace_identity_comes_from_the_vllm_config(tmp_path: object) -> None:
+    def name(**kw: object) -> str:
+        spec = KVOffloadSpec(offloading_config("/nonexistent", **kw))  # type: ignore[arg-type]
+        return spec.namespace_name
+
+    assert name() == name(engine_id="other", rank=0)  # two instances of one model share
+    assert name() != name(model="test/other")
+    assert name() != name(cache_salt="v2")
+    assert name() != name(blocks_per_chunk=2)
+    assert name() != name(worker_kv_bytes_per_block=8192)
+    assert name(namespace="team-a") == "team-a"
