@@ -85,10 +85,14 @@ def test_check_transfer_refuses_bad_ids_and_skip() -> None:
     layout = KVLayout(tensor_page_bytes=[64], block_size_factor=2)
     geoms = [CacheGeometry(8, 64, 0, 64)]
     check_transfer(layout, 2, np.array([0, 1, 2]), 1, geoms)
+    check_transfer(layout, 2, np.array([0, 1, 2]), 0, geoms)  # a partly filled last slot
+    check_transfer(layout, 2, np.array([0, 1]), 1, geoms)
     for ids, skip, needle in [
         ([0, 1, 2, 8], 0, "outside"),
         ([0, 1, 2, -3], 0, "outside"),
-        ([0, 1], 0, "need 4"),
+        ([0, 1], 0, "need 3..4"),  # the second slot would get nothing
+        ([0], 1, "need 2..3"),
+        ([0, 1, 2, 3, 4], 0, "need 3..4"),
         ([0, 1, 2], 2, "skip"),
     ]:
         with pytest.raises(InvalidArgumentError, match=needle):

@@ -93,6 +93,8 @@ def test_store_then_load_is_byte_identical(
         assert not d_t.tensor[:20].any() and not d_t.tensor[20 + n :].any()
     storer.shutdown()
     loader.shutdown()
+    mgr.shutdown()
+    mgr_b.shutdown()
 
 
 def test_groups_copy_only_their_tensors_and_empty_groups_are_skipped(
@@ -116,8 +118,7 @@ def test_groups_copy_only_their_tensors_and_empty_groups_are_skipped(
     mgr.complete_store(keys, CTX)
 
     dst = caches("memfd", None, groups)
-    loader = spec.get_worker  # one worker per spec: use a second spec for the loader
-    other = KVOffloadSpec(cfg).get_worker(dst)
+    other = KVOffloadSpec(cfg).get_worker(dst)  # one worker per spec: a second instance
     lspec = mgr.prepare_load(keys, CTX)
     # group 0 loads from its second block only (block index 1, inside chunk 0)
     assert other.submit_load(2, lspec, GPULoadStoreSpec([30, 40, 41], [1, 2, 0], [1, 0, 0]))
@@ -129,9 +130,9 @@ def test_groups_copy_only_their_tensors_and_empty_groups_are_skipped(
     )
     assert torch.equal(d[2].tensor[40:42], s[2].tensor[10:12])
     assert not d[2].tensor[30].any() and not d[0].tensor[40:42].any()
-    del loader
     w.shutdown()
     other.shutdown()
+    mgr.shutdown()
 
 
 def test_a_failed_prepare_load_fails_the_job_and_copies_nothing(daemon: DaemonProcess) -> None:
@@ -146,3 +147,4 @@ def test_a_failed_prepare_load_fails_the_job_and_copies_nothing(daemon: DaemonPr
     assert not finish(w, 3).success  # type: ignore[attr-defined]
     assert not any(t.tensor.any() for t in dst.tensors)
     w.shutdown()
+    mgr.shutdown()

@@ -59,27 +59,26 @@ class KVOffloadSpec(OffloadingSpec):
         self.copy_mode = str(extra.get("copy_mode", "auto"))
         self.mirror_max_age_s = float(extra.get("mirror_max_age_s", 0.05))
         self.retry_s = float(extra.get("retry_s", 5.0))
-        self._client: Client | None = None
         self._manager: KVOffloadManager | None = None
         self._worker: KVOffloadWorker | None = None
 
     def _connect(self, role: str) -> Client:
-        if self._client is None:
-            # lazy: an engine starts (with misses) even when the daemon is not up yet
-            self._client = connect(
-                self.socket_path,
-                timeout_s=self.timeout_s,
-                name=f"vllm-{self.config.engine_id}-{role}",
-                lazy=True,
-            )
-            log.info(
-                "kvoffload: %s of engine %s uses namespace %s at %s",
-                role,
-                self.config.engine_id,
-                self.namespace_name,
-                self._client.socket_path,
-            )
-        return self._client
+        """One connection per role (scheduler, each rank); its owner closes it."""
+        # lazy: an engine starts (with misses) even when the daemon is not up yet
+        client = connect(
+            self.socket_path,
+            timeout_s=self.timeout_s,
+            name=f"vllm-{self.config.engine_id}-{role}",
+            lazy=True,
+        )
+        log.info(
+            "kvoffload: %s of engine %s uses namespace %s at %s",
+            role,
+            self.config.engine_id,
+            self.namespace_name,
+            client.socket_path,
+        )
+        return client
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:

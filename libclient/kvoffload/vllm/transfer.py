@@ -169,3 +169,4 @@ class KVOffloadWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.worker.close()
+        self.worker.ns.client.close()
