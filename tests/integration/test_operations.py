@@ -21,6 +21,7 @@ import pytest
 from helpers import ctl, store_blocks
 
 import kvoffload
+from kvoffload.protocol import messages as m
 from kvoffloadctl.launch import DaemonProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,16 +214,30 @@ def _connect_as(sock: str, uid: int, out: Any) -> None:
     os.setgroups([])
     os.setuid(uid)
     try:
-        kvoffload.connect(sock, timeout_s=5).ping()
-        out.put("connected")
+        c = kvoffload.connect(sock, timeout_s=5)
+        c.ping()
     except kvoffload.KVOffloadError as exc:
         out.put(f"{type(exc).__name__}: {exc}")
+        return
+    ns = c.namespace("cc-1", kvoffload.KVLayout(tensor_page_bytes=[4096]))
+    desc = m.CacheDesc("client", 4, 4096)
+    try:  # mapping the region (client-copy mode) is for client_copy_uids only
+        c.call(
+            lambda rid: m.AttachWorker(rid, ns.ns_id, 0, [desc], b"", b"", True),
+            m.WorkerAttached,
+        )
+        out.put("connected; client copy allowed")
+    except kvoffload.PermissionDeniedError as exc:
+        out.put(f"connected; client copy refused: {exc}")
+    except Exception as exc:  # anything else is reported, not hung on
+        out.put(f"connected; {type(exc).__name__}: {exc}")
 
 
 def test_peer_credentials_decide_who_connects_and_which_namespaces(tmp_path: Path) -> None:
     cfg = tmp_path / "k.toml"
     cfg.write_text(
         f'allow_uids = [4243]\n[[namespace_access]]\npattern = "ours-*"\nuids = [{os.getuid()}]\n'
+        '[[namespace_access]]\npattern = "cc-*"\nuids = [4243]\n'
     )
     run = Path(tempfile.mkdtemp(prefix="kvoffload-acl-"))  # reachable by other uids
     run.chmod(0o755)
@@ -237,7 +252,10 @@ def test_peer_credentials_decide_who_connects_and_which_namespaces(tmp_path: Pat
             c.namespace("theirs", kvoffload.KVLayout(tensor_page_bytes=[4096]))
         if os.getuid() == 0 and os.getgid() == 0:  # only root can pose as other users
             ctx = mp.get_context("spawn")
-            for uid, want in ((4242, "PermissionDeniedError"), (4243, "connected")):
+            for uid, want in (
+                (4242, "PermissionDeniedError"),
+                (4243, "connected; client copy refused: [PERMISSION_DENIED] uid 4243 may not map"),
+            ):
                 q = ctx.Queue()
                 p = ctx.Process(target=_connect_as, args=(d.socket_path, uid, q))
                 p.start()
