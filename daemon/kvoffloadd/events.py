@@ -35,10 +35,6 @@ class EventFeed:
         self._queues: dict[int, _Queue] = {}
         self.dropped_total = 0
 
-    @property
-    def subscribers(self) -> int:
-        return len(self._queues)
-
     def subscribe(self, subscriber: int) -> None:
         """Start (or restart) a subscriber's queue, empty and complete."""
         self._queues[subscriber] = _Queue()

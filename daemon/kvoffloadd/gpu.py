@@ -39,7 +39,7 @@ from kvoffload.cuda_driver import (
     load_driver,
 )
 from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import CacheDesc, KVLayout
+from kvoffload.protocol.messages import CacheDesc
 
 from .config import DaemonConfig
 from .copier import ChecksumCheck, CompletionSink, finished
@@ -247,7 +247,7 @@ class GpuRuntime:
                 log.warning("closing a CUDA IPC handle on GPU %d: %s", ordinal, exc)
 
     def attach(
-        self, layout: KVLayout, descs: list[CacheDesc], uuid: bytes, store_event: bytes
+        self, descs: list[CacheDesc], uuid: bytes, store_event: bytes
     ) -> tuple[int, list[ImportedCache], int]:
         """Import one worker's caches: (ordinal, caches, imported store event).
 

@@ -224,7 +224,7 @@ class NamespaceIndex:
                 self._store_failures += 1
         if stored:
             self._stored += len(stored)
-            self._emit(OffloadEvent(stored, removed=False))
+            self.events.emit(OffloadEvent(stored, removed=False))
 
     def prepare_load(self, keys: Sequence[bytes], client: int) -> list[int]:
         get = self._policy.get
@@ -428,7 +428,7 @@ class NamespaceIndex:
             keys.append(key)
         if keys:
             self._evicted += len(keys)
-            self._emit(OffloadEvent(keys, removed=True))
+            self.events.emit(OffloadEvent(keys, removed=True))
         return keys
 
     def _free_slot(self, slot: int) -> None:
@@ -443,9 +443,6 @@ class NamespaceIndex:
                 self._checksums.pop(slot * w + rank, None)
         self._journal.freed(slot)
         self.slots.free(slot)
-
-    def _emit(self, event: OffloadEvent) -> None:
-        self.events.emit(event)
 
     def statistics(self) -> NamespaceStatistics:
         blocks = list(self._policy.items())

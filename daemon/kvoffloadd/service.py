@@ -13,7 +13,6 @@ Rules:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -53,10 +52,6 @@ PAGE_BYTES = 4096
 _SERVED_WHILE_STOPPING = (m.GetStats, m.Ping, m.ListClients)
 
 
-def layout_fingerprint(layout: m.KVLayout) -> str:
-    return hashlib.sha256(msgspec.msgpack.encode(layout)).hexdigest()[:32]
-
-
 class Service:
     def __init__(
         self,
@@ -85,6 +80,7 @@ class Service:
             self.namespaces,
             self.sessions,
             self.count_error,
+            self.access,
         )
         self.shutting_down = False
         self.started_s = time.monotonic()
@@ -261,7 +257,7 @@ class Service:
             )
         if not 1 <= layout.block_size_factor <= 1024:
             raise InvalidArgumentError("block_size_factor must be in 1..1024")
-        fp = layout_fingerprint(layout)
+        fp = layout.fingerprint()
         index = self._ns_by_name.get(name)
         if index is not None:
             if index.fingerprint != fp:
@@ -312,7 +308,7 @@ class Service:
     def _recover(self) -> None:
         """Warm restart: namespaces and completed blocks from the kept region."""
         for rec in read_namespaces(self.region):
-            if layout_fingerprint(rec.layout) != rec.fingerprint:
+            if rec.layout.fingerprint() != rec.fingerprint:
                 log.warning("namespace %s: layout does not match its fingerprint", rec.name)
                 continue
             slot_bytes = rec.slot_bytes or self._slot_bytes(rec.layout)

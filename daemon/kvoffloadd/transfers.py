@@ -36,9 +36,18 @@ from kvoffload.protocol.errors import (
 )
 from kvoffload.protocol.messages import pack_ids
 
+from .access import AccessPolicy
 from .config import DaemonConfig
 from .copier import ChecksumCheck, Completion, CpuCopier, finished
-from .copyplan import CacheGeometry, Runs, build_runs, check_transfer, place_caches, select_caches
+from .copyplan import (
+    CacheGeometry,
+    Placement,
+    Runs,
+    build_runs,
+    check_transfer,
+    place_caches,
+    select_caches,
+)
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .region import SharedOffloadRegion
@@ -76,6 +85,7 @@ class Transfers:
         namespaces: dict[int, NamespaceIndex],
         sessions: dict[int, Session],
         count_error: Callable[[str], None],
+        access: AccessPolicy,
     ) -> None:
         self.config = config
         self.region = region
@@ -85,7 +95,7 @@ class Transfers:
         self.namespaces = namespaces
         self.sessions = sessions
         self._count_error = count_error
-        self.access = config.access_policy()
+        self.access = access
         self.workers: dict[int, AttachedWorker] = {}
         self._jobs: dict[int, _Job] = {}
         self._tokens = itertools.count(1)
@@ -104,33 +114,33 @@ class Transfers:
             raise InvalidArgumentError(f"worker {worker_id} is not attached on this connection")
         return w
 
-    def _attach_target(self, s: Session, r: m.AttachWorker) -> NamespaceIndex:
-        """The namespace a registration is for, once its rank and cache count fit."""
+    def _placements(self, s: Session, r: m.AttachWorker) -> list[Placement]:
+        """Where a registration's caches go in a slot, once its namespace, rank, cache
+        pages and copy mode are acceptable."""
         index = self.namespaces[r.ns] if r.ns in s.namespaces else None
         if index is None:
             raise InvalidArgumentError(f"namespace id {r.ns} was not opened on this connection")
         layout = index.layout
         if not 0 <= r.rank < layout.world_size:
             raise InvalidArgumentError(f"rank {r.rank} is not in 0..{layout.world_size - 1}")
-        place_caches(layout, [c.page_bytes for c in r.caches])
+        placements = place_caches(layout, [c.page_bytes for c in r.caches])
         if r.client_copy and not self.access.may_map_region(s.peer):
             raise PermissionDeniedError(
                 f"uid {s.uid} may not map the region for client-copy mode; list it in "
                 "client_copy_uids or client_copy_gids of the daemon config, or register "
                 "exportable caches (kvoffload.shared_kv_cache or CUDA tensors)"
             )
-        return index
+        return placements
 
     def attach(self, s: Session, r: m.AttachWorker) -> m.Reply:
         nfds = max((c.fd_index + 1 for c in r.caches), default=0)
         fds, s.fds = s.fds[:nfds], s.fds[nfds:]
         try:
-            index = self._attach_target(s, r)
+            placements = self._placements(s, r)
         except InvalidArgumentError:
             close_fds(fds)
             raise
         wid = next(self._worker_ids)
-        placements = place_caches(index.layout, [c.page_bytes for c in r.caches])
         caches: list[ImportedCache]
         if r.client_copy:
             close_fds(fds)
@@ -148,9 +158,7 @@ class Transfers:
                     f"this kvoffloadd cannot take GPU caches: {self.gpu_unavailable}"
                 )
             gpu = self.gpu
-            ordinal, caches, event = gpu.attach(
-                index.layout, r.caches, r.device_uuid, r.store_event
-            )
+            ordinal, caches, event = gpu.attach(r.caches, r.device_uuid, r.store_event)
             w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements, ordinal, event)
             w.release = lambda: gpu.release_event(ordinal, event)
         else:

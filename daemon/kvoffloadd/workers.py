@@ -151,10 +151,6 @@ class AttachedWorker:
     client_jobs: dict[int, ClientJob] = field(default_factory=dict)  # job id -> in flight
 
     @property
-    def geometries(self) -> list[CacheGeometry]:
-        return [c.geometry for c in self.caches]
-
-    @property
     def cache_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 

@@ -61,11 +61,6 @@ class KeyMirror:
         self._lost_since_s: float | None = None
         self.events: list[tuple[list[bytes], bool]] = []  # (keys, removed) for take_events
         self.snapshots_total = 0
-        self.refreshes_total = 0
-
-    @property
-    def ready_keys(self) -> int:
-        return len(self._ready)
 
     def lookup(self, key: bytes) -> KeyState:
         if time.monotonic() - self._synced_s > self.max_age_s:
@@ -95,7 +90,6 @@ class KeyMirror:
                     self._snapshot()
                 else:
                     self._apply(events)
-            self.refreshes_total += 1
         except DaemonUnavailableError as exc:
             if self._lost_since_s is None:
                 log.warning(
@@ -138,10 +132,6 @@ class KeyMirror:
         self._writing.difference_update(mine)
         if success and self._lost_since_s is None:
             self._ready.update(mine)
-
-    def forget(self, keys: Sequence[bytes]) -> None:
-        """Keys the daemon says are gone (a failed ``prepare_load``)."""
-        self._ready.difference_update(keys)
 
     def clear(self) -> None:
         self._ready.clear()

@@ -89,13 +89,7 @@ class Worker:
             self._descs = export.descs
             self._device_uuid = export.device_uuid
             self._fence = StoreFence(api, export.ordinal)
-        elif copy_mode == "client" or (copy_mode == "auto" and not _exportable(self.caches)):
-            described_plain = [describe_plain_cache(c) for c in self.caches]
-            self._descs = [d for d, _ in described_plain]
-            self._cache_bases = [base for _, base in described_plain]
-            self.copy_mode = "client"
-        else:
-            described = [describe_cache(c) for c in self.caches]
+        elif (described := _memfd_caches(self.caches, copy_mode)) is not None:
             self._fds = [fd for _, fd in described]
             self._descs = [
                 m.CacheDesc(
@@ -103,6 +97,11 @@ class Worker:
                 )
                 for i, (d, _) in enumerate(described)
             ]
+        else:
+            described_plain = [describe_plain_cache(c) for c in self.caches]
+            self._descs = [d for d, _ in described_plain]
+            self._cache_bases = [base for _, base in described_plain]
+            self.copy_mode = "client"
         self.worker_id = -1
         self.last_error: KVOffloadError | None = None
         self._inflight: set[int] = set()
@@ -246,11 +245,15 @@ class Worker:
             self._region = None
 
 
-def _exportable(caches: list[Any]) -> bool:
-    """Whether every cache is a view of a ``shared_kv_cache`` (the daemon can map it)."""
+def _memfd_caches(caches: list[Any], copy_mode: str) -> list[tuple[m.CacheDesc, int]] | None:
+    """(descriptor, memfd) of each cache when all are ``shared_kv_cache`` views the
+    daemon can map; None when the worker copies itself instead ("client", or "auto"
+    with a cache that cannot be exported). "daemon" raises for such a cache."""
+    if copy_mode == "client":
+        return None
     try:
-        for c in caches:
-            describe_cache(c)
+        return [describe_cache(c) for c in caches]
     except InvalidArgumentError:
-        return False
-    return True
+        if copy_mode == "daemon":
+            raise
+        return None

@@ -16,6 +16,7 @@ Rules (msgspec schema evolution, see research/aesthetics.md section 4):
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import msgspec
@@ -55,6 +56,10 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
     def block_bytes(self) -> int:
         """Bytes of one offloaded block, all ranks together (before slot alignment)."""
         return self.rank_bytes * self.world_size
+
+    def fingerprint(self) -> str:
+        """The namespace fingerprint: a hash of the layout's wire encoding."""
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
 
 
 # --------------------------------------------------------------------------- requests

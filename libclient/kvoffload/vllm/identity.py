@@ -17,11 +17,8 @@ Rules:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import msgspec
 
 from ..protocol.messages import KVLayout
 
@@ -62,6 +59,5 @@ class VllmIdentity:
         layout = self.layout()
         if name:
             return name, layout
-        digest = hashlib.sha256(msgspec.msgpack.encode(layout)).hexdigest()[:12]
         model = self.model[: MAX_NAME_CHARS - 32]
-        return f"vllm/{model}/{digest}", layout
+        return f"vllm/{model}/{layout.fingerprint()[:12]}", layout

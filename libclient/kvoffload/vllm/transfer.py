@@ -96,12 +96,10 @@ class KVOffloadWorker(OffloadingWorker):
             self._done.append(TransferResult(job_id, False, 0, 0.0))
             return True
         parts = self._split(gpu, slot_spec.block_ids.tolist())
-        job = _Job(len(parts))
-        self._jobs[job_id] = job
         if not parts:
-            del self._jobs[job_id]
             self._done.append(TransferResult(job_id, True, 0, 0.0))
             return True
+        job = self._jobs[job_id] = _Job(len(parts))
         for ids, slots, skip, caches in parts:
             part = next(self._part_ids)
             if is_store:
