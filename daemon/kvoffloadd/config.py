@@ -94,6 +94,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     namespace_quotas: list[NamespaceQuota] = msgspec.field(default_factory=list)
     max_inflight_jobs_per_client: int = 0  # 0: unlimited
     verify_checksums: bool = False  # CRC32 per stored block, checked on every load
+    # evicted blocks stay loadable this long for engines' key mirrors (graves.py)
+    mirror_grace_s: float = 1.0
     # who may map the region for client-copy workers; unset: root and the daemon's uid
     client_copy_uids: list[int] | None = None
     client_copy_gids: list[int] = msgspec.field(default_factory=list)
@@ -160,6 +162,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.max_clients < 1:
             raise ConfigError(f"max_clients: {self.max_clients} is below 1")
+        if not 0 <= self.mirror_grace_s <= 60:
+            raise ConfigError(f"mirror_grace_s: {self.mirror_grace_s} is not in 0..60")
         return self
 
     def quota_for(self, namespace: str) -> NamespaceQuota | None:

@@ -34,6 +34,7 @@ class EventFeed:
         self._max_pending = max_pending
         self._queues: dict[int, _Queue] = {}
         self.dropped_total = 0
+        self.seq = 0  # events emitted so far: a subscriber that took them all is at seq
 
     def subscribe(self, subscriber: int) -> None:
         """Start (or restart) a subscriber's queue, empty and complete."""
@@ -43,6 +44,7 @@ class EventFeed:
         self._queues.pop(subscriber, None)
 
     def emit(self, event: OffloadEvent) -> None:
+        self.seq += 1
         for q in self._queues.values():
             if len(q.events) >= self._max_pending:
                 q.events.popleft()

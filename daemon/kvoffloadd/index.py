@@ -13,6 +13,13 @@ so that engines see exactly the behaviour of the built-in offloader:
 - A store can only complete successfully once every rank's copy into its slot has
   finished (``mark_written``): a key never becomes visible over bytes nobody wrote.
 
+One difference, for engines that share a namespace through key mirrors (graves.py):
+while other engines' mirrors are attached, evicted blocks stay loadable and keep their
+slots until those mirrors have seen the eviction. A ``prepare_store`` that had to
+evict for space it cannot use yet then answers ``None`` (no space now) after evicting
+exactly what it needed; its next call gets those slots. Evicted keys are announced and
+never hit a lookup either way.
+
 On top of that the daemon needs owners: every block being written belongs to the
 client that prepared it, every pin to the client that took it. Completing someone
 else's store or load is ``NOT_LEASED``; ``release_client`` fails a dead client's
@@ -24,6 +31,7 @@ Everything here runs on the daemon's loop thread only: no locks.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +51,7 @@ from kvoffload.protocol.messages import KVLayout
 
 from .allocator import SlotPool
 from .events import EventFeed
+from .graves import Graveyard
 from .policies import Block, make_policy
 
 
@@ -58,6 +67,7 @@ class NamespaceStatistics:
     stored_blocks: int
     writing_blocks: int
     pinned_blocks: int
+    held_evicted_blocks: int  # evicted, kept loadable for other engines' mirrors
     quota_blocks: int  # 0: no quota
     quota_pinned_blocks: int  # 0: no quota
     lookups_total: int
@@ -92,6 +102,7 @@ class NamespaceIndex:
         policy: str = "lru",
         journal: SlotJournal | None = None,
         reclaim: Callable[[NamespaceIndex, int], None] | None = None,
+        mirror_grace_s: float = 1.0,
     ) -> None:
         self.ns_id = ns_id
         self.name = name
@@ -120,6 +131,8 @@ class NamespaceIndex:
         self._writers: dict[bytes, int] = {}
         self._pins: dict[int, Counter[bytes]] = {}
         self.events = EventFeed()
+        # evicted blocks other engines' key mirrors may still hit (graves.py)
+        self.graves = Graveyard(mirror_grace_s)
         # statistics
         self._lookups = self._lookup_keys = self._hit_keys = self._lookup_misses = 0
         self._stores_prepared = self._stored = self._store_failures = 0
@@ -141,11 +154,12 @@ class NamespaceIndex:
         to_store = [k for k in dict.fromkeys(keys) if get(k) is None]
         if not to_store:
             return StorePlan([], [], [])
+        self.free_graves()
         need = len(to_store)
         if need > self.slots.num_free and not self._quota_binds() and self._reclaim is not None:
             self._reclaim(self, need)  # more region space; useless when the quota binds
         evicted: list[bytes] = []
-        n = need - self._free_within_quota()
+        n = need - self._free_within_quota() - len(self.graves)  # graves: space to come
         if n > 0:
             victims = self._policy.evict(n, set(keys)) if n <= self._num_evictable else None
             if victims is None:
@@ -156,7 +170,14 @@ class NamespaceIndex:
                         f"can be evicted for {need} more"
                     )
                 return None
-            evicted = self._drop(victims)
+            evicted = self._drop(victims, exempt=client)
+        if need > self._free_within_quota():
+            # The space is evicted but still readable by other engines' mirrors: it
+            # frees once they have seen the evictions (their next step) or after the
+            # grace period. Not now: vLLM retries the store later.
+            gone = set(evicted)
+            self.graves.unexempt([s for s, g in self.graves.by_slot.items() if g.key in gone])
+            return None
         slots = self.slots.allocate(need)
         slot_key = self._slot_key
         if len(slot_key) < self.slots.capacity:
@@ -229,12 +250,17 @@ class NamespaceIndex:
     def prepare_load(self, keys: Sequence[bytes], client: int) -> list[int]:
         get = self._policy.get
         blocks: list[Block] = []
+        buried: set[int] = set()  # ids of grave blocks: a mirror's hit raced their eviction
         for key in keys:
             block = get(key)
             if block is None or block.ref < 0:
-                state = "not stored" if block is None else "still being written"
-                raise NotFoundError(f"cannot load key {key.hex()}: {state}")
-            if key in self._corrupt:
+                grave = self.graves.loadable(key)
+                if grave is None:
+                    state = "not stored" if block is None else "still being written"
+                    raise NotFoundError(f"cannot load key {key.hex()}: {state}")
+                block = grave.block
+                buried.add(id(block))
+            elif key in self._corrupt:
                 raise NotFoundError(f"cannot load key {key.hex()}: corrupt (evicted once unpinned)")
             blocks.append(block)
         if self.max_pinned_blocks is not None:
@@ -246,26 +272,33 @@ class NamespaceIndex:
                 )
         pins = self._pins.setdefault(client, Counter())
         for key, block in zip(keys, blocks):
+            if id(block) in buried:
+                self.graves.pin(client, block.slot)
+                continue
             if block.ref == 0:
                 self._num_evictable -= 1
                 self._num_pinned += 1
             block.ref += 1
             pins[key] += 1
+        if not pins:
+            del self._pins[client]
         self._loads_prepared += len(keys)
         return [b.slot for b in blocks]
 
     def complete_load(self, keys: Sequence[bytes], client: int) -> None:
-        pins = self._pins.get(client)
-        wanted = Counter(keys)
-        for key, count in wanted.items():
-            if pins is None or pins[key] < count:
+        pins = self._pins.get(client, Counter())
+        graves = self.graves.pinned_by(client)
+        for key, count in Counter(keys).items():
+            if pins[key] + len(graves.get(key, ())) < count:
                 raise NotLeasedError(f"key {key.hex()} is not pinned by this client")
-        if pins is None:
-            return  # no keys at all (found by the live fuzz test: it used to be fatal)
         for key in keys:
-            self._unpin(key, pins)
-        if not pins:
+            if pins[key]:
+                self._unpin(key, pins)
+            else:
+                self.graves.unpin(client, graves[key].pop())
+        if client in self._pins and not pins:
             del self._pins[client]
+        self.free_graves()
 
     def _unpin(self, key: bytes, pins: Counter[bytes]) -> None:
         block = self._policy.get(key)
@@ -277,7 +310,7 @@ class NamespaceIndex:
             if key in self._corrupt:
                 self._corrupt.discard(key)
                 self._policy.remove(key)
-                self._drop([(key, block)])
+                self._drop([(key, block)], bury=False)
         pins[key] -= 1
         if not pins[key]:
             del pins[key]
@@ -300,15 +333,16 @@ class NamespaceIndex:
         evicted now or when their last pin goes."""
         keys = []
         for slot in slots:
+            self.graves.forbid(slot)
             key = self._slot_key[slot] if slot < len(self._slot_key) else None
             block = self._policy.get(key) if key is not None else None
-            if key is None or block is None:
-                continue
+            if key is None or block is None or block.slot != slot:
+                continue  # free, or a grave whose key was stored again elsewhere
             keys.append(key)
             self._ready.discard(key)
             if block.ref == 0:
                 self._policy.remove(key)
-                self._drop([(key, block)])
+                self._drop([(key, block)], bury=False)
             else:
                 self._corrupt.add(key)
         return keys
@@ -355,7 +389,10 @@ class NamespaceIndex:
         for slot in slots.tolist():
             key = slot_key[slot] if 0 <= slot < len(slot_key) else None
             block = get(key) if key is not None else None
-            if block is None or block.slot != slot or not ok(block.ref):
+            if block is None or block.slot != slot:
+                grave = self.graves.by_slot.get(slot)
+                block = grave.block if grave is not None else None
+            if block is None or not ok(block.ref):
                 raise NotLeasedError(f"slot {slot} of namespace {self.name!r} is not {what}")
 
     # ------------------------------------------------------------ owners, admin
@@ -368,6 +405,8 @@ class NamespaceIndex:
         dropped = sum(pins.values())
         for key in list(pins.elements()):
             self._unpin(key, pins)
+        dropped += self.graves.release(client)
+        self.free_graves()
         return len(writes), dropped
 
     def pinned_by(self, client: int) -> int:
@@ -401,12 +440,13 @@ class NamespaceIndex:
 
         Refused (False) when any block there is being written, pinned or copied.
         """
+        self.free_graves()
         slots = self.slots.top_extent_slots()
         if not slots:
             return False
         victims: list[tuple[bytes, Block]] = []
         for slot in slots:
-            if slot in self.slots.busy:
+            if slot in self.slots.busy or slot in self.graves.by_slot:
                 return False
             key = self._slot_key[slot] if slot < len(self._slot_key) else None
             if key is None:
@@ -417,19 +457,46 @@ class NamespaceIndex:
             victims.append((key, block))
         for key, _ in victims:
             self._policy.remove(key)
-        self._drop(victims)
+        self._drop(victims, bury=False)  # the extent goes elsewhere: nothing to keep
         return self.slots.release_free_tail() > 0
 
-    def _drop(self, victims: list[tuple[bytes, Block]]) -> list[bytes]:
-        keys = []
-        for key, block in victims:
-            self._num_evictable -= 1
-            self._free_slot(block.slot)
-            keys.append(key)
-        if keys:
-            self._evicted += len(keys)
-            self.events.emit(OffloadEvent(keys, removed=True))
+    def _drop(
+        self, victims: list[tuple[bytes, Block]], exempt: int | None = None, bury: bool = True
+    ) -> list[bytes]:
+        """Evict blocks (already out of the policy): announce them, then free their
+        slots, or bury them while other engines' mirrors may still hit them."""
+        keys = [key for key, _ in victims]
+        if not keys:
+            return keys
+        self._num_evictable -= len(keys)
+        self._evicted += len(keys)
+        self.events.emit(OffloadEvent(keys, removed=True))
+        if bury and self.graves.needed(exempt):
+            now = time.monotonic()
+            for key, block in victims:
+                self._ready.discard(key)
+                self.graves.bury(key, block, self.events.seq, exempt, now)
+        else:
+            for _, block in victims:
+                self._free_slot(block.slot)
         return keys
+
+    def free_graves(self) -> None:
+        """Free the slots of graves every mirror has seen (or whose grace is over)."""
+        if self.graves.by_slot:
+            for grave in self.graves.free_now(time.monotonic()):
+                self._free_slot(grave.block.slot)
+
+    def add_mirror(self, client: int) -> None:
+        """A client took a key snapshot: from now on its mirror can hit evicted keys."""
+        self.graves.add_mirror(client, self.events.seq)
+
+    def take_feed(self, client: int) -> tuple[list[OffloadEvent], bool]:
+        """The client's events since its last take; for a mirror, also its ack."""
+        events, lost = self.events.take(client)
+        self.graves.ack(client, self.events.seq)
+        self.free_graves()
+        return events, lost
 
     def _free_slot(self, slot: int) -> None:
         key = self._slot_key[slot]
@@ -457,6 +524,7 @@ class NamespaceIndex:
             stored_blocks=sum(1 for _, b in blocks if b.ref >= 0),
             writing_blocks=len(self._writers),
             pinned_blocks=sum(1 for _, b in blocks if b.ref > 0),
+            held_evicted_blocks=len(self.graves),
             quota_blocks=self.max_blocks or 0,
             quota_pinned_blocks=self.max_pinned_blocks or 0,
             lookups_total=self._lookups,

@@ -175,7 +175,7 @@ class Service:
         return None  # answered by on_completions
 
     def _on_take_events(self, s: Session, r: m.TakeEvents) -> m.Reply:
-        events, lost = self._ns(s, r.ns).events.take(s.session_id)
+        events, lost = self._ns(s, r.ns).take_feed(s.session_id)
         msgs = [m.EventMsg(*pack_keys(e.keys), e.removed) for e in events]
         return m.EventsReply(r.rid, msgs, lost)
 
@@ -185,6 +185,7 @@ class Service:
         if r.offset == 0:
             s.snapshots[r.ns] = index.ready_keys()
             index.events.subscribe(s.session_id)
+            index.add_mirror(s.session_id)
         snap = s.snapshots.get(r.ns)
         if snap is None or not 0 <= r.offset < max(len(snap), 1):
             raise InvalidArgumentError("no key snapshot at that offset; start with offset 0")
@@ -294,6 +295,7 @@ class Service:
             policy=self.config.policy,
             journal=self.region.journal_for(ns_id, slots),
             reclaim=self._reclaim,
+            mirror_grace_s=self.config.mirror_grace_s,
         )
         quota = self.config.quota_for(name)
         if quota is not None:
@@ -397,6 +399,7 @@ class Service:
 
     def cron(self) -> None:
         for ns in self.namespaces.values():
+            ns.free_graves()
             ns.slots.release_free_tail()
 
     @property

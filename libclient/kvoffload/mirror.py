@@ -16,8 +16,11 @@ Rules:
 - A lost daemon makes the mirror unusable: lookups answer RETRY for ``retry_s`` (the
   client is reconnecting, the engine should ask again), then MISS, so an engine never
   waits on a cache that is down (DESIGN.md invariant 7).
-- A HIT is a promise that must hold until ``prepare_load``: another engine's eviction
-  can break it within ``max_age_s``. The caller then sees ``prepare_load`` fail.
+- A HIT must hold until ``prepare_load``, although another engine may evict the block
+  in between (the mirror is up to ``max_age_s`` behind). The daemon keeps an evicted
+  block loadable until every mirror has read past its eviction, or for its
+  ``mirror_grace_s`` (kvoffloadd.graves); only a ``prepare_load`` later than that
+  fails.
 - Not thread-safe: the owner serialises calls (vLLM holds ``manager.lock``).
 """
 

@@ -144,21 +144,39 @@ def test_cpu_manager_story(four_block_daemon: DaemonProcess) -> None:
         m_.shutdown()
 
 
-def test_a_stale_hit_fails_its_load_cleanly(four_block_daemon: DaemonProcess) -> None:
-    mgr = manager(four_block_daemon)
-    out = mgr.prepare_store(k(1), CTX)
-    written(mgr, out)
-    mgr.complete_store(k(1), CTX)
-    assert results(mgr, 1) == [HIT]
+def test_a_hit_that_races_an_eviction_still_loads_its_bytes(
+    four_block_daemon: DaemonProcess,
+) -> None:
+    """Instance B's mirror says HIT; before B's prepare_load, the block is evicted.
+    The daemon keeps it loadable until B's mirror has seen the eviction."""
+    a = manager(four_block_daemon)
+    b = manager(four_block_daemon, engine_id="e1")
+    src = _workers[id(a)].worker.caches[0]
+    src.copy_(torch.arange(64 * 4096, dtype=torch.int64).to(torch.int8).view(64, 4096))
+    out = a.prepare_store(k(1), CTX)
+    written(a, out)
+    a.complete_store(k(1), CTX)
+    assert results(b, 1) == [HIT]
     admin = kvoffload.connect(four_block_daemon.socket_path)
     assert admin.evict(keys=k(1)) == 1  # another engine's pressure, between lookup and load
-    spec = mgr.prepare_load(k(1), CTX)
-    assert spec.failed and len(spec.block_ids) == 0
-    assert results(mgr, 1) == [MISS]  # the mirror caught up
-    mgr.complete_load(k(1), CTX)  # harmless
+    assert results(a, 1) == [MISS]  # new lookups miss at once
+    spec = b.prepare_load(k(1), CTX)
+    assert not spec.failed
+    w = _workers[id(b)]
+    assert w.submit_load(9, spec, GPULoadStoreSpec([10], [1], [0]))
+    deadline = time.monotonic() + 20
+    while not (done := [r for r in w.get_finished() if r.job_id == 9]):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert done[0].success
+    assert torch.equal(w.worker.caches[0][10], src[0])
+    b.complete_load(k(1), CTX)
+    b.on_schedule_end(None)  # b's mirror sees the eviction; the slot is free again
+    assert results(b, 1) == [MISS]
     admin.close()
-    _workers.pop(id(mgr)).shutdown()
-    mgr.shutdown()
+    for m_ in (a, b):
+        _workers.pop(id(m_)).shutdown()
+        m_.shutdown()
 
 
 def test_a_daemon_that_goes_away_turns_lookups_into_retry_then_miss() -> None:

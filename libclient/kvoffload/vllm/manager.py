@@ -8,10 +8,13 @@ Rules:
   index implements them): ``prepare_store`` may evict, never its own keys, and gives
   None when nothing can be evicted; ``complete_store(success=False)`` drops unready
   keys; ``prepare_load`` pins.
-- A HIT can go stale when another engine evicts the block before ``prepare_load``
-  (the mirror is at most ``max_age_s`` behind, and refreshed every scheduler step).
-  ``prepare_load`` then returns a spec marked failed, whose load the worker reports as
-  failed: no byte of another block is ever loaded (DESIGN.md invariant 3).
+- Another engine may evict a block between this engine's HIT and its
+  ``prepare_load`` (the mirror is at most ``max_age_s`` behind and refreshed every
+  scheduler step). The daemon keeps such a block loadable until this mirror has seen
+  the eviction (kvoffloadd.graves), so the load reads the block's own bytes. Only if
+  ``prepare_load`` comes more than the daemon's ``mirror_grace_s`` later does it fail:
+  it then returns a spec marked failed, whose load the worker reports as failed; no
+  byte of another block is ever loaded (DESIGN.md invariant 3).
 - Events: with vLLM's KV events enabled, ``take_events`` reports the namespace's
   stores and evictions, by this engine and by every engine sharing the pool: each of
   them can load those blocks.

@@ -1,0 +1,98 @@
+"""Evicted blocks stay loadable until every other engine's key mirror has seen the
+eviction (graves.py): a mirror's HIT never turns into a failed prepare_load."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from test_index_story import CopyingIndex, ks
+
+from kvoffload.protocol.errors import NotFoundError, NotLeasedError
+from kvoffload.protocol.messages import KVLayout
+from kvoffloadd.allocator import ExtentPool, SlotPool
+
+A, B = 1, 2  # two engines, both with key mirrors
+
+
+def make_index(grace_s: float = 60.0) -> CopyingIndex:
+    pool = ExtentPool(num_extents=1, extent_bytes=4 * 4096)
+    idx = CopyingIndex(
+        0, "g", KVLayout([4096]), "fp", SlotPool(pool, 0, 4096), mirror_grace_s=grace_s
+    )
+    for conn in (A, B):
+        idx.events.subscribe(conn)
+        idx.add_mirror(conn)
+    return idx
+
+
+def store(idx: CopyingIndex, client: int, *ids: int) -> list[int] | None:
+    plan = idx.prepare_store(ks(*ids), client)
+    if plan is None:
+        return None
+    idx.complete_store(ks(*ids), True, client)
+    return plan.slots
+
+
+def test_a_hit_that_raced_an_eviction_still_loads_the_old_slot() -> None:
+    idx = make_index()
+    slots = store(idx, A, 1, 2, 3, 4)
+    assert slots is not None
+    idx.take_feed(A), idx.take_feed(B)  # both mirrors know 1..4
+    # A needs room: 1 is evicted, announced, but B's mirror has not seen that yet
+    assert store(idx, A, 5) is None  # the space frees once B has seen the eviction
+    assert idx.lookup(ks(1)) == 0 and idx.take_feed(A)[0][-1].keys == ks(1)
+    # B looked 1 up as a hit before its refresh: the load pins the old, intact slot
+    assert idx.prepare_load(ks(1), B) == [slots[0]]
+    idx.check_load_slots(np.array([slots[0]]))
+    idx.take_feed(B)  # B's mirror catches up, but its pin keeps the slot
+    assert idx.prepare_store(ks(5), A) is None
+    idx.complete_load(ks(1), B)  # last pin gone, everyone has seen it: slot reusable
+    assert store(idx, A, 5) == [slots[0]]
+    with pytest.raises(NotFoundError):
+        idx.prepare_load(ks(1), B)  # gone for good now
+
+
+def test_the_evicting_engine_does_not_wait_for_itself() -> None:
+    idx = make_index()
+    idx.graves.drop_mirror(B)  # only A has a mirror: its own evictions free at once
+    assert store(idx, A, 1, 2, 3, 4) is not None
+    plan = idx.prepare_store(ks(5), A)
+    assert plan is not None and plan.evicted_keys == ks(1)
+    assert len(idx.graves) == 0
+
+
+def test_graves_free_after_the_grace_period_and_with_a_gone_mirror() -> None:
+    idx = make_index(grace_s=0.05)
+    assert store(idx, A, 1, 2, 3, 4) is not None
+    assert store(idx, A, 5) is None and len(idx.graves) == 1
+    time.sleep(0.06)  # B never refreshed: its grace is over
+    assert store(idx, A, 5) is not None and len(idx.graves) == 0
+    idx2 = make_index()
+    assert store(idx2, A, 1, 2, 3, 4) is not None and store(idx2, A, 5) is None
+    idx2.take_feed(A)  # A has seen the eviction its failed call made
+    assert len(idx2.graves) == 1
+    idx2.release_client(B)  # B went away: nobody left to wait for
+    assert len(idx2.graves) == 0 and store(idx2, A, 5) is not None
+
+
+def test_a_key_stored_again_is_loaded_from_its_new_slot_and_pins_are_checked() -> None:
+    idx = make_index()
+    slots = store(idx, A, 1, 2, 3, 4)
+    assert slots is not None
+    assert idx.evict(ks(2)) == 1  # admin eviction: buried too
+    idx.take_feed(A), idx.take_feed(B)
+    assert store(idx, A, 2) is not None  # stored again, in the freed slot
+    new = idx.prepare_load(ks(2), B)
+    idx.complete_load(ks(2), B)
+    assert idx.lookup(ks(2)) == 1 and new != [] and len(idx.graves) == 0
+    with pytest.raises(NotLeasedError):
+        idx.complete_load(ks(2), B)  # no pin left, from the grave or otherwise
+
+
+def test_stores_do_not_evict_more_than_they_need_while_graves_are_pending() -> None:
+    idx = make_index()
+    assert store(idx, A, 1, 2, 3, 4) is not None
+    assert store(idx, A, 5) is None and store(idx, A, 5) is None
+    assert idx.lookup(ks(2, 3, 4)) == 3  # the second try waited for the grave, took nothing
