@@ -96,3 +96,17 @@ def test_stores_do_not_evict_more_than_they_need_while_graves_are_pending() -> N
     assert store(idx, A, 1, 2, 3, 4) is not None
     assert store(idx, A, 5) is None and store(idx, A, 5) is None
     assert idx.lookup(ks(2, 3, 4)) == 3  # the second try waited for the grave, took nothing
+
+
+def test_a_client_that_dies_drops_its_grave_pins() -> None:
+    """Invariant 5 for graves: pins go with their client, and the slot frees."""
+    idx = make_index()
+    slots = store(idx, A, 1, 2, 3, 4)
+    assert slots is not None and store(idx, A, 5) is None
+    assert idx.prepare_load(ks(1), B) == [slots[0]]
+    idx.take_feed(A), idx.take_feed(B)
+    assert len(idx.graves) == 1  # pinned by B's load
+    assert idx.release_client(B) == (0, 1)
+    assert len(idx.graves) == 0
+    with pytest.raises(NotLeasedError):
+        idx.check_load_slots(np.array([slots[0]]))  # nobody may read it any more
