@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis]'
 	touch $(STAMP)
 
 # Start the daemon in the foreground with embedded defaults (1 GiB region).
@@ -23,6 +23,7 @@ run: $(STAMP)
 	$(BIN)/kvoffloadd $(ARGS)
 
 test: $(STAMP)
+	@tools/ensure-redis-server
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
@@ -36,7 +37,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvoffload-installed
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev]'
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis]'
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps vllm==0.33.0
 	touch $(VLLM_STAMP)
 

@@ -66,6 +66,53 @@ class NamespaceQuota(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return parse_size(self.max_region_size, "namespace_quotas.max_region_size")
 
 
+class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One secondary tier below the region (``[[tiers]]`` in the file, fastest first)."""
+
+    type: str  # "disk" or "redis"
+    name: str = ""  # empty: the type (then "disk2", ... for more of one type)
+    capacity: int | str = 0  # disk: required; redis: 0 = Redis's own maxmemory
+    path: str = ""  # disk: directory of block files
+    url: str = ""  # redis: redis://host:port/db
+    threads: int = 4  # disk: I/O threads; redis: connections
+    fsync: bool = False  # disk: fsync each file (survive power loss, slower)
+    verify: bool = True  # CRC32 of every block checked when it is read back
+    ttl_s: float = 0.0  # redis: expire blocks after this long (0: never)
+    prefix: str = "kvoffload"  # redis: key prefix (daemons sharing blocks use one)
+    chunk_size: int | str = "8MiB"  # redis: blocks larger than this are split
+    timeout_s: float = 2.0  # redis: connect and command timeout
+    refresh_s: float = 0.2  # redis: how often other daemons' new blocks are picked up
+    full_sync_s: float = 10.0  # redis: how often the whole index is re-read
+
+    @property
+    def capacity_bytes(self) -> int:
+        if self.capacity in (0, "0"):
+            return 0
+        return parse_size(self.capacity, f"tiers.{self.name}.capacity")
+
+    @property
+    def chunk_bytes(self) -> int:
+        return parse_size(self.chunk_size, f"tiers.{self.name}.chunk_size")
+
+    def validate(self) -> None:
+        where = f"tiers.{self.name}"
+        if self.type not in ("disk", "redis"):
+            raise ConfigError(f"{where}.type: {self.type!r} is not one of disk, redis")
+        self.capacity_bytes  # noqa: B018 - parse for the error message
+        self.chunk_bytes  # noqa: B018
+        if self.type == "disk" and (not self.path or not self.capacity_bytes):
+            raise ConfigError(f"{where}: a disk tier needs path and capacity")
+        if self.type == "redis" and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"{where}.url: {self.url!r} is not a redis:// URL")
+        if not 1 <= self.threads <= 64:
+            raise ConfigError(f"{where}.threads: {self.threads} is not in 1..64")
+        for key in ("ttl_s", "timeout_s", "refresh_s", "full_sync_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{where}.{key}: {getattr(self, key)} is negative")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
+            raise ConfigError(f"{where}.prefix: {self.prefix!r} must be 1-64 plain characters")
+
+
 class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     instance: str = "default"
     socket: str = ""  # empty: default_socket_path(instance)
@@ -99,6 +146,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # who may map the region for client-copy workers; unset: root and the daemon's uid
     client_copy_uids: list[int] | None = None
     client_copy_gids: list[int] = msgspec.field(default_factory=list)
+    # secondary tiers, fastest first; blocks cascade down and are promoted back
+    tiers: list[TierConfig] = msgspec.field(default_factory=list)
+    tier_max_inflight_blocks: int = 256  # per tier: region blocks pinned for cascades
 
     @property
     def socket_path(self) -> str:
@@ -162,6 +212,19 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.max_clients < 1:
             raise ConfigError(f"max_clients: {self.max_clients} is below 1")
+        seen: dict[str, int] = {}
+        for t in self.tiers:
+            if not t.name:
+                seen[t.type] = seen.get(t.type, 0) + 1
+                t.name = t.type if seen[t.type] == 1 else f"{t.type}{seen[t.type]}"
+            t.validate()
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tiers: names must be unique, got {names}")
+        if self.tier_max_inflight_blocks < 1:
+            raise ConfigError(
+                f"tier_max_inflight_blocks: {self.tier_max_inflight_blocks} is below 1"
+            )
         if not 0 <= self.mirror_grace_s <= 60:
             raise ConfigError(f"mirror_grace_s: {self.mirror_grace_s} is not in 0..60")
         return self

@@ -131,6 +131,8 @@ class NamespaceIndex:
         self._writers: dict[bytes, int] = {}
         self._pins: dict[int, Counter[bytes]] = {}
         self.events = EventFeed()
+        # called with the keys of every successful store (the tiers cascade them)
+        self.on_stored: Callable[[NamespaceIndex, list[bytes]], None] | None = None
         # evicted blocks other engines' key mirrors may still hit (graves.py)
         self.graves = Graveyard(mirror_grace_s)
         # statistics
@@ -246,6 +248,8 @@ class NamespaceIndex:
         if stored:
             self._stored += len(stored)
             self.events.emit(OffloadEvent(stored, removed=False))
+            if self.on_stored is not None:
+                self.on_stored(self, stored)
 
     def prepare_load(self, keys: Sequence[bytes], client: int) -> list[int]:
         get = self._policy.get
@@ -362,6 +366,42 @@ class NamespaceIndex:
 
     def touch(self, keys: Sequence[bytes]) -> None:
         self._policy.touch(keys)
+
+    def is_ready(self, key: bytes) -> bool:
+        return key in self._ready
+
+    def is_present(self, key: bytes) -> bool:
+        """Stored or being stored (a lookup may still miss it)."""
+        return self._policy.get(key) is not None
+
+    def slots_of(self, keys: Sequence[bytes]) -> list[int]:
+        """Slots of present keys (stored or being stored)."""
+        get = self._policy.get
+        out = []
+        for key in keys:
+            block = get(key)
+            assert block is not None, f"key {key.hex()} has no slot"
+            out.append(block.slot)
+        return out
+
+    def pin_ready(self, keys: Sequence[bytes], client: int) -> list[tuple[bytes, int]]:
+        """Pin the ready ones of ``keys`` for ``client`` (no quota: the daemon's own
+        reads, which end by ``complete_load``); returns them with their slots."""
+        pins = self._pins.setdefault(client, Counter())
+        out = []
+        for key in keys:
+            block = self._policy.get(key)
+            if block is None or block.ref < 0 or key in self._corrupt:
+                continue
+            if block.ref == 0:
+                self._num_evictable -= 1
+                self._num_pinned += 1
+            block.ref += 1
+            pins[key] += 1
+            out.append((key, block.slot))
+        if not pins:
+            del self._pins[client]
+        return out
 
     def take_events(self, subscriber: int = 0) -> list[OffloadEvent]:
         """Events for one subscriber since its last take (see ``events.EventFeed``)."""

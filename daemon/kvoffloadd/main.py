@@ -20,6 +20,8 @@ from .region import Geometry, InstanceLock, RegionError, SharedOffloadRegion
 from .server import Server, bind_listener
 from .service import Service
 from .systemd import Notifier, listen_fds
+from .tiering import Tiering
+from .tiers import SecondaryTier, TierError, WakeFd, build_tier
 
 log = logging.getLogger("kvoffloadd")
 
@@ -99,22 +101,45 @@ def build(
     gpu, gpu_unavailable = start_gpu(cfg, region, copier.sink)
     if gpu is None:
         log.info("GPU copies off: %s", gpu_unavailable)
-    metrics = None
+    metrics = tiering = None
     try:
+        tiering = build_tiering(cfg, region)
         if listener is None:
             listener = bind_listener(cfg.socket_path)
         if cfg.metrics_port:
             metrics = MetricsEndpoint(cfg.metrics_address, cfg.metrics_port)
     except BaseException:
+        if tiering is not None:
+            tiering.close()
         if gpu is not None:
             gpu.close()
         copier.close()
         region.close(unlink=not cfg.keep_region)
         lock.release()
         raise
-    service = Service(cfg, region, copier, gpu, gpu_unavailable)
+    service = Service(cfg, region, copier, gpu, gpu_unavailable, tiering)
     server = Server(service, listener, notifier, metrics)
     return lock, region, copier, server
+
+
+def build_tiering(cfg: DaemonConfig, region: SharedOffloadRegion) -> Tiering | None:
+    """The configured secondary tiers. One that cannot start (a directory that cannot
+    be written) stops the daemon's start with ``ConfigError``; an unreachable Redis does
+    not: it is only unhealthy until it answers."""
+    if not cfg.tiers:
+        return None
+    wake = WakeFd()
+    tiers: list[SecondaryTier] = []
+    for tc in cfg.tiers:
+        try:
+            tiers.append(build_tier(tc, wake))
+        except TierError as exc:
+            for t in tiers:
+                t.close()
+            wake.close()
+            raise ConfigError(str(exc)) from exc
+        log.info("secondary tier %s (%s) below the region", tc.name, tc.type)
+    return Tiering(tiers, wake, region.buffer, max_inflight_blocks=cfg.tier_max_inflight_blocks)
 
 
 NT_THRESHOLD_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
@@ -183,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             server.metrics.close()
         if server.service.gpu is not None:
             server.service.gpu.close()
+        if server.service.tiering is not None:
+            server.service.tiering.close()
         copier.close()
         region.close(unlink=not cfg.keep_region)
         server.listener.close()

@@ -88,6 +88,11 @@ class Server:
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ, self._accept)
         self.sel.register(service.copier.wake_fd, selectors.EVENT_READ, self._copies_done)
+        if service.tiering is not None:
+            tiering = service.tiering
+            self.sel.register(
+                tiering.wake.fd, selectors.EVENT_READ, lambda f, mk: tiering.on_wake()
+            )
         self._sig_r, self._sig_w = socket.socketpair()
         self._sig_r.setblocking(False)
         self._sig_w.setblocking(False)

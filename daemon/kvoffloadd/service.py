@@ -43,6 +43,7 @@ from .recovery import read_namespaces
 from .region import SharedOffloadRegion
 from .session import Session
 from .stats import client_infos, render_stats
+from .tiering import Tiering
 from .transfers import Transfers
 from .workers import AttachedWorker, close_fds
 
@@ -60,12 +61,14 @@ class Service:
         copier: CpuCopier,
         gpu: GpuRuntime | None = None,
         gpu_unavailable: str = "no GPU support was set up",
+        tiering: Tiering | None = None,
     ) -> None:
         self.config = config
         self.region = region
         self.copier = copier
         self.gpu = gpu
         self.gpu_unavailable = gpu_unavailable
+        self.tiering = tiering
         self.access = config.access_policy()
         self.namespaces: dict[int, NamespaceIndex] = {}
         self._ns_by_name: dict[str, NamespaceIndex] = {}
@@ -105,6 +108,7 @@ class Service:
     def _make_handlers(self) -> dict[type, Callable[[Session, Any], m.Reply | None]]:
         return {
             m.Lookup: self._on_lookup,
+            m.Probe: self._on_probe,
             m.PrepareStore: self._on_prepare_store,
             m.CompleteStore: self._on_complete_store,
             m.PrepareLoad: self._on_prepare_load,
@@ -129,7 +133,19 @@ class Service:
         }
 
     def _on_lookup(self, s: Session, r: m.Lookup) -> m.Reply:
-        return m.LookupReply(r.rid, self._ns(s, r.ns).lookup(unpack_keys(r.keys, r.key_bytes)))
+        index, keys = self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes)
+        if self.tiering is None:
+            return m.LookupReply(r.rid, index.lookup(keys))
+        return m.LookupReply(r.rid, self.tiering.lookup(index, keys))
+
+    def _on_probe(self, s: Session, r: m.Probe) -> m.Reply:
+        index, keys = self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes)
+        if self.tiering is None:
+            hits = index.lookup(keys)
+            states = [m.KEY_READY] * hits + [m.KEY_ABSENT] * (hits < len(keys))
+        else:
+            states = self.tiering.probe(index, keys)
+        return m.ProbeReply(r.rid, bytes(states))
 
     def _on_prepare_store(self, s: Session, r: m.PrepareStore) -> m.Reply:
         return self._prepare_store(s, r.rid, self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes))
@@ -280,7 +296,8 @@ class Service:
         if index.ns_id not in s.namespaces:
             s.namespaces.add(index.ns_id)
             index.events.subscribe(s.session_id)
-        return m.NamespaceOpened(rid, index.ns_id, index.slots.slot_bytes, fp)
+        tiers = self.tiering.count if self.tiering is not None else 0
+        return m.NamespaceOpened(rid, index.ns_id, index.slots.slot_bytes, fp, tiers)
 
     def _new_index(
         self, ns_id: int, name: str, layout: m.KVLayout, fp: str, slot_bytes: int
@@ -305,6 +322,8 @@ class Service:
                 index.max_pinned_blocks = quota.max_pinned_blocks
         self.namespaces[ns_id] = index
         self._ns_by_name[name] = index
+        if self.tiering is not None:
+            self.tiering.namespace_opened(index)
         return index
 
     def _recover(self) -> None:

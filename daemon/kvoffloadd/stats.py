@@ -67,7 +67,7 @@ def render_stats(svc: Service) -> dict[str, Any]:
             "no_space_total": svc.errors_by_code.get("NO_SPACE", 0),
             "events_dropped_total": total("events_dropped_total"),
         },
-        "tiers": {"configured": 0},
+        "tiers": svc.tiering.statistics() if svc.tiering else {"configured": 0},
         "namespaces": namespaces,
         "clients": {
             "connected": len(svc.sessions),

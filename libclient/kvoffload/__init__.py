@@ -31,12 +31,15 @@ from .protocol.errors import (
     ShuttingDownError,
     VersionMismatchError,
 )
-from .protocol.messages import KVLayout
+from .protocol.messages import KEY_ABSENT, KEY_PROMOTING, KEY_READY, KVLayout
 from .worker import TransferResult, Worker
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KEY_ABSENT",
+    "KEY_PROMOTING",
+    "KEY_READY",
     "Client",
     "DaemonUnavailableError",
     "ErrorCode",

@@ -232,15 +232,17 @@ class Namespace:
         self.ns_id = -1
         self.slot_bytes = 0
         self.fingerprint = ""
+        self.tiers = 0  # secondary tiers below the daemon's region
         self.last_error: KVOffloadError | None = None  # why prepare_store gave None
 
     def _reopen(self, t: Transport) -> None:
         reply = t.request(m.OpenNamespace(self.client._rid(), self.name, self.layout))
         assert isinstance(reply, m.NamespaceOpened)
-        self.ns_id, self.slot_bytes, self.fingerprint = (
+        self.ns_id, self.slot_bytes, self.fingerprint, self.tiers = (
             reply.ns,
             reply.slot_bytes,
             reply.fingerprint,
+            reply.tiers,
         )
 
     def _keys_call(
@@ -257,6 +259,17 @@ class Namespace:
             return self._keys_call(m.Lookup, keys, m.LookupReply).hits
         except DaemonUnavailableError:
             return 0
+
+    def probe(self, keys: Sequence[bytes]) -> list[int]:
+        """Per key ``KEY_READY``, ``KEY_PROMOTING`` or ``KEY_ABSENT``, up to and including
+        the first absent key; keys a secondary tier holds start their promotion. Empty
+        when the daemon is unavailable."""
+        if not keys:
+            return []
+        try:
+            return list(self._keys_call(m.Probe, keys, m.ProbeReply).states)
+        except DaemonUnavailableError:
+            return []
 
     def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
         """Lease slots for the keys not stored yet; None when there is no space.

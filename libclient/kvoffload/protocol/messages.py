@@ -23,9 +23,10 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEY_BYTES = 64
+KEY_ABSENT, KEY_READY, KEY_PROMOTING = 0, 1, 2  # ProbeReply states
 
 
 class _Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="t", omit_defaults=False):
@@ -83,6 +84,16 @@ class OpenNamespace(_Msg, frozen=True, tag="open_ns"):
 
 
 class Lookup(_Msg, frozen=True, tag="lookup"):
+    rid: int
+    ns: int
+    keys: bytes
+    key_bytes: int
+
+
+class Probe(_Msg, frozen=True, tag="probe"):
+    """Where each key is: in the region, being promoted from a secondary tier, or
+    nowhere. Keys a tier holds start their promotion."""
+
     rid: int
     ns: int
     keys: bytes
@@ -247,6 +258,7 @@ Request = (
     | Ping
     | OpenNamespace
     | Lookup
+    | Probe
     | PrepareStore
     | CompleteStore
     | PrepareLoad
@@ -299,6 +311,15 @@ class NamespaceOpened(_Msg, frozen=True, tag="ns"):
     ns: int
     slot_bytes: int
     fingerprint: str
+    tiers: int = 0  # secondary tiers below the region: lookups may promote
+
+
+class ProbeReply(_Msg, frozen=True, tag="probed"):
+    """One state per key (``KEY_ABSENT``, ``KEY_READY``, ``KEY_PROMOTING``), up to and
+    including the first absent key."""
+
+    rid: int
+    states: bytes
 
 
 class LookupReply(_Msg, frozen=True, tag="hits"):
@@ -413,6 +434,7 @@ Reply = (
     | ErrorReply
     | NamespaceOpened
     | LookupReply
+    | ProbeReply
     | StorePlanReply
     | LoadPlanReply
     | EventsReply

@@ -1,0 +1,372 @@
+"""Redis tier: blocks in a Redis server that several daemons (nodes) can share.
+
+Rules:
+- Data: one hash per block at ``<prefix>:b:<tier id>:<key>``: field ``m`` is a header
+  (magic, CRC32, length), fields ``c0``, ``c1``, ... the block in chunks of at most
+  ``chunk_bytes``. Tier ids come from the namespace name and layout fingerprint, so only
+  daemons serving the same namespace share its blocks.
+- Index: the sorted set ``<prefix>:idx`` holds every block as ``<tier id>:<bytes>:<key>``
+  scored by its last use (Redis server time, ms), and ``<prefix>:bytes`` their total.
+  Writing, touching and evicting are Lua scripts, so each is atomic on the server
+  whichever daemon runs it. A write over ``capacity_bytes`` evicts the least recently
+  used blocks of every daemon (0: no budget; Redis's own ``maxmemory`` applies).
+  One key space per server: the scripts name keys they are not passed, so a cluster
+  is not supported.
+- View: which blocks exist comes from the index, polled by a thread every
+  ``refresh_s`` (new and touched blocks) and read in full every ``full_sync_s`` (blocks
+  other daemons evicted, or TTL expired, leave). Lookups answer from the view without
+  I/O. A block the view has but Redis lost fails its load once and leaves the view.
+- Failure: a connection error or timeout marks the tier unhealthy; lookups then miss
+  and writes fail (counted) until the poller reaches the server again. The region and
+  the daemon are unaffected.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+from .base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVORED01"
+_META = struct.Struct("<8sIQ")  # magic, crc32, block bytes
+
+Entry = tuple[str, bytes]  # (tier id, key)
+
+# KEYS: data, index, bytes. ARGV: member, nbytes, capacity, ttl_ms, prefix, fields...
+_STORE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('ZADD', KEYS[2], 'XX', now, ARGV[1])
+  return {0}
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+if redis.call('ZADD', KEYS[2], now, ARGV[1]) == 1 then
+  redis.call('INCRBY', KEYS[3], ARGV[2])
+end
+local out = {1}
+local cap = tonumber(ARGV[3])
+if cap > 0 then
+  while tonumber(redis.call('GET', KEYS[3]) or '0') > cap do
+    local pop = redis.call('ZPOPMIN', KEYS[2])
+    if #pop == 0 then break end
+    local m = pop[1]
+    if m == ARGV[1] then
+      redis.call('ZADD', KEYS[2], pop[2], m)
+      break
+    end
+    local tid, n, k = string.match(m, '^([^:]*):(%d+):(.*)$')
+    redis.call('DEL', ARGV[5] .. ':b:' .. tid .. ':' .. k)
+    redis.call('DECRBY', KEYS[3], n)
+    table.insert(out, m)
+  end
+end
+return out
+"""
+
+# KEYS: data, index, bytes. ARGV: member, nbytes, fields... Reads and touches, or
+# forgets an index entry whose data is gone (TTL, maxmemory).
+_LOAD_LUA = """
+local v = redis.call('HMGET', KEYS[1], unpack(ARGV, 3))
+if v[1] then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZADD', KEYS[2], 'XX', now, ARGV[1])
+elseif redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
+  redis.call('DECRBY', KEYS[3], ARGV[2])
+end
+return v
+"""
+
+
+def member(e: Entry, nbytes: int) -> bytes:
+    return f"{e[0]}:{nbytes}:".encode() + e[1]
+
+
+def parse_member(m: bytes) -> tuple[Entry, int] | None:
+    parts = m.split(b":", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return (parts[0].decode("ascii", "replace"), parts[2]), int(parts[1])
+
+
+class RedisTier(SecondaryTier):
+    kind = "redis"
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        capacity_bytes: int,
+        wake: Any,
+        prefix: str = "kvoffload",
+        ttl_s: float = 0.0,
+        chunk_bytes: int = 8 << 20,
+        connections: int = 4,
+        timeout_s: float = 2.0,
+        refresh_s: float = 0.2,
+        full_sync_s: float = 10.0,
+        verify: bool = True,
+    ) -> None:
+        super().__init__(name, capacity_bytes, wake)
+        try:
+            import redis
+        except ImportError as exc:
+            raise TierError(
+                f"tier {name}: the redis tier needs the redis package "
+                "(pip install 'kvoffload[redis]')"
+            ) from exc
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self.url = url
+        try:
+            self._r = redis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                max_connections=connections + 2,
+            )
+        except ValueError as exc:
+            raise TierError(f"tier {name}: bad url {url!r}: {exc}") from exc
+        self._prefix = prefix
+        self._idx = f"{prefix}:idx".encode()
+        self._bytes_key = f"{prefix}:bytes".encode()
+        self._ttl_ms = int(ttl_s * 1000)
+        self._chunk_bytes = chunk_bytes
+        self._verify = verify
+        self._store_script = self._r.register_script(_STORE_LUA)
+        self._load_script = self._r.register_script(_LOAD_LUA)
+        self._refresh_s = refresh_s
+        self._full_sync_s = full_sync_s
+        # loop thread: entry -> when it entered the view (monotonic)
+        self._view: dict[Entry, float] = {}
+        self._jobs: dict[int, tuple[bool, list[Entry]]] = {}
+        self.healthy = True
+        self.last_error = ""
+        self.used_bytes = 0  # the shared total, as last polled
+        self.evicted_elsewhere = 0
+        # read by the poller thread; replaced (never mutated) by the loop thread
+        self._tier_ids: frozenset[str] = frozenset()
+        self._want_full = threading.Event()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(connections, thread_name_prefix=f"kvoffload-{name}")
+        self._poller = threading.Thread(target=self._poll, name=f"kvoffload-{name}-poll")
+        self._poller.daemon = True
+        self._poller.start()
+
+    # ------------------------------------------------------------ loop thread
+
+    def open_namespace(self, ns: TierNamespace) -> None:
+        self._tier_ids = self._tier_ids | {ns.tier_id}
+        self._want_full.set()
+
+    def lookup(self, ns: TierNamespace, keys: Sequence[bytes]) -> list[bool]:
+        if not self.healthy:
+            return [False] * len(keys)
+        view = self._view
+        tid = ns.tier_id
+        return [(tid, k) in view for k in keys]
+
+    def submit_store(self, job: TierJob) -> None:
+        entries = [(job.ns.tier_id, k) for k in job.keys]
+        self._jobs[job.job_id] = (True, entries)
+        self._pool.submit(self._store, job, entries)
+
+    def submit_load(self, job: TierJob) -> None:
+        entries = [(job.ns.tier_id, k) for k in job.keys]
+        self._jobs[job.job_id] = (False, entries)
+        self._pool.submit(self._load, job, entries)
+
+    def get_finished(self) -> list[tuple[TierResult, bool]]:
+        out = []
+        now = time.monotonic()
+        for kind, item in self.finished.take():
+            if kind == "job":
+                result, gone = item
+                store, entries = self._jobs.pop(result.job_id)
+                self.counters.count(store, result)
+                self.counters.evicted_blocks_total += len(gone)
+                for e, ok in zip(entries, result.ok):
+                    if ok:
+                        self._view[e] = now
+                    elif not store:
+                        self._view.pop(e, None)
+                for e in gone:
+                    self._view.pop(e, None)
+                out.append((result, store))
+            elif kind == "seen":
+                for e in item:
+                    self._view.setdefault(e, now)
+            elif kind == "full":
+                started_s, present = item
+                ids = self._tier_ids
+                stale = [e for e, t in self._view.items() if t < started_s and e not in present]
+                for e in stale:
+                    if e[0] in ids:
+                        del self._view[e]
+                self.evicted_elsewhere += len(stale)
+                for e in present:
+                    self._view.setdefault(e, now)
+            elif kind == "health":
+                up, why, used = item
+                if up != self.healthy:
+                    log.log(
+                        logging.INFO if up else logging.WARNING,
+                        "tier %s: %s",
+                        self.name,
+                        f"reachable again at {self.url}" if up else f"unreachable: {why}",
+                    )
+                self.healthy, self.used_bytes = up, used if up else self.used_bytes
+                self.last_error = why or self.last_error
+        return out
+
+    def statistics(self) -> dict[str, Any]:
+        out = self.base_statistics(len(self._view), self.used_bytes, self.healthy)
+        out.update(url=self.url, last_error=self.last_error)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._want_full.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._poller.join(timeout=5)
+        self._r.close()
+
+    # ------------------------------------------------------------ worker threads
+
+    def _fields(self, nbytes: int) -> list[bytes]:
+        n = max(1, -(-nbytes // self._chunk_bytes))
+        return [b"m", *(f"c{i}".encode() for i in range(n))]
+
+    def _data_key(self, e: Entry) -> bytes:
+        return f"{self._prefix}:b:{e[0]}:".encode() + e[1]
+
+    def _store(self, job: TierJob, entries: list[Entry]) -> None:
+        nbytes = job.ns.block_bytes
+        c = self._chunk_bytes
+        ok = [False] * len(entries)
+        gone: list[Entry] = []
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            for e, buf in zip(entries, job.buffers):
+                meta = _META.pack(MAGIC, zlib.crc32(buf), nbytes)
+                args: list[Any] = [member(e, nbytes), nbytes, self.capacity_bytes]
+                args += [self._ttl_ms, self._prefix]
+                for i, f in enumerate(self._fields(nbytes)):
+                    args += [f, meta if i == 0 else bytes(buf[(i - 1) * c : i * c])]
+                self._store_script(
+                    keys=[self._data_key(e), self._idx, self._bytes_key], args=args, client=pipe
+                )
+            replies = pipe.execute()
+            ok = [True] * len(entries)
+            for reply in replies:
+                for m in reply[1:]:
+                    parsed = parse_member(m)
+                    if parsed is not None:
+                        gone.append(parsed[0])
+            done = sum(len(b) for b, r in zip(job.buffers, replies) if r[0] == 1)
+        except self._errors as exc:
+            self._failed(exc)
+            done = 0
+        self.finished.post("job", (self._result(job, ok, done), gone))
+
+    def _load(self, job: TierJob, entries: list[Entry]) -> None:
+        nbytes = job.ns.block_bytes
+        fields = self._fields(nbytes)
+        ok = [False] * len(entries)
+        done = 0
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            for e in entries:
+                args: list[Any] = [member(e, nbytes), nbytes, *fields]
+                self._load_script(
+                    keys=[self._data_key(e), self._idx, self._bytes_key], args=args, client=pipe
+                )
+            for i, (values, out) in enumerate(zip(pipe.execute(), job.buffers)):
+                ok[i] = self._unpack(values, out)
+                done += len(out) if ok[i] else 0
+        except self._errors as exc:
+            self._failed(exc)
+        self.finished.post("job", (self._result(job, ok, done), []))
+
+    def _unpack(self, values: list[bytes | None], out: memoryview) -> bool:
+        if values[0] is None or any(v is None for v in values):
+            return False  # evicted or expired since the view saw it
+        magic, crc, size = _META.unpack(values[0])
+        if magic != MAGIC or size != len(out):
+            log.warning("tier %s: a block has a bad header; not loaded", self.name)
+            return False
+        pos = 0
+        for chunk in values[1:]:
+            assert chunk is not None
+            out[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+        if pos != size or (self._verify and zlib.crc32(out) != crc):
+            log.warning("tier %s: a block failed its checksum; not loaded", self.name)
+            return False
+        return True
+
+    def _failed(self, exc: BaseException) -> None:
+        self.finished.post("health", (False, f"{type(exc).__name__}: {exc}", 0))
+
+    def _poll(self) -> None:
+        """Follow the shared index: new blocks often, everything now and then."""
+        last_score = 0.0
+        next_full = 0.0
+        up = True
+        while not self._stop.is_set():
+            try:
+                if self._want_full.is_set() or time.monotonic() >= next_full:
+                    self._want_full.clear()
+                    started = time.monotonic()
+                    last_score = self._full_sync(started)
+                    next_full = started + self._full_sync_s
+                else:
+                    last_score = self._incremental(last_score)
+                used = int(self._r.get(self._bytes_key) or 0)
+                if not up:
+                    up = True
+                    self._want_full.set()
+                self.finished.post("health", (True, "", used))
+            except self._errors as exc:
+                up = False
+                self._failed(exc)
+            self._want_full.wait(self._refresh_s if up else max(self._refresh_s, 1.0))
+
+    def _mine(self, members: Sequence[bytes]) -> list[Entry]:
+        ids = self._tier_ids
+        out = []
+        for m in members:
+            parsed = parse_member(m)
+            if parsed is not None and parsed[0][0] in ids:
+                out.append(parsed[0])
+        return out
+
+    def _full_sync(self, started: float) -> float:
+        top = self._r.zrange(self._idx, -1, -1, withscores=True)
+        present = set(self._mine([m for m, _ in self._r.zscan_iter(self._idx, count=10_000)]))
+        self.finished.post("full", (started, present))
+        return float(top[0][1]) if top else 0.0
+
+    def _incremental(self, last_score: float) -> float:
+        rows = cast(
+            "list[tuple[bytes, float]]",
+            self._r.zrangebyscore(self._idx, last_score, "+inf", withscores=True),
+        )
+        if rows:
+            self.finished.post("seen", self._mine([m for m, _ in rows]))
+            last_score = float(rows[-1][1])
+        return last_score
+
+    @staticmethod
+    def _result(job: TierJob, ok: list[bool], nbytes: int) -> TierResult:
+        return TierResult(job.job_id, ok, nbytes, time.perf_counter() - job.started_s)

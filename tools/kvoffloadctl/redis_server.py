@@ -1,0 +1,105 @@
+"""Start a throwaway redis-server on a loopback port (tests and benchmarks).
+
+The server keeps nothing on disk (no RDB, no AOF) and runs in its own temporary
+directory. ``RedisServer.available()`` says why none can be started (no binary), so
+callers can skip with that reason.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from types import TracebackType
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    def __init__(self, port: int | None = None, maxmemory: str = "0") -> None:
+        self.binary = shutil.which("redis-server") or ""
+        self.port = port or free_port()
+        self.maxmemory = maxmemory
+        self._dir = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def available() -> str:
+        """Empty when redis-server can be started, else the reason it cannot."""
+        if shutil.which("redis-server") is None:
+            return "redis-server is not installed (make test installs Debian's redis-server)"
+        return ""
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        if not self.binary:
+            raise RuntimeError(self.available())
+        self._dir = tempfile.mkdtemp(prefix="kvoffload-redis-")
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--save", "", "--appendonly", "no", "--dir", self._dir]
+        args += ["--maxmemory", self.maxmemory, "--protected-mode", "no"]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            if self.ping():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: the server is gone at once, as in a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = ""
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def restart_on_same_port(old: RedisServer) -> RedisServer:
+    """A fresh, empty server where ``old`` was (after ``old.kill()``)."""
+    old.stop()
+    return RedisServer(port=old.port, maxmemory=old.maxmemory).start()
+
+
+__all__ = ["RedisServer", "free_port", "restart_on_same_port"]
