@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,3 +35,12 @@ def store_blocks(
     assert [r.success for r in w.get_finished()] == [True]
     ns.complete_store(keys)
     return ns, w
+
+
+def poll(predicate: Callable[[], object], what: str, deadline_s: float = 30.0) -> None:
+    """Wait for ``predicate`` to hold, failing after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)

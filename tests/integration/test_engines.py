@@ -10,20 +10,13 @@ from concurrent.futures import ProcessPoolExecutor
 import engines
 import numpy as np
 import pytest
+from helpers import poll
 
 import kvoffload
 from kvoffloadctl.launch import DaemonProcess
 
 CTX = mp.get_context("spawn")
 DEADLINE_S = 20.0
-
-
-def poll(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_three_engines_share_one_namespace(daemon: DaemonProcess) -> None:

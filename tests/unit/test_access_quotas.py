@@ -14,7 +14,7 @@ from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import PermissionDeniedError, QuotaExceededError
 from kvoffload.protocol.messages import pack_keys, unpack_ids
 from kvoffloadd.access import AccessPolicy, NamespaceRule, Peer, peer_groups
-from kvoffloadd.config import DaemonConfig, NamespaceQuota, load_config
+from kvoffloadd.config import DaemonConfig, NamespaceQuota, TierConfig, load_config
 from kvoffloadd.copier import CpuCopier
 from kvoffloadd.region import Geometry, SharedOffloadRegion
 from kvoffloadd.service import Service
@@ -160,6 +160,8 @@ def test_config_example_documents_every_key_and_loads(tmp_path: Path) -> None:
     text = example.read_text()
     for field in msgspec.structs.fields(DaemonConfig):
         assert f"{field.name} =" in text or f"[[{field.name}]]" in text, field.name
+    for field in msgspec.structs.fields(TierConfig):
+        assert f"# {field.name} =" in text, f"tiers.{field.name}"
     cfg = load_config(str(example), {})
     assert cfg.namespace_quotas == [] and cfg.quota_for("x") is None
     q = NamespaceQuota(pattern="a*", max_region_size="1GiB")

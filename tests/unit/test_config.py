@@ -57,3 +57,42 @@ def test_missing_file() -> None:
 
 def test_region_name() -> None:
     assert DaemonConfig(instance="x").region_name == "/kvoffload-x"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('[[tiers]]\ntype = "tape"', "tiers.*tape"),
+        ('[[tiers]]\ntype = "disk"\ncapacity = "1GiB"', "needs path and capacity"),
+        ('[[tiers]]\ntype = "disk"\npath = "/x"', "needs path and capacity"),
+        ('[[tiers]]\ntype = "redis"\nurl = "http://h"', "not a redis:// URL"),
+        ('[[tiers]]\ntype = "redis"\nurl = "redis://h"\nthreads = 0', "threads"),
+        ('[[tiers]]\ntype = "redis"\nurl = "redis://h"\nrefresh_s = -1', "refresh_s"),
+        ('[[tiers]]\ntype = "redis"\nurl = "redis://h"\nchunk_size = "lots"', "chunk_size"),
+        ('[[tiers]]\ntype = "redis"\nurl = "redis://h"\nprefix = "a b"', "prefix"),
+        ('[[tiers]]\ntype = "redis"\nurl = "redis://h"\ncolor = 1', "color"),
+        (
+            '[[tiers]]\ntype = "redis"\nurl = "redis://a"\nname = "x"\n'
+            '[[tiers]]\ntype = "redis"\nurl = "redis://b"\nname = "x"',
+            "unique",
+        ),
+    ],
+)
+def test_bad_tiers_name_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=needle):
+        load_config(str(f), {})
+
+
+def test_tiers_get_names_and_sizes(tmp_path: Path) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(
+        '[[tiers]]\ntype = "disk"\npath = "/a"\ncapacity = "1GiB"\n'
+        '[[tiers]]\ntype = "disk"\npath = "/b"\ncapacity = 4096\n'
+        '[[tiers]]\ntype = "redis"\nurl = "redis://h:1/0"\n'
+    )
+    cfg = load_config(str(f), {})
+    assert [t.name for t in cfg.tiers] == ["disk", "disk2", "redis"]
+    assert [t.capacity_bytes for t in cfg.tiers] == [1 << 30, 4096, 0]
+    assert cfg.tiers[2].chunk_bytes == 8 << 20

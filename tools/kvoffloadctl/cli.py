@@ -34,18 +34,21 @@ def _fmt(key: str, value: Any) -> str:
 
 
 def print_stats(sections: dict[str, Any]) -> None:
+    """One block per section; namespaces and tiers get one block each."""
     for name, section in sections.items():
-        if name == "namespaces":
-            for ns_name, fields in section.items():
-                print(f"# namespace {ns_name}")
-                for k, v in fields.items():
-                    print(f"{k}: {_fmt(k, v)}")
-                print()
-            continue
-        print(f"# {name}")
-        for k, v in section.items():
-            print(f"{k}: {_fmt(k, v)}")
-        print()
+        flat = {k: v for k, v in section.items() if not isinstance(v, dict)}
+        if flat or name not in ("namespaces", "tiers"):
+            _print_block(name, flat)
+        for sub, fields in section.items():
+            if isinstance(fields, dict):
+                _print_block(f"{name.rstrip('s')} {sub}", fields)
+
+
+def _print_block(title: str, fields: dict[str, Any]) -> None:
+    print(f"# {title}")
+    for k, v in fields.items():
+        print(f"{k}: {_fmt(k, v)}")
+    print()
 
 
 def print_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> None:

@@ -74,11 +74,11 @@ end
 return out
 """
 
-# KEYS: data, index, bytes. ARGV: member, nbytes, fields... Reads and touches, or
+# KEYS: data, index, bytes. ARGV: member, nbytes. Reads and touches a block, or
 # forgets an index entry whose data is gone (TTL, maxmemory).
 _LOAD_LUA = """
-local v = redis.call('HMGET', KEYS[1], unpack(ARGV, 3))
-if v[1] then
+local v = redis.call('HGETALL', KEYS[1])
+if #v > 0 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('ZADD', KEYS[2], 'XX', now, ARGV[1])
@@ -281,13 +281,12 @@ class RedisTier(SecondaryTier):
 
     def _load(self, job: TierJob, entries: list[Entry]) -> None:
         nbytes = job.ns.block_bytes
-        fields = self._fields(nbytes)
         ok = [False] * len(entries)
         done = 0
         try:
             pipe = self._r.pipeline(transaction=False)
             for e in entries:
-                args: list[Any] = [member(e, nbytes), nbytes, *fields]
+                args: list[Any] = [member(e, nbytes), nbytes]
                 self._load_script(
                     keys=[self._data_key(e), self._idx, self._bytes_key], args=args, client=pipe
                 )
@@ -298,16 +297,21 @@ class RedisTier(SecondaryTier):
             self._failed(exc)
         self.finished.post("job", (self._result(job, ok, done), []))
 
-    def _unpack(self, values: list[bytes | None], out: memoryview) -> bool:
-        if values[0] is None or any(v is None for v in values):
+    def _unpack(self, flat: list[bytes], out: memoryview) -> bool:
+        """A block from its hash fields (any chunk size: each writer picks its own)."""
+        fields = dict(zip(flat[::2], flat[1::2]))
+        meta = fields.pop(b"m", b"")
+        if not fields or len(meta) != _META.size:
             return False  # evicted or expired since the view saw it
-        magic, crc, size = _META.unpack(values[0])
+        magic, crc, size = _META.unpack(meta)
         if magic != MAGIC or size != len(out):
             log.warning("tier %s: a block has a bad header; not loaded", self.name)
             return False
         pos = 0
-        for chunk in values[1:]:
-            assert chunk is not None
+        for i in range(len(fields)):
+            chunk = fields.get(f"c{i}".encode(), b"")
+            if pos + len(chunk) > size:
+                break
             out[pos : pos + len(chunk)] = chunk
             pos += len(chunk)
         if pos != size or (self._verify and zlib.crc32(out) != crc):

@@ -1,0 +1,154 @@
+"""The disk and Redis tiers driven directly, as the loop drives them: capacity and LRU,
+blocks found again by a new instance, blocks lost under a tier."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pathlib
+import select
+import time
+from collections.abc import Iterator
+
+import pytest
+from test_tiers import keys
+
+from kvoffloadctl.redis_server import RedisServer
+from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
+from kvoffloadd.tiers.disk import DiskTier, file_bytes
+from kvoffloadd.tiers.redis_tier import RedisTier
+
+BLOCK = 4096
+NS = TierNamespace.of("llama", "f" * 32, BLOCK)
+_ids = itertools.count(1)
+
+
+def run(
+    tier: SecondaryTier,
+    wake: WakeFd,
+    store: bool,
+    ks: list[bytes],
+    blocks: list[bytes],
+    ns: TierNamespace = NS,
+) -> TierResult:
+    """Submit one job and wait (deadline) for its result on the loop side."""
+    bufs = [memoryview(bytearray(b if store else bytes(BLOCK))) for b in blocks]
+    job = TierJob(next(_ids), ns, ks, bufs)
+    (tier.submit_store if store else tier.submit_load)(job)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        select.select([wake.fd], [], [], 0.05)
+        wake.clear()
+        for result, _ in tier.get_finished():
+            if result.job_id == job.job_id:
+                if not store:
+                    blocks[:] = [bytes(b) for b in bufs]
+                return result
+    raise AssertionError("tier job did not finish")
+
+
+def wait_for(tier: SecondaryTier, wake: WakeFd, predicate) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, "tier view did not settle"
+        select.select([wake.fd], [], [], 0.05)
+        wake.clear()
+        tier.get_finished()
+
+
+def block(i: int) -> bytes:
+    return bytes([i]) * BLOCK
+
+
+@pytest.fixture
+def wake() -> Iterator[WakeFd]:
+    w = WakeFd()
+    yield w
+    w.close()
+
+
+def test_disk_tier_keeps_its_byte_budget_least_recently_used_first(
+    tmp_path: pathlib.Path, wake: WakeFd
+) -> None:
+    ks = keys(b"d", 4)
+    cap = 3 * file_bytes(ks[0], BLOCK)
+    tier = DiskTier("disk", str(tmp_path), cap, wake, threads=2)
+    try:
+        wait_for(tier, wake, lambda: tier.scanned)
+        assert run(tier, wake, True, ks[:3], [block(i) for i in range(3)]).ok == [True] * 3
+        out = [b""]
+        assert run(tier, wake, False, ks[:1], out).ok == [True] and out == [block(0)]
+        assert run(tier, wake, True, ks[3:], [block(3)]).ok == [True]  # over budget
+        assert tier.lookup(NS, ks) == [True, False, True, True]  # 1 was least recently used
+        assert tier.used_bytes == cap and tier.counters.evicted_blocks_total == 1
+        wait_for(tier, wake, lambda: len(list(tmp_path.rglob("*.kvb"))) == 3)
+        # written once: storing a held key again writes nothing
+        before = os.stat(next(tmp_path.rglob(ks[0].hex() + ".kvb"))).st_mtime_ns
+        assert run(tier, wake, True, ks[:1], [block(9)]).ok == [True]
+        assert os.stat(next(tmp_path.rglob(ks[0].hex() + ".kvb"))).st_mtime_ns == before
+        # a block larger than the whole budget is refused, not half-written
+        big = TierNamespace(NS.tier_id, NS.name, NS.fingerprint, 4 * BLOCK)
+        assert run(tier, wake, True, keys(b"e", 1), [block(1) * 4], big).ok == [False]
+        assert tier.lookup(NS, ks) == [True, False, True, True]
+    finally:
+        tier.close()
+    # a new instance over the same directory finds the blocks, oldest first
+    again = DiskTier("disk", str(tmp_path), cap, wake)
+    try:
+        wait_for(again, wake, lambda: again.scanned)
+        assert again.lookup(NS, ks) == [True, False, True, True]
+        out = [b""]
+        assert run(again, wake, False, ks[3:], out).ok == [True] and out == [block(3)]
+        assert again.used_bytes == cap
+    finally:
+        again.close()
+
+
+def test_disk_tier_rejects_a_block_of_another_size(tmp_path: pathlib.Path, wake: WakeFd) -> None:
+    tier = DiskTier("disk", str(tmp_path), 1 << 20, wake)
+    try:
+        ks = keys(b"s", 1)
+        assert run(tier, wake, True, ks, [block(1)]).ok == [True]
+        small = TierNamespace(NS.tier_id, NS.name, NS.fingerprint, BLOCK // 2)
+        job = TierJob(next(_ids), small, ks, [memoryview(bytearray(BLOCK // 2))])
+        tier.submit_load(job)
+        wait_for(tier, wake, lambda: not tier.lookup(NS, ks)[0])  # dropped after the check
+        assert tier.counters.load_failures_total == 1
+    finally:
+        tier.close()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    why = RedisServer.available()
+    if why:
+        pytest.skip(why)
+    with RedisServer() as server:
+        yield server.url
+
+
+def test_redis_tier_budget_evicts_least_recently_used_across_daemons(
+    redis_url: str, wake: WakeFd
+) -> None:
+    a = RedisTier(
+        "redis", redis_url, 3 * BLOCK, wake, refresh_s=0.02, full_sync_s=0.3, chunk_bytes=1000
+    )
+    b = RedisTier("redis", redis_url, 3 * BLOCK, wake, refresh_s=0.02)
+    for t in (a, b):
+        t.open_namespace(NS)
+    try:
+        ks = keys(b"r", 4)
+        assert run(a, wake, True, ks[:3], [block(i) for i in range(3)]).ok == [True] * 3
+        wait_for(b, wake, lambda: b.lookup(NS, ks[:3]) == [True] * 3)  # b sees a's blocks
+        out = [b""]
+        assert run(b, wake, False, ks[:1], out).ok == [True] and out == [block(0)]  # touch
+        assert run(b, wake, True, ks[3:], [block(3)]).ok == [True]  # evicts ks[1] for all
+        assert b.lookup(NS, ks) == [True, False, True, True]
+        wait_for(a, wake, lambda: not a.lookup(NS, ks[1:2])[0])  # the full sync tells a
+        out = [b""]
+        assert run(a, wake, False, ks[3:], out).ok == [True] and out == [block(3)]
+        wait_for(a, wake, lambda: a.used_bytes == 3 * BLOCK)
+        assert a.statistics()["healthy"]
+    finally:
+        a.close()
+        b.close()

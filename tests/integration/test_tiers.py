@@ -1,0 +1,218 @@
+"""Secondary tiers with the real daemon: a disk directory and a real redis-server.
+
+Each namespace here may hold 4 blocks of the region (a quota), so storing 4 more
+evicts the first 4; those must come back from a tier, byte-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import ctl, poll
+
+import kvoffload
+from kvoffloadctl.launch import DaemonProcess
+from kvoffloadctl.redis_server import RedisServer, restart_on_same_port
+
+PAGE = 4096
+LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[PAGE])
+QUOTA = '[[namespace_quotas]]\npattern = "*"\nmax_region_size = "64KiB"\n'  # 4 x 16 KiB slots
+
+
+def keys(tag: bytes, n: int) -> list[bytes]:
+    return [tag + i.to_bytes(4, "big") + bytes(11) for i in range(n)]
+
+
+class Engine:
+    """One engine process's view: a scheduler namespace and a worker over 16 blocks."""
+
+    def __init__(self, d: DaemonProcess, ns_name: str = "llama") -> None:
+        self.client = kvoffload.connect(d.socket_path)
+        self.ns = self.client.namespace(ns_name, LAYOUT)
+        self.cache = kvoffload.shared_kv_cache(16, PAGE)
+        self.w = self.ns.attach_worker([self.cache])
+        self.job = 0
+
+    def _run(self, store: bool, slots: list[int], blocks: list[int]) -> None:
+        self.job += 1
+        if store:
+            assert self.w.submit_store(self.job, blocks, slots), self.w.last_error
+        else:
+            assert self.w.submit_load(self.job, slots, blocks), self.w.last_error
+        self.w.wait([self.job])
+        assert [r.success for r in self.w.get_finished()] == [True]
+
+    def store(self, ks: list[bytes], seed: int) -> bytes:
+        data = np.random.default_rng(seed).integers(-128, 128, (len(ks), PAGE), dtype=np.int8)
+        self.cache[: len(ks)] = torch.from_numpy(data)
+        plan = self.ns.prepare_store(ks)
+        assert plan is not None and plan.keys_to_store == ks
+        self._run(True, plan.slots, list(range(len(ks))))
+        self.ns.complete_store(ks)
+        return data.tobytes()
+
+    def load(self, ks: list[bytes]) -> bytes:
+        self.cache[8:] = 0
+        slots = self.ns.prepare_load(ks).slots
+        self._run(False, slots, list(range(8, 8 + len(ks))))
+        self.ns.complete_load(ks)
+        return self.cache[8 : 8 + len(ks)].numpy().tobytes()
+
+    def tier(self, name: str) -> dict[str, Any]:
+        stats: dict[str, Any] = self.client.stats()["tiers"][name]
+        return stats
+
+    def close(self) -> None:
+        self.w.close()
+        self.client.close()
+
+
+def tier_daemon(tmp: pathlib.Path, tiers_toml: str, name: str = "d") -> DaemonProcess:
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(QUOTA + tiers_toml)
+    return DaemonProcess("64MiB", "--config", str(cfg), "--log-level", "warning")
+
+
+def disk_toml(path: pathlib.Path, capacity: str = "1MiB") -> str:
+    return f'[[tiers]]\ntype = "disk"\npath = "{path}"\ncapacity = "{capacity}"\n'
+
+
+def redis_toml(url: str) -> str:
+    return (
+        f'[[tiers]]\ntype = "redis"\nurl = "{url}"\nrefresh_s = 0.05\n'
+        "timeout_s = 0.5\nfull_sync_s = 1.0\n"
+    )
+
+
+def evict_by_storing_more(e: Engine, cascaded: str) -> bytes:
+    """Store 4 other blocks: the quota evicts the first 4 from the region."""
+    poll(lambda: e.tier(cascaded)["stores_total"] >= 4, "the first blocks to cascade")
+    other = e.store(keys(b"x", 4), seed=99)
+    poll(lambda: e.tier(cascaded)["stores_total"] >= 8, "the other blocks to cascade")
+    return other
+
+
+def test_disk_tier_promotes_evicted_blocks_byte_identical(tmp_path: pathlib.Path) -> None:
+    with tier_daemon(tmp_path, disk_toml(tmp_path / "disk")) as d:
+        e = Engine(d)
+        a = keys(b"a", 4)
+        data = e.store(a, seed=1)
+        evict_by_storing_more(e, "disk")
+        assert e.client.stats()["namespaces"]["llama"]["stored_blocks"] == 4
+        assert e.ns.lookup(a) is None  # found on disk: promotion started, ask again
+        poll(lambda: e.ns.lookup(a) == 4, "the promotion")
+        assert e.load(a) == data
+        st = e.tier("disk")
+        assert st["promoted_blocks_total"] == 4 and st["found_keys_total"] == 4
+        assert st["blocks"] == 8 and st["loads_total"] == 4 and st["healthy"]
+        assert st["cascade_backlog_blocks"] == 0 and st["promotion_failures_total"] == 0
+        out = ctl(d.socket_path, "stats")
+        assert out.returncode == 0 and "disk" in out.stdout and "promoted_blocks" in out.stdout
+        e.close()
+        assert d.stop() == 0
+
+
+def test_disk_tier_survives_a_restart_and_drops_partial_files(tmp_path: pathlib.Path) -> None:
+    disk = tmp_path / "disk"
+    with tier_daemon(tmp_path, disk_toml(disk), "first") as d:
+        e = Engine(d)
+        a = keys(b"a", 4)
+        data = e.store(a, seed=2)
+        poll(lambda: e.tier("disk")["stores_total"] == 4, "the cascade")
+        e.close()
+        assert d.stop() == 0
+    files = sorted(disk.rglob("*.kvb"))
+    assert len(files) == 4
+    partial = files[0].parent / (files[0].name + ".123-4.tmp")  # a crash mid-write
+    partial.write_bytes(b"half a block")
+    bad_key = keys(b"z", 1)
+    bad = files[0].parent.parent / bad_key[0].hex()[:2] / (bad_key[0].hex() + ".kvb")
+    bad.parent.mkdir(exist_ok=True)
+    bad.write_bytes(files[0].read_bytes()[:100])  # torn: header of another key, no block
+    with tier_daemon(tmp_path, disk_toml(disk), "second") as d:  # a new region: empty
+        e = Engine(d)
+        poll(lambda: e.ns.lookup(a) == 4, "the blocks from before the restart")
+        assert e.load(a) == data
+        assert not partial.exists()
+        assert e.ns.lookup(bad_key) is None  # listed, so promoted; the read rejects it
+        poll(lambda: e.ns.lookup(bad_key) == 0, "the torn file to miss")
+        assert e.tier("disk")["promotion_failures_total"] == 1
+        poll(lambda: not bad.exists(), "the torn file to be deleted")
+        e.close()
+        assert d.stop() == 0
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    why = RedisServer.available()
+    if why:
+        pytest.skip(why)
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def test_two_daemons_share_blocks_through_one_redis(
+    tmp_path: pathlib.Path, redis_server: RedisServer
+) -> None:
+    toml = redis_toml(redis_server.url)
+    with tier_daemon(tmp_path, toml, "a") as da, tier_daemon(tmp_path, toml, "b") as db:
+        ea, eb = Engine(da), Engine(db)
+        a = keys(b"a", 4)
+        data = ea.store(a, seed=3)
+        poll(lambda: ea.tier("redis")["stores_total"] == 4, "the cascade to Redis")
+        poll(lambda: eb.ns.lookup(a) == 4, "the other daemon to promote the blocks")
+        assert eb.load(a) == data
+        assert eb.tier("redis")["promoted_blocks_total"] == 4
+        assert eb.tier("redis")["stores_total"] == 0  # Redis had them: not written again
+        other = Engine(db, "mistral")  # same layout, another model: shares nothing
+        assert other.ns.probe(a) == [kvoffload.KEY_ABSENT]
+        for e in (ea, eb, other):
+            e.close()
+        assert da.stop() == 0 and db.stop() == 0
+
+
+def test_a_killed_redis_degrades_to_misses(
+    tmp_path: pathlib.Path, redis_server: RedisServer
+) -> None:
+    with tier_daemon(tmp_path, redis_toml(redis_server.url)) as d:
+        e = Engine(d)
+        a = keys(b"a", 4)
+        e.store(a, seed=4)
+        poll(lambda: e.tier("redis")["stores_total"] == 4, "the cascade")
+        assert e.client.evict("llama") == 4
+        redis_server.kill()
+        # at most one failed promotion, then misses, never "ask again" forever
+        poll(lambda: e.ns.lookup(a) == 0, "lookups to miss", deadline_s=10)
+        b = keys(b"b", 4)
+        data = e.store(b, seed=5)  # the region works as before
+        assert e.ns.lookup(b) == 4 and e.load(b) == data
+        poll(lambda: e.tier("redis")["store_failures_total"] >= 4, "the cascade to fail")
+        assert not e.tier("redis")["healthy"] and d.alive()
+        server = restart_on_same_port(redis_server)  # back, empty
+        try:
+            poll(lambda: e.tier("redis")["healthy"], "the tier to recover", deadline_s=10)
+            c = keys(b"c", 4)
+            e.store(c, seed=6)
+            poll(lambda: e.tier("redis")["stores_total"] == 8, "cascades to resume")
+        finally:
+            server.stop()
+        e.close()
+        assert d.stop() == 0
+
+
+def test_an_unwritable_disk_tier_stops_the_start_with_a_clear_error(
+    tmp_path: pathlib.Path,
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    d = tier_daemon(tmp_path, disk_toml(blocker / "sub"))
+    with pytest.raises(RuntimeError, match="did not start"):
+        d.start()
+    assert os.path.exists(blocker)
