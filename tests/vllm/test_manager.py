@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import tempfile
 import time
 from collections.abc import Iterator
@@ -177,6 +178,56 @@ def test_a_hit_that_races_an_eviction_still_loads_its_bytes(
     for m_ in (a, b):
         _workers.pop(id(m_)).shutdown()
         m_.shutdown()
+
+
+def test_blocks_on_a_disk_tier_come_back_through_retry(tmp_path: pathlib.Path) -> None:
+    """vLLM's tiering contract: a lookup of a block that left the region but sits on
+    the disk tier answers RETRY while it is promoted (the request's other keys go in
+    one batch at the step's end), then HIT; the load returns the stored bytes."""
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(
+        f'[[namespace_quotas]]\npattern = "vllm/*"\nmax_region_size = {4 * SLOT_BYTES}\n'
+        f'[[tiers]]\ntype = "disk"\npath = "{tmp_path / "disk"}"\ncapacity = "1MiB"\n'
+    )
+    with DaemonProcess("64MiB", "--config", str(cfg), "--log-level", "warning") as d:
+        mgr = manager(d)
+        w = _workers[id(mgr)]
+        src = w.worker.caches[0]
+        src.copy_(torch.randint(-128, 128, (64, 4096), dtype=torch.int8))
+        first = src[:4].clone()
+        written(mgr, mgr.prepare_store(k(1, 2, 3, 4), CTX))
+        mgr.complete_store(k(1, 2, 3, 4), CTX)
+        admin = kvoffload.connect(d.socket_path)
+
+        def tier_stores() -> int:
+            return int(admin.stats()["tiers"]["disk"]["stores_total"])
+
+        deadline = time.monotonic() + 20
+        while tier_stores() < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert admin.evict() == 4  # the region forgets them; the disk keeps them
+        mgr.on_schedule_end(None)
+        # 1 is probed alone; the rest of the request waits for one batch at step end
+        assert results(mgr, 1, 2, 3, 4, 5) == [LookupResult.RETRY] * 5
+        mgr.on_schedule_end(None)  # probes 1..5 together: 2..4 promote as one batch
+        assert results(mgr, 5) == [MISS]  # found nowhere: remembered, no round trip
+        while results(mgr, 1, 2, 3, 4) != [HIT] * 4:
+            assert time.monotonic() < deadline
+            mgr.on_schedule_end(None)
+            time.sleep(0.01)
+        spec = mgr.prepare_load(k(1, 2, 3, 4), CTX)
+        assert w.submit_load(9, spec, GPULoadStoreSpec(list(range(10, 14)), [4], [0]))
+        while not (done := [r for r in w.get_finished() if r.job_id == 9]):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert done[0].success and torch.equal(src[10:14], first)
+        mgr.complete_load(k(1, 2, 3, 4), CTX)
+        assert admin.stats()["tiers"]["disk"]["promoted_blocks_total"] == 4
+        admin.close()
+        _workers.pop(id(mgr)).shutdown()
+        mgr.shutdown()
+        assert d.stop() == 0
 
 
 def test_a_daemon_that_goes_away_turns_lookups_into_retry_then_miss() -> None:

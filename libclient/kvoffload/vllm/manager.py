@@ -4,6 +4,10 @@ Rules:
 - ``lookup`` answers from a local key mirror (``kvoffload.mirror``): no round trip per
   key. HIT: stored and ready; HIT_PENDING: this engine's store is in flight; RETRY:
   the daemon is away and the client reconnecting; MISS otherwise.
+- With secondary tiers below the daemon's region, a mirror MISS asks further
+  (``kvoffload.tierprobe``): a block on disk or in Redis is promoted into the region
+  and answers RETRY until it is there; the keys that follow in the same request are
+  promoted together at the end of the scheduler step.
 - Everything else is one daemon call, with vLLM's CPU manager semantics (the daemon's
   index implements them): ``prepare_store`` may evict, never its own keys, and gives
   None when nothing can be evicted; ``complete_store(success=False)`` drops unready
@@ -43,6 +47,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ..client import Namespace
 from ..mirror import KeyMirror, KeyState
 from ..protocol.errors import KVOffloadError
+from ..tierprobe import TierProbes
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +80,13 @@ class KVOffloadManager(OffloadingManager):
         self.mirror = KeyMirror(ns, max_age_s, retry_s, keep_events=enable_events)
         self.enable_events = enable_events
         self.stale_hits_total = 0
+        self.tiers = TierProbes(ns) if ns.tiers else None
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _RESULTS[self.mirror.lookup(key)]
+        state = self.mirror.lookup(key)
+        if state is KeyState.MISS and self.tiers is not None:
+            state = self.tiers.lookup(key, req_context.req_id)
+        return _RESULTS[state]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -131,6 +140,8 @@ class KVOffloadManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self.tiers is not None:
+            self.tiers.end_step()
         self.mirror.refresh()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -148,6 +159,8 @@ class KVOffloadManager(OffloadingManager):
         it; give engines whose KV changed a new ``cache_salt`` instead."""
         log.info("namespace %s: reset_cache resyncs the key mirror", self.ns.name)
         self.mirror.clear()
+        if self.tiers is not None:
+            self.tiers.forget()
 
     def shutdown(self) -> None:
         self.ns.client.close()
