@@ -10,7 +10,8 @@ section 8):
 - A lookup that misses the region looks further down: the leading keys that some tier
   holds are promoted into region slots (``prepare_store`` for ``TIER_CLIENT``; the slot
   is "being written" and so pinned) and the lookup answers ``None``, "ask again
-  later", until they are ready. One lookup's keys go to each tier as one job.
+  later", until they are ready. One lookup's keys go to each tier together, in jobs
+  of ``batch_blocks`` that the tier's threads run in parallel.
 - A promoted block completes like any store: it becomes visible, is announced, and
   cascades to the tiers that lack it (not back to its source).
 - A failed tier transfer is counted and logged; a failed promotion frees its slot and
@@ -71,7 +72,7 @@ class Tiering:
         region_buffer: npt.NDArray[np.uint8],
         max_inflight_blocks: int = 256,
         max_backlog_blocks: int = 65_536,
-        batch_blocks: int = 32,
+        batch_blocks: int = 8,
     ) -> None:
         self.wake = wake
         self._tiers = [_TierState(t) for t in tiers]
@@ -147,9 +148,10 @@ class Tiering:
             by_tier.setdefault(id(st), []).append(key)
             self._promoting.add((index.ns_id, key))
         for st in self._tiers:
-            keys = by_tier.get(id(st))
-            if keys:
-                job = self._job(st, index, tns, keys, [slot_of[k] for k in keys], True)
+            keys = by_tier.get(id(st), [])
+            for a in range(0, len(keys), self._batch):  # batches run on parallel threads
+                part = keys[a : a + self._batch]
+                job = self._job(st, index, tns, part, [slot_of[k] for k in part], True)
                 st.tier.submit_load(job)
         return True
 

@@ -26,6 +26,7 @@ import kvoffload
 from kvoffload.mirror import KeyMirror
 
 from .bench_gpu import cuda_available, report_gpu, run_gpu
+from .bench_tiers import run_tiers, tier_rows
 from .launch import DaemonProcess
 
 MIB = 1 << 20
@@ -244,6 +245,7 @@ def run(quick: bool) -> dict[str, Any]:
         )
         client.close()
     r["index_bytes_per_block"] = index_bytes_per_block(50_000 if quick else 200_000)
+    r.update(run_tiers(quick))
     return r
 
 
@@ -289,7 +291,7 @@ def cpu_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         ),
         ("index memory per block", f"{r['index_bytes_per_block']:.0f} B", "target <= 314 B"),
     ]
-    return rows
+    return rows + tier_rows(r)
 
 
 def report(r: dict[str, Any]) -> str:

@@ -41,20 +41,18 @@ _META = struct.Struct("<8sIQ")  # magic, crc32, block bytes
 
 Entry = tuple[str, bytes]  # (tier id, key)
 
-# KEYS: data, index, bytes. ARGV: member, nbytes, capacity, ttl_ms, prefix, fields...
-_STORE_LUA = """
+# The bytes travel in plain HSET/HGETALL commands (through Lua they would be copied
+# twice more); these scripts keep the index and the byte total in step atomically.
+
+# KEYS: data, index, bytes. ARGV: member, nbytes, capacity, prefix. After a block's
+# HSET: index it, count it, evict least recently used blocks beyond the capacity.
+_INDEX_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('ZADD', KEYS[2], 'XX', now, ARGV[1])
-  return {0}
-end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
-if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
 if redis.call('ZADD', KEYS[2], now, ARGV[1]) == 1 then
   redis.call('INCRBY', KEYS[3], ARGV[2])
 end
-local out = {1}
+local out = {}
 local cap = tonumber(ARGV[3])
 if cap > 0 then
   while tonumber(redis.call('GET', KEYS[3]) or '0') > cap do
@@ -66,7 +64,7 @@ if cap > 0 then
       break
     end
     local tid, n, k = string.match(m, '^([^:]*):(%d+):(.*)$')
-    redis.call('DEL', ARGV[5] .. ':b:' .. tid .. ':' .. k)
+    redis.call('DEL', ARGV[4] .. ':b:' .. tid .. ':' .. k)
     redis.call('DECRBY', KEYS[3], n)
     table.insert(out, m)
   end
@@ -74,18 +72,17 @@ end
 return out
 """
 
-# KEYS: data, index, bytes. ARGV: member, nbytes. Reads and touches a block, or
-# forgets an index entry whose data is gone (TTL, maxmemory).
-_LOAD_LUA = """
-local v = redis.call('HGETALL', KEYS[1])
-if #v > 0 then
+# KEYS: data, index, bytes. ARGV: member, nbytes. After a block's HGETALL: mark it
+# used, or forget its index entry if its data is gone (TTL, maxmemory).
+_TOUCH_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('ZADD', KEYS[2], 'XX', now, ARGV[1])
 elseif redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
   redis.call('DECRBY', KEYS[3], ARGV[2])
 end
-return v
+return 0
 """
 
 
@@ -143,8 +140,8 @@ class RedisTier(SecondaryTier):
         self._ttl_ms = int(ttl_s * 1000)
         self._chunk_bytes = chunk_bytes
         self._verify = verify
-        self._store_script = self._r.register_script(_STORE_LUA)
-        self._load_script = self._r.register_script(_LOAD_LUA)
+        self._index_script = self._r.register_script(_INDEX_LUA)
+        self._touch_script = self._r.register_script(_TOUCH_LUA)
         self._refresh_s = refresh_s
         self._full_sync_s = full_sync_s
         # loop thread: entry -> when it entered the view (monotonic)
@@ -243,10 +240,6 @@ class RedisTier(SecondaryTier):
 
     # ------------------------------------------------------------ worker threads
 
-    def _fields(self, nbytes: int) -> list[bytes]:
-        n = max(1, -(-nbytes // self._chunk_bytes))
-        return [b"m", *(f"c{i}".encode() for i in range(n))]
-
     def _data_key(self, e: Entry) -> bytes:
         return f"{self._prefix}:b:{e[0]}:".encode() + e[1]
 
@@ -255,28 +248,30 @@ class RedisTier(SecondaryTier):
         c = self._chunk_bytes
         ok = [False] * len(entries)
         gone: list[Entry] = []
+        done = 0
         try:
             pipe = self._r.pipeline(transaction=False)
             for e, buf in zip(entries, job.buffers):
-                meta = _META.pack(MAGIC, zlib.crc32(buf), nbytes)
-                args: list[Any] = [member(e, nbytes), nbytes, self.capacity_bytes]
-                args += [self._ttl_ms, self._prefix]
-                for i, f in enumerate(self._fields(nbytes)):
-                    args += [f, meta if i == 0 else bytes(buf[(i - 1) * c : i * c])]
-                self._store_script(
-                    keys=[self._data_key(e), self._idx, self._bytes_key], args=args, client=pipe
-                )
+                data = self._data_key(e)
+                fields: dict[Any, Any] = {b"m": _META.pack(MAGIC, zlib.crc32(buf), nbytes)}
+                for i in range(max(1, -(-nbytes // c))):
+                    fields[f"c{i}".encode()] = buf[i * c : (i + 1) * c]
+                pipe.delete(data)  # a block written again replaces, never mixes, chunks
+                pipe.hset(data, mapping=fields)
+                if self._ttl_ms:
+                    pipe.pexpire(data, self._ttl_ms)
+                args: list[Any] = [member(e, nbytes), nbytes, self.capacity_bytes, self._prefix]
+                self._index_script(keys=[data, self._idx, self._bytes_key], args=args, client=pipe)
             replies = pipe.execute()
             ok = [True] * len(entries)
-            for reply in replies:
-                for m in reply[1:]:
+            done = sum(len(b) for b in job.buffers)
+            for reply in replies[3 if self._ttl_ms else 2 :: 4 if self._ttl_ms else 3]:
+                for m in reply:
                     parsed = parse_member(m)
                     if parsed is not None:
                         gone.append(parsed[0])
-            done = sum(len(b) for b, r in zip(job.buffers, replies) if r[0] == 1)
         except self._errors as exc:
             self._failed(exc)
-            done = 0
         self.finished.post("job", (self._result(job, ok, done), gone))
 
     def _load(self, job: TierJob, entries: list[Entry]) -> None:
@@ -286,20 +281,20 @@ class RedisTier(SecondaryTier):
         try:
             pipe = self._r.pipeline(transaction=False)
             for e in entries:
-                args: list[Any] = [member(e, nbytes), nbytes]
-                self._load_script(
-                    keys=[self._data_key(e), self._idx, self._bytes_key], args=args, client=pipe
-                )
-            for i, (values, out) in enumerate(zip(pipe.execute(), job.buffers)):
-                ok[i] = self._unpack(values, out)
+                data = self._data_key(e)
+                pipe.hgetall(data)
+                keys = [data, self._idx, self._bytes_key]
+                self._touch_script(keys=keys, args=[member(e, nbytes), nbytes], client=pipe)
+            replies = pipe.execute()
+            for i, (fields, out) in enumerate(zip(replies[::2], job.buffers)):
+                ok[i] = self._unpack(fields, out)
                 done += len(out) if ok[i] else 0
         except self._errors as exc:
             self._failed(exc)
         self.finished.post("job", (self._result(job, ok, done), []))
 
-    def _unpack(self, flat: list[bytes], out: memoryview) -> bool:
+    def _unpack(self, fields: dict[bytes, bytes], out: memoryview) -> bool:
         """A block from its hash fields (any chunk size: each writer picks its own)."""
-        fields = dict(zip(flat[::2], flat[1::2]))
         meta = fields.pop(b"m", b"")
         if not fields or len(meta) != _META.size:
             return False  # evicted or expired since the view saw it
