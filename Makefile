@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-gpu test-vllm bench soak lint clean
+.PHONY: setup run test test-gpu test-vllm bench bench-report soak lint clean
 
 setup: $(STAMP)
 
@@ -45,7 +45,18 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
 bench: $(STAMP)
+	@tools/ensure-redis-server
 	$(BIN)/python -m kvoffloadctl.bench $(ARGS)
+
+# Every benchmark, written to docs/benchmarks.md with plots (matplotlib: the bench extra).
+BENCH_STAMP := $(VENV)/.kvoffload-bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis,bench]'
+	touch $(BENCH_STAMP)
+
+bench-report: $(BENCH_STAMP)
+	@tools/ensure-redis-server
+	$(BIN)/python -m kvoffloadctl.bench_report $(ARGS)
 
 # Long random load from several engines with every loaded byte verified (not in test).
 soak: $(STAMP)

@@ -101,9 +101,17 @@ def wait_pinned(client: kvoffload.Client, deadline_s: float = 300.0) -> dict[str
 class GpuCase:
     """Caches on the GPU for one layout, a stored set of blocks and a fresh set."""
 
-    def __init__(self, client: kvoffload.Client, name: str, pages: list[int], blocks: int):
+    def __init__(
+        self,
+        client: kvoffload.Client,
+        name: str,
+        pages: list[int],
+        blocks: int,
+        job_blocks: int = JOB_BLOCKS,
+    ):
         import torch
 
+        self.job_blocks = job_blocks
         self.ns = client.namespace(name, kvoffload.KVLayout(tensor_page_bytes=pages))
         self.name, self.blocks = name, blocks
         self.block_bytes = sum(pages)
@@ -141,7 +149,7 @@ class GpuCase:
 
     def run(self, store: bool, load: bool) -> float:
         """Wall seconds for a store and/or a load of
-        ``blocks`` blocks, submitted together as jobs of JOB_BLOCKS blocks (an engine
+        ``blocks`` blocks, submitted together as jobs of ``job_blocks`` blocks (an engine
         submits one job per request, so jobs queue behind each other)."""
         self._round += 1
         fresh = [b"%s-r%d-%08d" % (self.name.encode(), self._round, i) for i in range(self.blocks)]
@@ -150,8 +158,8 @@ class GpuCase:
         load_ids, store_ids = self.ids(0), self.ids(1)
         t0 = time.perf_counter()
         jobs = []
-        for a in range(0, self.blocks, JOB_BLOCKS):
-            part = slice(a, a + JOB_BLOCKS)
+        for a in range(0, self.blocks, self.job_blocks):
+            part = slice(a, a + self.job_blocks)
             if lplan is not None:
                 jobs.append(self._submit_load(lplan.slots[part], load_ids[part]))
             if splan is not None:
@@ -223,4 +231,41 @@ def report_gpu(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         v = r[f"both_{label}_gbps"]
         rows.append((f"both directions at once, {desc}", f"{v:.2f} GB/s", f"{v / (h2d + d2h):.2f}"))
     rows.append(("region pinning", f"{r['pin_seconds']:.2f} s", r["pin_error"] or "ok"))
+    return rows
+
+
+def gpu_sweep(
+    quick: bool, pages: tuple[int, ...], batches: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """GPU<->region GB/s for one-page blocks of each size, in jobs of each batch size,
+    against the same-run pinned baseline (``make bench-report``)."""
+    total = (64 if quick else 256) * MIB
+    repeats = 2 if quick else 4
+    h2d, d2h = pinned_baseline_gbps(total, repeats)
+    rows = []
+    with DaemonProcess(f"{(2 * total + 256 * MIB) >> 20}MiB", "--log-level", "warning") as d:
+        client = kvoffload.connect(d.socket_path)
+        wait_pinned(client)
+        for page in pages:
+            for batch in batches:
+                blocks = max(batch, min(total // page, 4096 if batch == 1 else 16384))
+                name = f"gs{page}-{batch}"
+                case = GpuCase(client, name, [page], blocks, job_blocks=batch)
+                nbytes = blocks * page
+                store = nbytes / min(case.run(True, False) for _ in range(repeats)) / 1e9
+                load = nbytes / min(case.run(False, True) for _ in range(repeats)) / 1e9
+                case.close()
+                client.evict(name)
+                rows.append(
+                    {
+                        "page_bytes": page,
+                        "batch_blocks": batch,
+                        "blocks": blocks,
+                        "store_gbps": store,
+                        "load_gbps": load,
+                        "pinned_d2h_gbps": d2h,
+                        "pinned_h2d_gbps": h2d,
+                    }
+                )
+        client.close()
     return rows

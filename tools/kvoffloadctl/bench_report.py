@@ -1,0 +1,414 @@
+"""``make bench-report``: run every benchmark and write docs/benchmarks.md with plots.
+
+    python -m kvoffloadctl.bench_report [--quick] [--out docs] [--from-json FILE]
+
+The report holds the machine, the commit, the exact commands, one table per benchmark
+and PNG plots (matplotlib, the ``bench`` extra). The raw figures go to
+``benchmarks.json`` beside it, and ``--from-json`` re-renders a report from them
+without measuring again. Every figure is taken in this one run on this one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .bench import memcpy_gbps
+from .bench_gpu import cuda_available, gpu_sweep
+from .bench_sweep import BATCHES, PAGES, control_path, datapath_sweep, index_scale, startup
+from .bench_tiers import run_tiers
+from .bench_trace import run_trace
+
+GIB, MIB, KIB = 1 << 30, 1 << 20, 1 << 10
+
+
+def machine() -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    out = {
+        "cpu": f"{cpu}, {os.cpu_count()} logical CPUs",
+        "memory": f"{mem / GIB:.1f} GiB",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    try:
+        out["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        out["commit"] = "unknown"
+    if cuda_available():
+        import torch
+
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("trace", lambda: run_trace(quick)),
+        ("datapath", lambda: datapath_sweep(quick)),
+        ("control", lambda: control_path(quick)),
+        ("startup", lambda: startup(quick)),
+        ("index", lambda: index_scale(quick)),
+        ("tiers", lambda: run_tiers(quick)),
+    ]
+    if cuda_available():
+        steps.append(("gpu_datapath", lambda: gpu_sweep(quick, PAGES, BATCHES)))
+    r: dict[str, Any] = {"machine": machine(), "quick": quick}
+    for name, fn in steps:
+        t0 = time.perf_counter()
+        print(f"bench-report: {name} ...", flush=True)
+        r[name] = fn()
+        print(f"bench-report: {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    r["tiers"]["memcpy_gbps"] = memcpy_gbps(64 * MIB, 4)
+    return r
+
+
+def size(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plots(r: dict[str, Any], out_dir: str) -> list[str]:
+    """PNG plots; none (and a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    img = os.path.join(out_dir, "img")
+    os.makedirs(img, exist_ok=True)
+    made = []
+
+    rows = r["trace"]["rows"]
+    ns = sorted({x["engines"] for x in rows})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, pool in enumerate(("shared", "private")):
+        vals = [
+            next(x["hit_rate"] for x in rows if x["engines"] == n and x["pool"] == pool) for n in ns
+        ]
+        ax.bar([j + i * 0.38 for j in range(len(ns))], vals, 0.38, label=f"{pool} pool")
+    ax.set_xticks([j + 0.19 for j in range(len(ns))], [f"{n} engines" for n in ns])
+    ax.set_ylabel("prompt tokens served from CPU")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.set_title("Same trace, same total CPU memory")
+    made.append(_save(fig, img, "trace_hit_rate.png"))
+
+    for key, base_key, title, fname in (
+        ("datapath", "memcpy_gbps", "CPU data path (memcpy = 1.0)", "datapath_cpu.png"),
+        (
+            "gpu_datapath",
+            "pinned_h2d_gbps",
+            "GPU data path (pinned copy = 1.0)",
+            "datapath_gpu.png",
+        ),
+    ):
+        if key not in r:
+            continue
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for batch in BATCHES:
+            pts = [x for x in r[key] if x["batch_blocks"] == batch]
+            xs = [x["page_bytes"] / KIB for x in pts]
+            base = [x[base_key] for x in pts]
+            ax.plot(
+                xs,
+                [x["store_gbps"] / b for x, b in zip(pts, base)],
+                "o-",
+                label=f"store, {batch}/job",
+            )
+            ax.plot(
+                xs,
+                [x["load_gbps"] / b for x, b in zip(pts, base)],
+                "s--",
+                label=f"load, {batch}/job",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (KiB)")
+        ax.set_ylabel("throughput / baseline")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.legend(fontsize=7, ncol=2)
+        ax.set_title(title)
+        made.append(_save(fig, img, fname))
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ops = sorted({x["op"] for x in r["control"]}, key=[x["op"] for x in r["control"]].index)
+    for op in ops:
+        pts = [x for x in r["control"] if x["op"] == op]
+        ax.plot([x["clients"] for x in pts], [x["p50_us"] for x in pts], "o-", label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("p50 round trip (µs)")
+    ax.legend(fontsize=7)
+    ax.set_title("Control path under concurrency")
+    made.append(_save(fig, img, "control_p50.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    pts = r["index"]
+    ax.plot([x["blocks"] for x in pts], [x["lookup1000_p50_us"] for x in pts], "o-")
+    ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("blocks stored in the namespace")
+    ax.set_ylabel("lookup of 1,000 keys, p50 (µs)")
+    ax.set_title("Lookup cost as the index grows")
+    made.append(_save(fig, img, "lookup_scale.png"))
+    return made
+
+
+def _save(fig: Any, img: str, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(os.path.join(img, name), dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return f"img/{name}"
+
+
+def render(r: dict[str, Any], images: list[str]) -> str:
+    m = r["machine"]
+    out = [
+        "# kvoffload benchmarks",
+        "",
+        "Written by `make bench-report` (`python -m kvoffloadctl.bench_report`); every figure "
+        "below comes from that one run. Raw figures: `benchmarks.json`. Regenerate on your "
+        "machine with `make bench-report`; `make bench` runs the short DESIGN.md target check.",
+        "",
+        table(["machine", ""], [[k, str(v)] for k, v in m.items()]),
+        "",
+    ]
+    if r.get("quick"):
+        out += ["*Quick run (`--quick`): fewer requests, smaller sizes, fewer repeats.*", ""]
+
+    t = r["trace"]["trace"]
+    out += [
+        "## Shared pool against private pools",
+        "",
+        f"A synthetic chat trace (`kvoffloadctl/trace.py`, seed {t['seed']}): "
+        f"{t['conversations']} conversations over {t['system_prompts']} system prompts "
+        "(Zipf popularity, s = 1.1), Zipf-distributed turns (s = 1.2, up to 12), each turn "
+        f"resending its whole history: {t['requests']} requests, {t['unique_blocks']} distinct "
+        f"blocks of {t['tokens_per_block']} tokens ({size(t['block_bytes'])} each). Requests "
+        "go to a random engine. Each engine process looks its prompt up, loads the hits and "
+        "stores the rest, as vLLM's connector does. Both set-ups get "
+        f"{t['total_pool_mib']} MiB of CPU memory in total: one kvoffloadd shared by all "
+        "engines, or one kvoffloadd per engine with 1/N each.",
+        "",
+        table(
+            [
+                "engines",
+                "pool",
+                "CPU memory",
+                "hit tokens",
+                "prompt tokens",
+                "hit rate",
+                "loaded",
+                "stored",
+            ],
+            [
+                [
+                    str(x["engines"]),
+                    x["pool"],
+                    size(x["pool_bytes"]),
+                    f"{x['hit_tokens']:,}",
+                    f"{x['prompt_tokens']:,}",
+                    f"{x['hit_rate']:.1%}",
+                    f"{x['bytes_loaded'] / GIB:.2f} GiB",
+                    f"{x['bytes_stored'] / GIB:.2f} GiB",
+                ]
+                for x in r["trace"]["rows"]
+            ],
+        ),
+        "",
+    ]
+    out += _img(images, "trace_hit_rate.png")
+
+    out += [
+        "## Data path against memcpy",
+        "",
+        "Store (engine cache to region) and load (region to engine cache) of one-page "
+        "blocks, memfd caches copied by the daemon, against one single-threaded memcpy of "
+        "the same total bytes in the same run. Best of several repeats.",
+        "",
+        _datapath_table(r["datapath"], "memcpy_gbps", "memcpy_gbps"),
+        "",
+    ]
+    out += _img(images, "datapath_cpu.png")
+    if "gpu_datapath" in r:
+        out += [
+            "GPU: CUDA caches exported by IPC, against one large pinned `cudaMemcpyAsync` "
+            "per direction in the same run.",
+            "",
+            _datapath_table(r["gpu_datapath"], "pinned_d2h_gbps", "pinned_h2d_gbps"),
+            "",
+        ]
+        out += _img(images, "datapath_gpu.png")
+    else:
+        out += ["No CUDA device on this machine: the GPU sweep did not run.", ""]
+
+    out += [
+        "## Control path",
+        "",
+        "Round trips of each scheduler operation on 16 keys, from 1, 4 and 16 client "
+        "processes at once, each in a closed loop. `touch16` is one-way (no reply), so it "
+        "shows the client's cost only.",
+        "",
+        table(
+            ["operation", "clients", "p50", "p99", "ops/s"],
+            [
+                [
+                    x["op"],
+                    str(x["clients"]),
+                    f"{x['p50_us']:.1f} µs",
+                    f"{x['p99_us']:.1f} µs",
+                    f"{x['ops_per_s']:,.0f}",
+                ]
+                for x in r["control"]
+            ],
+        ),
+        "",
+    ]
+    out += _img(images, "control_p50.png")
+
+    out += [
+        "## Scale",
+        "",
+        "Start-up: until the daemon listens, and until its region is pre-faulted (it "
+        "serves meanwhile); the daemon's own memory (RssAnon, the region not counted).",
+        "",
+        table(
+            ["region", "listening after", "pre-faulted after", "daemon memory"],
+            [
+                [
+                    f"{x['region_gib']} GiB",
+                    f"{x['listen_s']:.2f} s",
+                    f"{x['prefaulted_s']:.2f} s",
+                    f"{x['daemon_anon_bytes'] / MIB:.0f} MiB",
+                ]
+                for x in r["startup"]
+            ],
+        ),
+        "",
+        "Index memory per stored block and the cost of one 1,000-key lookup (the index "
+        "alone, in process; a round trip adds the control-path figures above):",
+        "",
+        table(
+            ["stored blocks", "index memory per block", "lookup 1,000 keys p50", "p99"],
+            [
+                [
+                    f"{x['blocks']:,}",
+                    f"{x['index_bytes_per_block']:.0f} B",
+                    f"{x['lookup1000_p50_us']:.1f} µs",
+                    f"{x['lookup1000_p99_us']:.1f} µs",
+                ]
+                for x in r["index"]
+            ],
+        ),
+        "",
+    ]
+    out += _img(images, "lookup_scale.png")
+
+    tr = r["tiers"]
+    base = tr["memcpy_gbps"]
+    rows = []
+    for kind in ("disk", "redis"):
+        if f"{kind}_promote_gbps" in tr:
+            rows.append(
+                [
+                    kind,
+                    f"{tr[f'{kind}_cascade_gbps']:.2f} GB/s",
+                    f"{tr[f'{kind}_promote_gbps']:.2f} GB/s",
+                    f"{tr[f'{kind}_promote_gbps'] / base:.2f}",
+                ]
+            )
+        else:
+            rows.append([kind, "not measured", tr.get(f"{kind}_skipped", ""), ""])
+    out += [
+        "## Secondary tiers",
+        "",
+        f"{tr['tier_blocks']} blocks of {size(tr['tier_block_bytes'])} cascade from the "
+        "region to the tier, then are evicted from the region and promoted back by one "
+        "lookup. Disk files are in the page cache (just written); Redis runs on loopback.",
+        "",
+        table(["tier", "cascade", "promotion", "promotion / memcpy"], rows),
+        "",
+        "## Commands",
+        "",
+        "```",
+        "make bench-report            # this report (add ARGS=--quick for a short run)",
+        "make bench                   # the DESIGN.md section 6 targets",
+        "```",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _datapath_table(rows: list[dict[str, Any]], store_base: str, load_base: str) -> str:
+    return table(
+        ["block", "blocks/job", "store", "store / base", "load", "load / base"],
+        [
+            [
+                size(x["page_bytes"]),
+                str(x["batch_blocks"]),
+                f"{x['store_gbps']:.2f} GB/s",
+                f"{x['store_gbps'] / x[store_base]:.2f}",
+                f"{x['load_gbps']:.2f} GB/s",
+                f"{x['load_gbps'] / x[load_base]:.2f}",
+            ]
+            for x in rows
+        ],
+    )
+
+
+def _img(images: list[str], name: str) -> list[str]:
+    path = f"img/{name}"
+    return [f"![{name}]({path})", ""] if path in images else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvoffloadctl.bench_report")
+    p.add_argument("--quick", action="store_true", help="fewer requests and repeats")
+    p.add_argument("--out", default="docs", help="directory for benchmarks.md and img/")
+    p.add_argument("--from-json", help="render from saved figures instead of measuring")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.from_json:
+        with open(args.from_json) as f:
+            r = json.load(f)
+    else:
+        r = measure(args.quick)
+        with open(os.path.join(args.out, "benchmarks.json"), "w") as f:
+            json.dump(r, f, indent=1)
+    images = plots(r, args.out)
+    if not images:
+        print("matplotlib is not installed: no plots (pip install 'kvoffload[bench]')")
+    with open(os.path.join(args.out, "benchmarks.md"), "w") as f:
+        f.write(render(r, images))
+    print(f"wrote {os.path.join(args.out, 'benchmarks.md')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
