@@ -3,6 +3,7 @@ shared system-prompt prefixes, growing conversations and Zipf popularity."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -27,7 +28,7 @@ def test_requests_arrive_in_order_and_turns_extend_their_history() -> None:
     for r in reqs:
         by_conv.setdefault(r.conversation, []).append(r.keys)
     for turns in by_conv.values():
-        for before, after in zip(turns, turns[1:]):
+        for before, after in itertools.pairwise(turns):
             assert after[: len(before)] == before and len(after) > len(before)
     assert unique_blocks(reqs) < sum(len(r.keys) for r in reqs)
 
