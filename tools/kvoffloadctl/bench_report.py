@@ -24,7 +24,7 @@ from typing import Any
 from .bench import cpu_rows
 from .bench import run as run_targets
 from .bench_gpu import cuda_available, gpu_sweep
-from .bench_sweep import BATCHES, PAGES, control_path, datapath_sweep, index_scale, startup
+from .bench_sweep import BATCHES, CLIENTS, PAGES, control_path, datapath_sweep, index_scale, startup
 from .bench_trace import run_trace
 
 GIB, MIB, KIB = 1 << 30, 1 << 20, 1 << 10
@@ -128,24 +128,18 @@ def plots(r: dict[str, Any], out_dir: str) -> list[str]:
         if key not in r:
             continue
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
-        for batch in BATCHES:
+        for i, batch in enumerate(BATCHES):
             pts = [x for x in r[key] if x["batch_blocks"] == batch]
             xs = [x["page_bytes"] / KIB for x in pts]
             base = [x[base_key] for x in pts]
-            ax.plot(
-                xs,
-                [x["store_gbps"] / b for x, b in zip(pts, base)],
-                "o-",
-                label=f"store, {batch}/job",
-            )
-            ax.plot(
-                xs,
-                [x["load_gbps"] / b for x, b in zip(pts, base)],
-                "s--",
-                label=f"load, {batch}/job",
-            )
+            st = [x["store_gbps"] / b for x, b in zip(pts, base)]
+            ld = [x["load_gbps"] / b for x, b in zip(pts, base)]
+            ax.plot(xs, st, "o-", color=f"C{i}", label=f"store, {batch} blocks/job")
+            ax.plot(xs, ld, "s--", color=f"C{i}", label=f"load, {batch} blocks/job")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("block size (KiB)")
+        ax.minorticks_off()
+        ax.set_xticks([p / KIB for p in PAGES], [size(p) for p in PAGES])
+        ax.set_xlabel("block size")
         ax.set_ylabel("throughput / baseline")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.legend(fontsize=7, ncol=2)
@@ -158,6 +152,8 @@ def plots(r: dict[str, Any], out_dir: str) -> list[str]:
         pts = [x for x in r["control"] if x["op"] == op]
         ax.plot([x["clients"] for x in pts], [x["p50_us"] for x in pts], "o-", label=op)
     ax.set_xscale("log", base=2)
+    ax.minorticks_off()
+    ax.set_xticks(list(CLIENTS), [str(c) for c in CLIENTS])
     ax.set_yscale("log")
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("p50 round trip (µs)")
@@ -258,8 +254,9 @@ def render(r: dict[str, Any], images: list[str]) -> str:
         "## Data path against memcpy",
         "",
         "Store (engine cache to region) and load (region to engine cache) of one-page "
-        "blocks, memfd caches copied by the daemon, against one single-threaded memcpy of "
-        "the same total bytes in the same run. Best of several repeats.",
+        "blocks, memfd caches copied by the daemon (two copier threads), against the best "
+        "single-threaded memcpy of this run (of the same total bytes, and of 384 MiB). "
+        "Best of several repeats. A job is one `submit_store`/`submit_load` round trip.",
         "",
         _datapath_table(r["datapath"], "memcpy_gbps", "memcpy_gbps"),
         "",
