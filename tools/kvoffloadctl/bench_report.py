@@ -219,7 +219,11 @@ def render(r: dict[str, Any], images: list[str]) -> str:
         "go to a random engine. Each engine process looks its prompt up, loads the hits and "
         "stores the rest, as vLLM's connector does. Both set-ups get "
         f"{t['total_pool_mib']} MiB of CPU memory in total: one kvoffloadd shared by all "
-        "engines, or one kvoffloadd per engine with 1/N each.",
+        "engines, or one kvoffloadd per engine with 1/N each. Requests run in trace order, "
+        "so the figures are the same on every run with this seed. The shared pool's hit "
+        "rate does not depend on N (every engine finds every block); private pools split "
+        "both the memory and the traffic, so each holds 1/N of the blocks and a request "
+        "finds only what its own engine stored.",
         "",
         table(
             [
@@ -256,7 +260,9 @@ def render(r: dict[str, Any], images: list[str]) -> str:
         "Store (engine cache to region) and load (region to engine cache) of one-page "
         "blocks, memfd caches copied by the daemon (two copier threads), against the best "
         "single-threaded memcpy of this run (of the same total bytes, and of 384 MiB). "
-        "Best of several repeats. A job is one `submit_store`/`submit_load` round trip.",
+        "Best of several repeats. A job is one `submit_store`/`submit_load` round trip; "
+        "its fixed cost (round trip, validation, completion) dominates small jobs, so "
+        "engines should batch: vLLM submits one job per scheduler step and direction.",
         "",
         _datapath_table(r["datapath"], "memcpy_gbps", "memcpy_gbps"),
         "",

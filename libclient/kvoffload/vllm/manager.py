@@ -80,11 +80,11 @@ class KVOffloadManager(OffloadingManager):
         self.mirror = KeyMirror(ns, max_age_s, retry_s, keep_events=enable_events)
         self.enable_events = enable_events
         self.stale_hits_total = 0
-        self.tiers = TierProbes(ns) if ns.tiers else None
+        self.tiers = TierProbes(ns)  # used while the daemon reports secondary tiers
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         state = self.mirror.lookup(key)
-        if state is KeyState.MISS and self.tiers is not None:
+        if state is KeyState.MISS and self.ns.tiers:
             state = self.tiers.lookup(key, req_context.req_id)
         return _RESULTS[state]
 
@@ -140,8 +140,7 @@ class KVOffloadManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self.tiers is not None:
-            self.tiers.end_step()
+        self.tiers.end_step()
         self.mirror.refresh()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -159,8 +158,7 @@ class KVOffloadManager(OffloadingManager):
         it; give engines whose KV changed a new ``cache_salt`` instead."""
         log.info("namespace %s: reset_cache resyncs the key mirror", self.ns.name)
         self.mirror.clear()
-        if self.tiers is not None:
-            self.tiers.forget()
+        self.tiers.forget()
 
     def shutdown(self) -> None:
         self.ns.client.close()
