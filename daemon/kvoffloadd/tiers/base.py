@@ -176,11 +176,14 @@ class WakeFd:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def __call__(self) -> None:
-        os.eventfd_write(self.fd, 1)
+        fd = self.fd
+        if fd >= 0:  # tiers stop their threads before the loop closes this
+            os.eventfd_write(fd, 1)
 
     def clear(self) -> None:
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.fd)
 
     def close(self) -> None:
-        os.close(self.fd)
+        fd, self.fd = self.fd, -1
+        os.close(fd)

@@ -74,6 +74,7 @@ class DiskTier(SecondaryTier):
         self._doomed: set[Entry] = set()  # unlink queued
         self._jobs: dict[int, tuple[bool, list[Entry]]] = {}
         self.scanned = False
+        self._stopping = False
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvoffload-{name}")
         self._scanner = threading.Thread(target=self._scan, name=f"kvoffload-{name}-scan")
         self._scanner.daemon = True
@@ -203,6 +204,8 @@ class DiskTier(SecondaryTier):
         return out
 
     def close(self) -> None:
+        self._stopping = True
+        self._scanner.join(timeout=30)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------ worker threads
@@ -300,6 +303,8 @@ class DiskTier(SecondaryTier):
                 if not os.path.isdir(top):
                     continue
                 for sub in os.listdir(top):
+                    if self._stopping:
+                        return
                     d = os.path.join(top, sub)
                     if os.path.isdir(d):
                         found.extend(self._scan_dir(tid, d))
