@@ -100,10 +100,59 @@ class StatsCollector(Collector):
         yield GaugeMetricFamily(
             "kvoffload_clients", "Connected clients.", value=s["clients"]["connected"]
         )
+        yield from _tier_metrics(s["tiers"])
         errors = CounterMetricFamily("kvoffload_errors", "Error replies by code.", labels=["code"])
         for code, n in s["errors"].items():
             errors.add_metric([code], n)
         yield errors
+
+
+_TIER_COUNTERS = (
+    ("stores_total", "Blocks the tier wrote (cascades).", "tier_stored_blocks"),
+    ("store_failures_total", "Blocks the tier failed to write.", "tier_store_failures"),
+    (
+        "promoted_blocks_total",
+        "Blocks promoted from the tier into the region.",
+        "tier_promoted_blocks",
+    ),
+    (
+        "promotion_failures_total",
+        "Promotions from the tier that failed.",
+        "tier_promotion_failures",
+    ),
+    ("found_keys_total", "Region misses the tier held.", "tier_found_keys"),
+    ("evicted_blocks_total", "Blocks the tier evicted for its capacity.", "tier_evicted_blocks"),
+    (
+        "cascade_dropped_total",
+        "Cascades skipped (backlog full, or evicted first).",
+        "tier_cascade_dropped",
+    ),
+)
+_TIER_GAUGES = (
+    ("blocks", "Blocks the tier holds.", "tier_blocks"),
+    ("used_bytes", "Bytes the tier holds.", "tier_used_bytes"),
+    ("capacity_bytes", "The tier's capacity (0: bounded by the store).", "tier_capacity_bytes"),
+    (
+        "cascade_backlog_blocks",
+        "Blocks waiting to cascade to the tier.",
+        "tier_cascade_backlog_blocks",
+    ),
+    ("healthy", "1 while the tier is reachable.", "tier_healthy"),
+)
+
+
+def _tier_metrics(tiers: dict[str, Any]) -> Iterator[Metric]:
+    """One series per secondary tier, labelled with its config name and kind."""
+    per_tier = {k: v for k, v in tiers.items() if isinstance(v, dict)}
+    for families, kind in (
+        (_TIER_COUNTERS, CounterMetricFamily),
+        (_TIER_GAUGES, GaugeMetricFamily),
+    ):
+        for field, doc, name in families:
+            fam = kind(f"kvoffload_{name}", doc, labels=["tier", "kind"])
+            for tier, st in per_tier.items():
+                fam.add_metric([tier, st["kind"]], float(st[field]))
+            yield fam
 
 
 class MetricsEndpoint:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from helpers import ctl, poll
 
 import kvoffload
 from kvoffloadctl.launch import DaemonProcess
-from kvoffloadctl.redis_server import RedisServer, restart_on_same_port
+from kvoffloadctl.redis_server import RedisServer, free_port, restart_on_same_port
 
 PAGE = 4096
 LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[PAGE])
@@ -73,10 +74,15 @@ class Engine:
         self.client.close()
 
 
-def tier_daemon(tmp: pathlib.Path, tiers_toml: str, name: str = "d") -> DaemonProcess:
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def tier_daemon(tmp: pathlib.Path, tiers_toml: str, name: str = "d", *extra: str) -> DaemonProcess:
     cfg = tmp / f"{name}.toml"
     cfg.write_text(QUOTA + tiers_toml)
-    return DaemonProcess("64MiB", "--config", str(cfg), "--log-level", "warning")
+    return DaemonProcess("64MiB", "--config", str(cfg), "--log-level", "warning", *extra)
 
 
 def disk_toml(path: pathlib.Path, capacity: str = "1MiB") -> str:
@@ -99,7 +105,8 @@ def evict_by_storing_more(e: Engine, cascaded: str) -> bytes:
 
 
 def test_disk_tier_promotes_evicted_blocks_byte_identical(tmp_path: pathlib.Path) -> None:
-    with tier_daemon(tmp_path, disk_toml(tmp_path / "disk")) as d:
+    port = free_port()
+    with tier_daemon(tmp_path, disk_toml(tmp_path / "disk"), "d", "--metrics-port", str(port)) as d:
         e = Engine(d)
         a = keys(b"a", 4)
         data = e.store(a, seed=1)
@@ -113,7 +120,12 @@ def test_disk_tier_promotes_evicted_blocks_byte_identical(tmp_path: pathlib.Path
         assert st["blocks"] == 8 and st["loads_total"] == 4 and st["healthy"]
         assert st["cascade_backlog_blocks"] == 0 and st["promotion_failures_total"] == 0
         out = ctl(d.socket_path, "stats")
-        assert out.returncode == 0 and "disk" in out.stdout and "promoted_blocks" in out.stdout
+        assert (
+            out.returncode == 0 and "# tier disk" in out.stdout and "promoted_blocks" in out.stdout
+        )
+        series = 'kvoffload_tier_promoted_blocks_total{kind="disk",tier="disk"} 4.0'
+        poll(lambda: series in scrape(port), "the tier metrics")
+        assert 'kvoffload_tier_healthy{kind="disk",tier="disk"} 1.0' in scrape(port)
         e.close()
         assert d.stop() == 0
 
