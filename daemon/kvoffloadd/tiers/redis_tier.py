@@ -86,6 +86,20 @@ return 0
 """
 
 
+def _zero_copy_packer() -> dict[str, Any]:
+    """redis-py's Python command packer sends large values as their own buffers; with
+    hiredis installed redis-py packs through hiredis, which copies every block into one
+    string first (measured: 0.76 against 3.0 GB/s for 2 MiB blocks). Replies are still
+    parsed by hiredis."""
+    try:
+        from redis._parsers import Encoder
+        from redis.connection import PythonRespSerializer
+    except ImportError:  # another redis-py layout: its default packer
+        return {}
+    encode = Encoder("utf-8", "strict", False).encode  # type: ignore[no-untyped-call]
+    return {"command_packer": PythonRespSerializer(6000, encode)}
+
+
 def member(e: Entry, nbytes: int) -> bytes:
     return f"{e[0]}:{nbytes}:".encode() + e[1]
 
@@ -131,6 +145,7 @@ class RedisTier(SecondaryTier):
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
                 max_connections=connections + 2,
+                **_zero_copy_packer(),
             )
         except ValueError as exc:
             raise TierError(f"tier {name}: bad url {url!r}: {exc}") from exc
