@@ -104,6 +104,9 @@ def _client_ops(sock: str, me: int, seconds: float, barrier: Any) -> dict[str, l
     for name in OPS:
         fn, samples = ops[name], []
         barrier.wait(60)
+        for _ in range(200):  # warm-up, not measured
+            fn()
+        barrier.wait(60)
         end = time.perf_counter() + seconds
         while (t0 := time.perf_counter()) < end:
             fn()
@@ -118,7 +121,7 @@ def control_path(quick: bool) -> list[dict[str, Any]]:
     seconds = 0.5 if quick else 1.5
     rows = []
     ctx = mp.get_context("fork")
-    with DaemonProcess("256MiB", "--log-level", "warning") as d:
+    with DaemonProcess("256MiB", "--log-level", "warning", "--no-prefault") as d:
         for n in CLIENTS:
             barrier, out = ctx.Barrier(n), ctx.Queue()
             procs = [
@@ -201,8 +204,10 @@ def index_scale(quick: bool) -> list[dict[str, Any]]:
             idx.mark_written(plan.slots, 0)
             idx.complete_store(batch, True, 1)
         probe = keys[n // 2 : n // 2 + 1000]
+        for _ in range(100):  # warm-up, not measured
+            idx.lookup(probe)
         samples = []
-        for _ in range(300):
+        for _ in range(1000):
             t0 = time.perf_counter()
             idx.lookup(probe)
             samples.append(time.perf_counter() - t0)
