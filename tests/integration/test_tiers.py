@@ -23,7 +23,8 @@ from kvoffloadctl.redis_server import RedisServer, free_port, restart_on_same_po
 
 PAGE = 4096
 LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[PAGE])
-QUOTA = '[[namespace_quotas]]\npattern = "*"\nmax_region_size = "64KiB"\n'  # 4 x 16 KiB slots
+# 4 x 16 KiB slots for the test models; "big" namespaces are not limited
+QUOTA = '[[namespace_quotas]]\npattern = "[!b]*"\nmax_region_size = "64KiB"\n'
 
 
 def keys(tag: bytes, n: int) -> list[bytes]:
@@ -228,3 +229,48 @@ def test_an_unwritable_disk_tier_stops_the_start_with_a_clear_error(
     with pytest.raises(RuntimeError, match="did not start"):
         d.start()
     assert os.path.exists(blocker)
+
+
+def e_scanned(c: kvoffload.Client) -> bool:
+    return bool(c.stats()["tiers"]["disk"]["scanned"])
+
+
+def test_a_stop_during_cascades_and_promotions_is_clean(tmp_path: pathlib.Path) -> None:
+    """SIGTERM while tier jobs are in flight: exit 0, region and socket gone, and the
+    files a new daemon finds are whole (any it cannot read are dropped, never served)."""
+    disk = tmp_path / "disk"
+    with tier_daemon(tmp_path, disk_toml(disk, "64MiB"), "busy") as d:
+        c = kvoffload.connect(d.socket_path)
+        ns = c.namespace("big", kvoffload.KVLayout(tensor_page_bytes=[256 * 1024]))
+        cache = kvoffload.shared_kv_cache(32, 256 * 1024)
+        cache.random_(-128, 127)
+        w = ns.attach_worker([cache])
+        ks = keys(b"s", 32)
+        plan = ns.prepare_store(ks)
+        assert plan is not None
+        assert w.submit_store(1, list(range(32)), plan.slots)
+        w.wait([1])
+        ns.complete_store(ks)  # 32 cascades of 256 KiB start now
+        assert d.stop() == 0  # while they run
+        w.close()
+        c.close()
+    assert not os.path.exists(f"/dev/shm/kvoffload-{d.instance}")
+    assert not os.path.exists(d.socket_path)
+    with tier_daemon(tmp_path, disk_toml(disk, "64MiB"), "after") as d2:
+        c = kvoffload.connect(d2.socket_path)
+        ns = c.namespace("big", kvoffload.KVLayout(tensor_page_bytes=[256 * 1024]))
+        dst = kvoffload.shared_kv_cache(32, 256 * 1024)
+        w = ns.attach_worker([dst])
+        poll(lambda: e_scanned(c), "the disk scan")
+        poll(lambda: ns.lookup(ks) is not None, "the promotions to finish")
+        hits = ns.lookup(ks) or 0
+        if hits:
+            slots = ns.prepare_load(ks[:hits]).slots
+            assert w.submit_load(2, slots, list(range(hits)))
+            w.wait([2])
+            assert all(r.success for r in w.get_finished())
+            assert torch.equal(dst[:hits], cache[:hits])  # whatever survived is exact
+            ns.complete_load(ks[:hits])
+        w.close()
+        c.close()
+        assert d2.stop() == 0
