@@ -235,7 +235,7 @@ def e_scanned(c: kvoffload.Client) -> bool:
     return bool(c.stats()["tiers"]["disk"]["scanned"])
 
 
-def test_a_stop_during_cascades_and_promotions_is_clean(tmp_path: pathlib.Path) -> None:
+def test_a_stop_during_cascades_is_clean(tmp_path: pathlib.Path) -> None:
     """SIGTERM while tier jobs are in flight: exit 0, region and socket gone, and the
     files a new daemon finds are whole (any it cannot read are dropped, never served)."""
     disk = tmp_path / "disk"
