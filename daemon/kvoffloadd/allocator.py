@@ -206,4 +206,9 @@ class SlotPool:
         )
 
     def is_valid(self, slots: npt.NDArray[np.int64]) -> bool:
-        return bool(slots.size == 0 or (slots.min() >= 0 and slots.max() < self.capacity))
+        if slots.size == 0:
+            return True
+        if slots.size <= 64:  # numpy's reductions cost more than this on small arrays
+            values = slots.tolist()
+            return bool(min(values) >= 0 and max(values) < self.capacity)
+        return bool(slots.min() >= 0 and slots.max() < self.capacity)

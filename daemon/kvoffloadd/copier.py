@@ -127,6 +127,8 @@ def split_by_bytes(nbytes: I64, parts: int) -> list[tuple[int, int]]:
     if nbytes.size == 0:
         return [(0, 0)]
     parts = max(1, min(parts, nbytes.size))
+    if parts == 1:
+        return [(0, int(nbytes.size))]
     cum = np.cumsum(nbytes)
     bounds = np.searchsorted(cum, cum[-1] * np.arange(1, parts) / parts, side="right")
     edges = [0, *sorted({int(b) for b in bounds if 0 < b < nbytes.size}), nbytes.size]

@@ -189,6 +189,8 @@ def merge_runs(region: I64, cache: I64, page_bytes: int) -> Runs:
     if region.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Runs(empty, empty, empty)
+    if region.size == 1:
+        return Runs(region, cache, np.full(1, page_bytes, dtype=np.int64))
     cont = (np.diff(region) == page_bytes) & (np.diff(cache) == page_bytes)
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     ends = np.concatenate((starts[1:], [region.size]))

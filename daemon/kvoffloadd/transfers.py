@@ -89,6 +89,7 @@ class Transfers:
     ) -> None:
         self.config = config
         self.region = region
+        self._region_addr = int(region.buffer.ctypes.data)  # numpy's .ctypes is slow
         self.copier = copier
         self.gpu = gpu
         self.gpu_unavailable = gpu_unavailable
@@ -186,7 +187,7 @@ class Transfers:
             raise QuotaExceededError(
                 f"client has {limit} jobs in flight, the max_inflight_jobs_per_client quota"
             )
-        if np.unique(slots).size != slots.size:
+        if len(set(slots.tolist())) != slots.size:
             raise InvalidArgumentError("a transfer names the same slot twice")
         if not index.slots.is_valid(slots):
             raise_not_leased(index, slots)
@@ -216,7 +217,7 @@ class Transfers:
         check = self._checksum_check(index, w.rank, slots, is_store)
         if w.client_copy:
             return self._client_plan(w, r, token, runs, chosen, region_off, nbytes, check)
-        region_addr = region_off + int(self.region.buffer.ctypes.data)
+        region_addr = region_off + self._region_addr
         cache_addr = np.concatenate([x.cache + c.base_address for x, c in zip(runs, caches)])
         dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
         if w.device is not None and self.gpu is not None:
@@ -273,7 +274,7 @@ class Transfers:
         if not self.config.verify_checksums:
             return None
         rank_bytes = index.layout.rank_bytes
-        base = int(self.region.buffer.ctypes.data) + rank * rank_bytes
+        base = self._region_addr + rank * rank_bytes
         areas = (index.slots.region_offsets(slots) + base).tolist()
         expected = None if is_store else index.checksums_for(slots.tolist(), rank)
         return ChecksumCheck(areas, rank_bytes, expected)
