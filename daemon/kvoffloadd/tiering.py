@@ -111,6 +111,7 @@ class Tiering:
         tns = self._ns[index.ns_id][1]
         states: list[int] = []
         found: list[tuple[bytes, _TierState]] = []
+        first_found = 0  # index in states of found[0]
         for key in keys:
             if index.is_ready(key):
                 states.append(READY)
@@ -125,12 +126,13 @@ class Tiering:
                 states.append(ABSENT)
                 break
             src.found_keys_total += 1
+            if not found:
+                first_found = len(states)
             found.append((key, src))
             states.append(PROMOTING)
         if found and not self._promote(index, tns, found):
-            first = states.index(PROMOTING, len(states) - len(found))
-            del states[first + 1 :]
-            states[first] = ABSENT
+            del states[first_found + 1 :]  # no room: the first key to promote misses
+            states[first_found] = ABSENT
         return states
 
     def _promote(

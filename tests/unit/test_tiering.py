@@ -183,3 +183,17 @@ def test_without_space_for_the_promotion_the_lookup_misses(world: Any) -> None:
     index.prepare_load(ks(2, 3, 4, 5), ENGINE)  # everything pinned: nothing to evict
     assert tiering.lookup(index, ks(1)) == 0
     assert tiering.probe(index, ks(1)) == [KEY_ABSENT]
+
+
+def test_without_space_the_first_key_to_promote_misses_even_after_ready_ones(
+    world: Any,
+) -> None:
+    index, tiering, fast, slow, buf = world
+    write(index, buf, 1, 3)
+    settle(tiering, fast, slow)
+    index.evict(ks(1, 3))
+    write(index, buf, 2, 4, 5, 6)
+    index.prepare_load(ks(2, 4, 5, 6), ENGINE)  # region full and pinned
+    # 1 is on a tier, 2 is ready, 3 is on a tier: nothing can be promoted
+    assert tiering.probe(index, ks(1, 2, 3)) == [KEY_ABSENT]
+    assert tiering.lookup(index, ks(2, 3)) == 1
