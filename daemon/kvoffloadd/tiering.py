@@ -15,7 +15,9 @@ section 8):
 - A promoted block completes like any store: it becomes visible, is announced, and
   cascades to the tiers that lack it (not back to its source).
 - A failed tier transfer is counted and logged; a failed promotion frees its slot and
-  the key misses. Region eviction never removes a block from a tier.
+  the key misses. Stores that complete while a tier is unhealthy (unreachable) are not
+  queued for it: they would only pin region slots until their copies time out.
+  Region eviction never removes a block from a tier.
 
 Everything here runs on the loop thread; the tiers' threads only move bytes.
 """
@@ -52,7 +54,7 @@ class _TierState:
     found_keys_total: int = 0  # lookups that found a key here
     promoted_blocks_total: int = 0
     promotion_failures_total: int = 0
-    cascade_dropped_total: int = 0  # backlog full, or evicted from the region first
+    cascade_dropped_total: int = 0  # backlog full, tier unhealthy, or evicted first
 
 
 @dataclass
@@ -165,7 +167,7 @@ class Tiering:
             for key, have in zip(keys, st.tier.lookup(tns, keys)):
                 if have:
                     continue
-                if len(st.backlog) >= self._max_backlog:
+                if len(st.backlog) >= self._max_backlog or not st.tier.healthy:
                     st.cascade_dropped_total += 1
                     continue
                 st.backlog.append((index.ns_id, key))

@@ -197,3 +197,12 @@ def test_without_space_the_first_key_to_promote_misses_even_after_ready_ones(
     # 1 is on a tier, 2 is ready, 3 is on a tier: nothing can be promoted
     assert tiering.probe(index, ks(1, 2, 3)) == [KEY_ABSENT]
     assert tiering.lookup(index, ks(2, 3)) == 1
+
+
+def test_an_unhealthy_tier_gets_no_cascades(world: Any) -> None:
+    index, tiering, fast, slow, buf = world
+    slow.healthy = False
+    write(index, buf, 1)
+    assert slow.jobs_seen == [] and fast.jobs_seen == [(True, ks(1))]
+    assert tiering.statistics()["slow"]["cascade_dropped_total"] == 1
+    assert index.pinned_by(TIER_CLIENT) == 1  # only the fast tier's copy pins it

@@ -125,6 +125,7 @@ class SecondaryTier(ABC):
         self.capacity_bytes = capacity_bytes  # 0: bounded by the store itself
         self.finished = Finished(wake)
         self.counters = TierCounters()
+        self.healthy = True  # False: unreachable for now; lookups miss, cascades are skipped
 
     def open_namespace(self, ns: TierNamespace) -> None:  # noqa: B027 - optional hook
         """A namespace opened on this daemon; its blocks may be asked for from now on."""

@@ -162,7 +162,6 @@ class RedisTier(SecondaryTier):
         # loop thread: entry -> when it entered the view (monotonic)
         self._view: dict[Entry, float] = {}
         self._jobs: dict[int, tuple[bool, list[Entry]]] = {}
-        self.healthy = True
         self.last_error = ""
         self.used_bytes = 0  # the shared total, as last polled
         self.evicted_elsewhere = 0
