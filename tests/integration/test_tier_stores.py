@@ -152,3 +152,22 @@ def test_redis_tier_budget_evicts_least_recently_used_across_daemons(
     finally:
         a.close()
         b.close()
+
+
+def test_redis_blocks_expire_after_their_ttl(redis_url: str, wake: WakeFd) -> None:
+    tier = RedisTier("redis", redis_url, 0, wake, ttl_s=0.3, refresh_s=0.02)
+    tier.open_namespace(NS)
+    try:
+        ks = keys(b"t", 2)
+        assert run(tier, wake, True, ks, [block(1), block(2)]).ok == [True, True]
+        out = [b"", b""]
+        assert run(tier, wake, False, ks, out).ok == [True, True] and out[1] == block(2)
+        deadline = time.monotonic() + 10
+        while run(tier, wake, False, ks[:1], [b""]).ok == [True]:  # until Redis expires it
+            assert time.monotonic() < deadline, "the block never expired"
+            time.sleep(0.05)
+        assert tier.lookup(NS, ks[:1]) == [False]  # a failed load leaves the view
+        run(tier, wake, False, ks[1:], [b""])  # forgets the other's index entry too
+        wait_for(tier, wake, lambda: tier.used_bytes == 0)  # and the shared byte total
+    finally:
+        tier.close()
