@@ -370,9 +370,9 @@ class NamespaceIndex:
     def is_ready(self, key: bytes) -> bool:
         return key in self._ready
 
-    def is_present(self, key: bytes) -> bool:
-        """Stored or being stored (a lookup may still miss it)."""
-        return self._policy.get(key) is not None
+    def writer_of(self, key: bytes) -> int | None:
+        """The client storing ``key`` right now, if it is being stored."""
+        return self._writers.get(key)
 
     def slots_of(self, keys: Sequence[bytes]) -> list[int]:
         """Slots of present keys (stored or being stored)."""

@@ -85,7 +85,6 @@ class Tiering:
         self._ns: dict[int, tuple[NamespaceIndex, TierNamespace]] = {}
         self._jobs: dict[int, _Job] = {}
         self._next_job = 1
-        self._promoting: set[tuple[int, bytes]] = set()
 
     @property
     def count(self) -> int:
@@ -118,11 +117,12 @@ class Tiering:
             if index.is_ready(key):
                 states.append(READY)
                 continue
-            if (index.ns_id, key) in self._promoting:
+            writer = index.writer_of(key)
+            if writer == TIER_CLIENT:  # being promoted already
                 states.append(PROMOTING)
                 continue
             src = None
-            if not index.is_present(key):  # an engine's store in flight: not ours
+            if writer is None:  # else an engine's store is in flight: not ours
                 src = next((st for st in self._tiers if st.tier.lookup(tns, [key])[0]), None)
             if src is None:
                 states.append(ABSENT)
@@ -147,12 +147,8 @@ class Tiering:
         if plan is None or not plan.keys_to_store:
             return False
         slot_of = dict(zip(plan.keys_to_store, plan.slots))
-        by_tier: dict[int, list[bytes]] = {}
-        for key, st in found:
-            by_tier.setdefault(id(st), []).append(key)
-            self._promoting.add((index.ns_id, key))
         for st in self._tiers:
-            keys = by_tier.get(id(st), [])
+            keys = [k for k, src in found if src is st]
             for a in range(0, len(keys), self._batch):  # batches run on parallel threads
                 part = keys[a : a + self._batch]
                 job = self._job(st, index, tns, part, [slot_of[k] for k in part], True)
@@ -212,7 +208,7 @@ class Tiering:
     def on_wake(self) -> None:
         self.wake.clear()
         for st in self._tiers:
-            for result, _store in st.tier.get_finished():
+            for result in st.tier.get_finished():
                 job = self._jobs.pop(result.job_id)
                 st.inflight_blocks -= len(job.keys)
                 for b in job.buffers:
@@ -227,8 +223,6 @@ class Tiering:
         index = job.index
         good = [k for k, o in zip(job.keys, ok) if o]
         bad = [k for k, o in zip(job.keys, ok) if not o]
-        for key in job.keys:
-            self._promoting.discard((index.ns_id, key))
         job.state.promoted_blocks_total += len(good)
         job.state.promotion_failures_total += len(bad)
         if bad:

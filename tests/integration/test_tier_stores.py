@@ -39,7 +39,7 @@ def run(
     while time.monotonic() < deadline:
         select.select([wake.fd], [], [], 0.05)
         wake.clear()
-        for result, _ in tier.get_finished():
+        for result in tier.get_finished():
             if result.job_id == job.job_id:
                 if not store:
                     blocks[:] = [bytes(b) for b in bufs]

@@ -57,8 +57,8 @@ class FakeTier(SecondaryTier):
             self.finished.post("job", TierResult(job.job_id, ok, 0, 0.0))
         self.pending = []
 
-    def get_finished(self) -> list[tuple[TierResult, bool]]:
-        return [(r, True) for _, r in self.finished.take()]
+    def get_finished(self) -> list[TierResult]:
+        return [r for _, r in self.finished.take()]
 
     def statistics(self) -> dict[str, Any]:
         return self.base_statistics(len(self.blocks), 0, True)

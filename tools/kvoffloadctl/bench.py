@@ -52,13 +52,15 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / best / 1e9
 
 
-def wait_prefault(client: kvoffload.Client, deadline_s: float = 120.0) -> None:
+def wait_prefault(client: kvoffload.Client, deadline_s: float = 120.0, poll_s: float = 0.1) -> None:
+    """Until the daemon's region is pre-faulted; RuntimeError after ``deadline_s``."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         region = client.stats()["region"]
         if region["prefaulted_bytes"] >= region["data_bytes"]:
             return
-        time.sleep(0.1)
+        time.sleep(poll_s)
+    raise RuntimeError(f"the region was not pre-faulted after {deadline_s} s")
 
 
 def data_path(
@@ -174,25 +176,31 @@ def mirror_lookup_us(
     return per_key_us, (time.perf_counter() - t0) / (rounds * len(keys)) * 1e6
 
 
-def index_bytes_per_block(n: int) -> float:
+def filled_index(keys: list[bytes]) -> Any:
+    """An in-process namespace index (no daemon) holding ``keys`` as stored blocks."""
     from kvoffload.protocol.messages import KVLayout
     from kvoffloadd.allocator import ExtentPool, SlotPool
     from kvoffloadd.index import NamespaceIndex
 
-    keys = [os.urandom(32) + (0).to_bytes(4, "big") for _ in range(n)]
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    pool = ExtentPool(n // 1024 + 1, 1024 * 4096)
+    pool = ExtentPool(len(keys) // 1024 + 1, 1024 * 4096)
     idx = NamespaceIndex(0, "m", KVLayout([4096]), "f", SlotPool(pool, 0, 4096))
-    for a in range(0, n, 4096):
+    for a in range(0, len(keys), 4096):
         batch = keys[a : a + 4096]
         plan = idx.prepare_store(batch, 1)
         assert plan is not None
         idx.mark_written(plan.slots, 0)
         idx.complete_store(batch, True, 1)
+    return idx
+
+
+def index_bytes_per_block(n: int) -> float:
+    keys = [os.urandom(32) + (0).to_bytes(4, "big") for _ in range(n)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    idx = filled_index(keys)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    del keys
+    del keys, idx
     return used / n
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import kvoffload
 
-from .bench import data_path, index_bytes_per_block, memcpy_gbps, pct
+from .bench import data_path, filled_index, index_bytes_per_block, memcpy_gbps, pct, wait_prefault
 from .launch import DaemonProcess
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -165,13 +165,7 @@ def startup(quick: bool) -> list[dict[str, Any]]:
         d = DaemonProcess(f"{gib}GiB", "--log-level", "warning", start_timeout_s=120).start()
         listen_s = time.perf_counter() - t0
         client = kvoffload.connect(d.socket_path)
-        deadline = time.monotonic() + 300
-        while True:
-            region = client.stats()["region"]
-            if region["prefaulted_bytes"] >= region["data_bytes"]:
-                break
-            assert time.monotonic() < deadline, "pre-faulting did not finish"
-            time.sleep(0.01)
+        wait_prefault(client, deadline_s=300, poll_s=0.01)
         rows.append(
             {
                 "region_gib": gib,
@@ -187,22 +181,11 @@ def startup(quick: bool) -> list[dict[str, Any]]:
 
 def index_scale(quick: bool) -> list[dict[str, Any]]:
     """Index memory per block, and a 1,000-key lookup, as stored blocks grow."""
-    from kvoffload.protocol.messages import KVLayout
-    from kvoffloadd.allocator import ExtentPool, SlotPool
-    from kvoffloadd.index import NamespaceIndex
-
     rows = []
     for n in (10_000, 100_000) if quick else (10_000, 100_000, 1_000_000):
         per_block = index_bytes_per_block(n)
         keys = [os.urandom(32) + bytes(4) for _ in range(n)]
-        pool = ExtentPool(n // 1024 + 1, 1024 * 4096)
-        idx = NamespaceIndex(0, "m", KVLayout([4096]), "f", SlotPool(pool, 0, 4096))
-        for a in range(0, n, 4096):
-            batch = keys[a : a + 4096]
-            plan = idx.prepare_store(batch, 1)
-            assert plan is not None
-            idx.mark_written(plan.slots, 0)
-            idx.complete_store(batch, True, 1)
+        idx = filled_index(keys)
         probe = keys[n // 2 : n // 2 + 1000]
         for _ in range(100):  # warm-up, not measured
             idx.lookup(probe)

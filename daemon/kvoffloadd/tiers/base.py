@@ -57,6 +57,9 @@ class TierJob:
     buffers: list[memoryview]
     started_s: float = field(default_factory=time.perf_counter)
 
+    def result(self, ok: list[bool], nbytes: int) -> TierResult:
+        return TierResult(self.job_id, ok, nbytes, time.perf_counter() - self.started_s)
+
 
 @dataclass(frozen=True)
 class TierResult:
@@ -141,8 +144,8 @@ class SecondaryTier(ABC):
     def submit_load(self, job: TierJob) -> None: ...
 
     @abstractmethod
-    def get_finished(self) -> list[tuple[TierResult, bool]]:
-        """Finished jobs as (result, was_store), after applying them to the view."""
+    def get_finished(self) -> list[TierResult]:
+        """Finished jobs, after applying them to the tier's view."""
 
     @abstractmethod
     def statistics(self) -> dict[str, Any]: ...

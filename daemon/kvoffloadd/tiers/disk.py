@@ -22,7 +22,6 @@ import logging
 import os
 import struct
 import threading
-import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -110,7 +109,7 @@ class DiskTier(SecondaryTier):
         self._jobs[job.job_id] = (False, entries)
         self._pool.submit(self._read, job, entries)
 
-    def get_finished(self) -> list[tuple[TierResult, bool]]:
+    def get_finished(self) -> list[TierResult]:
         out = []
         for kind, item in self.finished.take():
             if kind == "scan":
@@ -118,10 +117,11 @@ class DiskTier(SecondaryTier):
             elif kind == "unlinked":
                 self._doomed.difference_update(item)
             else:
-                out.append((item, self._apply(item)))
+                self._apply(item)
+                out.append(item)
         return out
 
-    def _apply(self, r: TierResult) -> bool:
+    def _apply(self, r: TierResult) -> None:
         store, entries = self._jobs.pop(r.job_id)
         self.counters.count(store, r)
         for e, ok in zip(entries, r.ok):
@@ -140,7 +140,6 @@ class DiskTier(SecondaryTier):
                     self._lru.move_to_end(e)
                 elif not ok:
                     self._drop([e])
-        return store
 
     def _reserve(self, nbytes: int) -> bool:
         """Make room for ``nbytes`` by dropping least recently used files."""
@@ -227,7 +226,7 @@ class DiskTier(SecondaryTier):
             except OSError as exc:
                 log.warning("tier %s: cannot write a block: %s", self.name, exc)
                 ok[i] = False
-        self.finished.post("job", self._result(job, ok, nbytes))
+        self.finished.post("job", job.result(ok, nbytes))
 
     def _write_one(self, path: str, key: bytes, data: memoryview) -> None:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -257,7 +256,7 @@ class DiskTier(SecondaryTier):
             except OSError as exc:
                 log.warning("tier %s: cannot read a block: %s", self.name, exc)
             nbytes += len(job.buffers[i]) if ok[i] else 0
-        self.finished.post("job", self._result(job, ok, nbytes))
+        self.finished.post("job", job.result(ok, nbytes))
 
     def _read_one(self, path: str, key: bytes, out: memoryview) -> bool:
         with open(path, "rb", buffering=0) as f:
@@ -332,7 +331,3 @@ class DiskTier(SecondaryTier):
                     continue
                 out.append((st.st_mtime, (tid, key), st.st_size))
         return out
-
-    @staticmethod
-    def _result(job: TierJob, ok: list[bool], nbytes: int) -> TierResult:
-        return TierResult(job.job_id, ok, nbytes, time.perf_counter() - job.started_s)

@@ -164,7 +164,6 @@ class RedisTier(SecondaryTier):
         self._jobs: dict[int, tuple[bool, list[Entry]]] = {}
         self.last_error = ""
         self.used_bytes = 0  # the shared total, as last polled
-        self.evicted_elsewhere = 0
         # read by the poller thread; replaced (never mutated) by the loop thread
         self._tier_ids: frozenset[str] = frozenset()
         self._want_full = threading.Event()
@@ -197,7 +196,7 @@ class RedisTier(SecondaryTier):
         self._jobs[job.job_id] = (False, entries)
         self._pool.submit(self._load, job, entries)
 
-    def get_finished(self) -> list[tuple[TierResult, bool]]:
+    def get_finished(self) -> list[TierResult]:
         out = []
         now = time.monotonic()
         for kind, item in self.finished.take():
@@ -213,18 +212,15 @@ class RedisTier(SecondaryTier):
                         self._view.pop(e, None)
                 for e in gone:
                     self._view.pop(e, None)
-                out.append((result, store))
+                out.append(result)
             elif kind == "seen":
                 for e in item:
                     self._view.setdefault(e, now)
             elif kind == "full":
-                started_s, present = item
-                ids = self._tier_ids
+                started_s, present = item  # entries newer than the read are kept
                 stale = [e for e, t in self._view.items() if t < started_s and e not in present]
                 for e in stale:
-                    if e[0] in ids:
-                        del self._view[e]
-                self.evicted_elsewhere += len(stale)
+                    del self._view[e]
                 for e in present:
                     self._view.setdefault(e, now)
             elif kind == "health":
@@ -279,14 +275,15 @@ class RedisTier(SecondaryTier):
             replies = pipe.execute()
             ok = [True] * len(entries)
             done = sum(len(b) for b in job.buffers)
-            for reply in replies[3 if self._ttl_ms else 2 :: 4 if self._ttl_ms else 3]:
+            per_key = 4 if self._ttl_ms else 3  # delete, hset, [pexpire,] index script
+            for reply in replies[per_key - 1 :: per_key]:
                 for m in reply:
                     parsed = parse_member(m)
                     if parsed is not None:
                         gone.append(parsed[0])
         except self._errors as exc:
             self._failed(exc)
-        self.finished.post("job", (self._result(job, ok, done), gone))
+        self.finished.post("job", (job.result(ok, done), gone))
 
     def _load(self, job: TierJob, entries: list[Entry]) -> None:
         nbytes = job.ns.block_bytes
@@ -305,7 +302,7 @@ class RedisTier(SecondaryTier):
                 done += len(out) if ok[i] else 0
         except self._errors as exc:
             self._failed(exc)
-        self.finished.post("job", (self._result(job, ok, done), []))
+        self.finished.post("job", (job.result(ok, done), []))
 
     def _unpack(self, fields: dict[bytes, bytes], out: memoryview) -> bool:
         """A block from its hash fields (any chunk size: each writer picks its own)."""
@@ -379,7 +376,3 @@ class RedisTier(SecondaryTier):
             self.finished.post("seen", self._mine([m for m, _ in rows]))
             last_score = float(rows[-1][1])
         return last_score
-
-    @staticmethod
-    def _result(job: TierJob, ok: list[bool], nbytes: int) -> TierResult:
-        return TierResult(job.job_id, ok, nbytes, time.perf_counter() - job.started_s)
