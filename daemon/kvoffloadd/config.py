@@ -143,6 +143,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     verify_checksums: bool = False  # CRC32 per stored block, checked on every load
     # evicted blocks stay loadable this long for engines' key mirrors (graves.py)
     mirror_grace_s: float = 1.0
+    # a committed store whose copies have not all landed by then is dropped
+    commit_timeout_s: float = 30.0
     # who may map the region for client-copy workers; unset: root and the daemon's uid
     client_copy_uids: list[int] | None = None
     client_copy_gids: list[int] = msgspec.field(default_factory=list)
@@ -225,6 +227,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(
                 f"tier_max_inflight_blocks: {self.tier_max_inflight_blocks} is below 1"
             )
+        if not 0 < self.commit_timeout_s <= 3600:
+            raise ConfigError(f"commit_timeout_s: {self.commit_timeout_s} is not in (0, 3600]")
         if not 0 <= self.mirror_grace_s <= 60:
             raise ConfigError(f"mirror_grace_s: {self.mirror_grace_s} is not in 0..60")
         return self

@@ -52,6 +52,10 @@ class EventFeed:
                 self.dropped_total += 1
             q.events.append(event)
 
+    def pending(self, subscriber: int) -> bool:
+        q = self._queues.get(subscriber)
+        return q is not None and (bool(q.events) or q.lost)
+
     def take(self, subscriber: int) -> tuple[list[OffloadEvent], bool]:
         """Events since the last take, and whether some were dropped in between.
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload.copyplan import CacheGeometry, split_at_boundaries
 from kvoffload.cuda_driver import (
     IPC_HANDLE_BYTES,
     CudaApi,
@@ -43,7 +44,6 @@ from kvoffload.protocol.messages import CacheDesc
 
 from .config import DaemonConfig
 from .copier import ChecksumCheck, CompletionSink, finished
-from .copyplan import CacheGeometry, split_at_boundaries
 from .pinning import RegionPinner, plan_chunks
 from .region import SharedOffloadRegion
 from .workers import ImportedCache, check_desc

@@ -4,7 +4,7 @@ Rules:
 - The region is registered in chunks of at most ``MAX_CHUNK_BYTES`` (64 GiB: recent
   drivers fail single registrations of hundreds of GiB), each a multiple of the extent
   size, so no slot straddles two chunks; GPU copy runs are cut at chunk boundaries
-  (``copyplan.split_at_boundaries``) because a batched copy may not span two.
+  (``kvoffload.copyplan.split_at_boundaries``) because a batched copy may not span two.
 - Registration runs on its own thread after start-up (after pre-faulting, which makes
   it cheaper) and reports progress in ``pinned_bytes``; the daemon serves meanwhile,
   and copies of not-yet-pinned memory are pageable copies (slower, still correct).

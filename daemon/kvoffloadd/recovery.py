@@ -7,8 +7,10 @@ and its tables behind. The next daemon of the same instance reads them back:
   layout, and owns the same extents in the same order, so slot ids are unchanged;
 - every slot whose record says READY is a completed store: its key becomes visible
   again, in the order stores completed (``seq``), which is the LRU order;
-- a slot whose record says WRITING held a store in flight when the daemon went away:
-  its bytes cannot be trusted, so the record is cleared and the slot is free.
+- a slot whose record says WRITING or LEASED held a store in flight when the daemon
+  went away: its bytes cannot be trusted, so the record is cleared and the slot is
+  free; so is a GRAVE (an evicted block kept for key mirrors): its key may have been
+  stored again elsewhere, and recovering both would duplicate it.
 
 Completion order makes this safe: a record turns READY only after every rank's copy
 into the slot finished, and only on the loop thread, after the copy threads reported.
@@ -23,15 +25,14 @@ import msgspec
 import numpy as np
 
 from kvoffload.protocol.messages import KVLayout
-
-from .region import (
+from kvoffload.regionfmt import (
     FREE_OWNER,
     MAX_NAMESPACES,
     SLOT_FREE,
     SLOT_READY,
-    SLOT_WRITING,
-    SharedOffloadRegion,
 )
+
+from .region import SharedOffloadRegion
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,8 @@ def read_namespaces(region: SharedOffloadRegion) -> list[RecoveredNamespace]:
             for chunk, ext in enumerate(mine):
                 base = ext * g.slots_per_extent_max
                 recs = table[base : base + spe]
-                writing = np.flatnonzero(recs["state"] == SLOT_WRITING)
-                table["state"][base + writing] = SLOT_FREE
+                stale = np.flatnonzero((recs["state"] != SLOT_READY) & (recs["state"] != SLOT_FREE))
+                table["state"][base + stale] = SLOT_FREE
                 for j in np.flatnonzero((recs["state"] == SLOT_READY) & (recs["ns"] == ns_id)):
                     rec = recs[j]
                     key = bytes(rec["key"])[: int(rec["key_len"])]

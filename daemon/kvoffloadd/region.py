@@ -1,21 +1,11 @@
 """SharedOffloadRegion: one POSIX shared-memory segment holding every offloaded block.
 
-Layout (all offsets little-endian, fixed by ``FORMAT_VERSION``)::
-
-    0                 header (4 KiB): magic, version, geometry, owner pid
-    extent_table      num_extents x 16 B: owning namespace (u32, FREE=0xffffffff),
-                      slot_bytes (u32), index among the owner's extents (u32), 0 (u32)
-    namespace_table   max_namespaces x 2 KiB: name (256 B utf-8), fingerprint (64 B
-                      hex), layout length (u32), layout (msgpack KVLayout)
-    slot_table        num_extents * slots_per_extent_max x 96 B records:
-                      state (u8: 0 free, 1 writing, 2 ready), key_len (u8), ns (u32),
-                      seq (u64, store order), key (64 B)
-    data              num_extents x extent_bytes, 2 MiB aligned
-
-A slot's record lives at ``extent * slots_per_extent_max + slot_in_extent``. The
-tables describe every completed store, so a later daemon can rebuild the index from
-the segment alone (warm restart); records are written on the loop thread when a
-slot changes state.
+The format (header, extent, namespace and slot tables, data area; the slot record
+states FREE, LEASED, WRITING, READY and GRAVE) is ``kvoffload.regionfmt``, shared with
+the workers that map the region. A slot's record lives at
+``extent * slots_per_extent_max + slot_in_extent``. The tables describe every
+completed store, so a later daemon can rebuild the index from the segment alone (warm
+restart); records are written on the loop thread when a slot changes state.
 
 Rules:
 - One daemon per instance name: a ``flock`` on ``<runtime_dir>/<instance>.lock``
@@ -48,42 +38,33 @@ import numpy as np
 import numpy.typing as npt
 import posix_ipc
 
+from kvoffload.regionfmt import (
+    DATA_ALIGN_BYTES,
+    EXTENT_RECORD_BYTES,
+    FORMAT_VERSION,
+    FREE_OWNER,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    MAX_NAMESPACES,
+    NAMESPACE_LAYOUT_OFFSET,
+    NAMESPACE_RECORD_BYTES,
+    SLOT_DTYPE,
+    SLOT_FREE,
+    SLOT_GRAVE,
+    SLOT_LEASED,
+    SLOT_READY,
+    SLOT_RECORD_BYTES,
+    SLOT_WRITING,
+)
+
 from .allocator import ExtentPool, SlotPool
 from .index import SlotJournal
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVOFFLD\0"
-FORMAT_VERSION = 1
-HEADER_BYTES = 4096
-EXTENT_RECORD_BYTES = 16
-NAMESPACE_RECORD_BYTES = 2048
-NAMESPACE_LAYOUT_OFFSET = 324
-SLOT_RECORD_BYTES = 96
-MAX_NAMESPACES = 256
-DATA_ALIGN_BYTES = 2 * 1024 * 1024
-FREE_OWNER = 0xFFFFFFFF
 MADV_POPULATE_WRITE = 23
 PREFAULT_CHUNK_BYTES = 64 * 1024 * 1024
-
-# magic, version, header_bytes, region_bytes, extent_bytes, num_extents,
-# slots_per_extent_max, min_slot_bytes, max_namespaces, extent_table, namespace_table,
-# slot_table, slot_record_bytes, data_offset, owner_pid, created_ns
-_HEADER = struct.Struct("<8sIIQQIIIIQQQIQIQ")
-
-SLOT_FREE, SLOT_WRITING, SLOT_READY = 0, 1, 2
-SLOT_DTYPE = np.dtype(
-    [
-        ("state", "u1"),
-        ("key_len", "u1"),
-        ("pad", "u2"),
-        ("ns", "<u4"),
-        ("seq", "<u8"),
-        ("key", "V64"),
-        ("reserved", "V16"),
-    ]
-)
-assert SLOT_DTYPE.itemsize == SLOT_RECORD_BYTES
 
 
 class RegionError(RuntimeError):
@@ -238,10 +219,10 @@ class SharedOffloadRegion:
         except posix_ipc.ExistentialError:
             return None
         try:
-            if old.size < _HEADER.size:
+            if old.size < HEADER.size:
                 return ()
-            with mmap.mmap(old.fd, _HEADER.size, prot=mmap.PROT_READ) as mm:
-                return tuple(_HEADER.unpack(mm[: _HEADER.size]))[:14]
+            with mmap.mmap(old.fd, HEADER.size, prot=mmap.PROT_READ) as mm:
+                return tuple(HEADER.unpack(mm[: HEADER.size]))[:14]
         finally:
             old.close_fd()
 
@@ -286,7 +267,7 @@ class SharedOffloadRegion:
         )
 
     def _write_header(self) -> None:
-        self._mm[: _HEADER.size] = _HEADER.pack(*self._header_fields(self.geometry))
+        self._mm[: HEADER.size] = HEADER.pack(*self._header_fields(self.geometry))
 
     def start_prefault(self) -> None:
         self._prefault_thread = threading.Thread(
@@ -412,7 +393,19 @@ class _RegionJournal(SlotJournal):
         spe = self._slots.slots_per_extent
         return self._slots.extents[slot // spe] * self._spe_max + slot % spe
 
-    def writing(self, slot: int, key: bytes) -> None:
+    def leased(self, slot: int, lease: int) -> None:
+        self._region.slot_table[self._record(slot)] = (
+            SLOT_LEASED,
+            0,
+            0,
+            self._ns,
+            0,
+            b"",
+            lease,
+            b"",
+        )
+
+    def writing(self, slot: int, key: bytes, lease: int = 0) -> None:
         self._region.slot_table[self._record(slot)] = (
             SLOT_WRITING,
             len(key),
@@ -420,7 +413,8 @@ class _RegionJournal(SlotJournal):
             self._ns,
             0,
             key.ljust(64, b"\0"),
-            b"\0" * 16,
+            lease,
+            b"",
         )
 
     def ready(self, slot: int, key: bytes) -> None:
@@ -428,6 +422,9 @@ class _RegionJournal(SlotJournal):
         table = self._region.slot_table
         table["seq"][i] = self._region.next_seq()
         table["state"][i] = SLOT_READY
+
+    def buried(self, slot: int) -> None:
+        self._region.slot_table["state"][self._record(slot)] = SLOT_GRAVE
 
     def freed(self, slot: int) -> None:
         self._region.slot_table["state"][self._record(slot)] = SLOT_FREE

@@ -11,6 +11,9 @@ Rules:
   everyone else is unaffected (invariant 6).
 - A client that does not read its replies is disconnected once ``MAX_OUTBUF_BYTES``
   are queued for it, so it cannot grow the daemon without bound.
+- One-way requests (rid 0) get no reply; a refused one becomes a push. Pushes the
+  service queued (``Session.pushes``) go out after each read and each drain of copy
+  completions; pushed event feeds once per loop turn, for connections that keep up.
 - An ``AssertionError`` is a broken internal invariant: log the stats, exit non-zero.
 - SIGTERM/SIGINT: stop accepting, drain in-flight copies, close, unlink, exit 0.
 - The cron (every second, or every half watchdog interval when shorter) runs the
@@ -123,6 +126,7 @@ class Server:
                 timeout = max(0.0, next_cron - time.monotonic())
                 for key, mask in self.sel.select(timeout):
                     key.data(key.fileobj, mask)
+                self._push_feeds()
                 if time.monotonic() >= next_cron:
                     self._cron()
                     next_cron = time.monotonic() + self._cron_period_s
@@ -255,25 +259,49 @@ class Server:
         self._flush(c)
 
     def _dispatch(self, c: _Client, req: m.Request) -> None:
+        code: ErrorCode | None = None
         try:
             reply = self.service.handle(c.session, req)
         except KVOffloadError as exc:
-            self.service.count_error(exc.code.name)
-            reply = m.ErrorReply(req.rid, exc.code, str(exc.args[0]))
+            code, message = exc.code, str(exc.args[0])
         except ValueError as exc:
-            self.service.count_error(ErrorCode.INVALID_ARGUMENT.name)
-            reply = m.ErrorReply(req.rid, ErrorCode.INVALID_ARGUMENT, str(exc))
+            code, message = ErrorCode.INVALID_ARGUMENT, str(exc)
         except AssertionError:
             raise
         except Exception as exc:
             log.exception("request %s failed", type(req).__name__)
-            self.service.count_error(ErrorCode.INTERNAL.name)
-            reply = m.ErrorReply(req.rid, ErrorCode.INTERNAL, f"internal error: {exc!r}")
+            code, message = ErrorCode.INTERNAL, f"internal error: {exc!r}"
+        if code is not None:
+            self.service.count_error(code.name)
+            if req.rid == 0:
+                self.service.refuse_one_way(c.session, req, code, message)
+                reply = None
+            else:
+                reply = m.ErrorReply(req.rid, code, message)
         if reply is not None:
             if c.session.out_fds:  # they travel with the first byte of this reply
                 c.fd_marks.append((c.sent_bytes + len(c.outbuf), c.session.out_fds))
                 c.session.out_fds = []
             c.outbuf += c.conn.send(reply)
+        self._queue_pushes(c)
+
+    def _queue_pushes(self, c: _Client) -> None:
+        if c.session.pushes:
+            for push in c.session.pushes:
+                c.outbuf += c.conn.send(push)
+            c.session.pushes.clear()
+
+    def _push_feeds(self) -> None:
+        feeds = self.service.engines.feed_pushes
+        for c in list(self.clients.values()):
+            if not c.session.push_feeds or c.closing_by_s:
+                continue
+            sent = False
+            for push in feeds(c.session, len(c.outbuf)):
+                c.outbuf += c.conn.send(push)
+                sent = True
+            if sent:
+                self._flush(c)
 
     def _copies_done(self, fd: object, mask: int) -> None:
         for session_id, reply in self.service.on_completions(self.service.copier.drain()):

@@ -3,9 +3,13 @@
 Rules:
 - Runs on the loop thread only; it owns namespaces and sessions, and its
   ``transfers`` (transfers.py) own the workers and their copy jobs.
-- A handler returns the reply, or ``None`` when the reply is deferred (``WaitJobs``).
-  Client mistakes raise ``KVOffloadError`` and become an ``ErrorReply`` for that
-  request; nothing is changed by a request that fails validation.
+- A handler returns the reply, or ``None`` when the reply is deferred (``WaitJobs``)
+  or there is none (one-way requests, rid 0). Client mistakes raise
+  ``KVOffloadError`` and become an ``ErrorReply`` for that request, or, for a one-way
+  request, a pushed failure (``refuse_one_way``); nothing is changed by a request
+  that fails validation.
+- Engines' per-step batches and the pushes they get back are the engine channel's
+  (engines.py); messages to push go into ``Session.pushes``.
 - Copies are validated in full before any address reaches a copier (invariant 4).
 - A session that goes away fails its stores, drops its pins and detaches its workers;
   their mappings close once their copies have drained (invariant 5).
@@ -37,8 +41,10 @@ from .access import Peer, peer_groups
 from .allocator import SlotPool
 from .config import DaemonConfig
 from .copier import Completion, CpuCopier
+from .engines import EngineChannel
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
+from .leases import new_token
 from .recovery import read_namespaces
 from .region import SharedOffloadRegion
 from .session import Session
@@ -85,6 +91,7 @@ class Service:
             self.count_error,
             self.access,
         )
+        self.engines = EngineChannel(self.namespaces, config.max_frame_bytes)
         self.shutting_down = False
         self.started_s = time.monotonic()
         self.requests_total = 0
@@ -119,10 +126,14 @@ class Service:
             m.GetFinished: self._on_get_finished,
             m.WaitJobs: self._on_wait,
             m.TakeEvents: self._on_take_events,
-            m.SyncKeys: self._on_sync_keys,
+            m.SyncKeys: lambda s, r: self.engines.snapshot_page(s, self._ns(s, r.ns), r),
+            m.StepBatch: self._on_step,
+            m.Wrote: self._on_wrote,
             m.ClientCopyDone: self._on_client_copy_done,
             m.Ping: lambda s, r: m.Pong(r.rid),
-            m.OpenNamespace: lambda s, r: self._open_namespace(s, r.rid, r.name, r.layout),
+            m.OpenNamespace: lambda s, r: self._open_namespace(
+                s, r.rid, r.name, r.layout, r.subscribe
+            ),
             m.AttachWorker: lambda s, r: self.transfers.attach(s, r),
             m.DetachWorker: self._on_detach,
             m.Hello: self._on_hello,
@@ -166,12 +177,29 @@ class Service:
         self._ns(s, r.ns).touch(unpack_keys(r.keys, r.key_bytes))
         return m.OkReply(r.rid)
 
-    def _on_submit_store(self, s: Session, r: m.SubmitStore) -> m.Reply:
+    def _on_submit_store(self, s: Session, r: m.SubmitStore) -> m.Reply | None:
         return self.transfers.submit(s, r, unpack_ids(r.slots), unpack_ids(r.block_ids), 0, True)
 
-    def _on_submit_load(self, s: Session, r: m.SubmitLoad) -> m.Reply:
+    def _on_submit_load(self, s: Session, r: m.SubmitLoad) -> m.Reply | None:
         slots, ids = unpack_ids(r.slots), unpack_ids(r.block_ids)
         return self.transfers.submit(s, r, slots, ids, r.skip, False)
+
+    def _on_step(self, s: Session, r: m.StepBatch) -> m.Reply | None:
+        self.engines.apply(s, self._ns(s, r.ns), r)
+        return m.OkReply(r.rid) if r.rid else None
+
+    def _on_wrote(self, s: Session, r: m.Wrote) -> m.Reply | None:
+        self.transfers.wrote(s, r)
+        return m.OkReply(r.rid) if r.rid else None
+
+    def refuse_one_way(self, s: Session, req: m.Request, code: int, message: str) -> None:
+        """A one-way request failed: a submit's job fails (its result is pushed), any
+        other request gets a notice. The connection goes on either way."""
+        if isinstance(req, (m.SubmitStore, m.SubmitLoad)) and req.worker in s.workers:
+            result = m.JobResult(req.job_id, False, 0, 0.0, code)
+            s.pushes.append(m.JobsDone(0, req.worker, [result]))
+        else:
+            s.pushes.append(m.Notice(0, code, message))
 
     def _on_client_copy_done(self, s: Session, r: m.ClientCopyDone) -> m.Reply:
         self.transfers.client_copy_done(s, r)
@@ -194,21 +222,6 @@ class Service:
         events, lost = self._ns(s, r.ns).take_feed(s.session_id)
         msgs = [m.EventMsg(*pack_keys(e.keys), e.removed) for e in events]
         return m.EventsReply(r.rid, msgs, lost)
-
-    def _on_sync_keys(self, s: Session, r: m.SyncKeys) -> m.Reply:
-        """Pages of a snapshot of the ready keys; offset 0 restarts the event feed."""
-        index = self._ns(s, r.ns)
-        if r.offset == 0:
-            s.snapshots[r.ns] = index.ready_keys()
-            index.events.subscribe(s.session_id)
-            index.add_mirror(s.session_id)
-        snap = s.snapshots.get(r.ns)
-        if snap is None or not 0 <= r.offset < max(len(snap), 1):
-            raise InvalidArgumentError("no key snapshot at that offset; start with offset 0")
-        end = r.offset + max(1, (self.config.max_frame_bytes - 4096) // (m.MAX_KEY_BYTES + 8))
-        if end >= len(snap):
-            del s.snapshots[r.ns]
-        return m.KeysPage(r.rid, snap[r.offset : end], -1 if end >= len(snap) else end)
 
     def _deny(self, s: Session, what: str, fix: str) -> PermissionDeniedError:
         log.warning("refused uid %d gid %d (pid %d): %s", s.uid, s.gid, s.pid, what)
@@ -262,7 +275,9 @@ class Service:
             raise InvalidArgumentError(f"namespace id {ns_id} was not opened on this connection")
         return self.namespaces[ns_id]
 
-    def _open_namespace(self, s: Session, rid: int, name: str, layout: m.KVLayout) -> m.Reply:
+    def _open_namespace(
+        self, s: Session, rid: int, name: str, layout: m.KVLayout, subscribe: bool = True
+    ) -> m.Reply:
         if not name or len(name) > 200:
             raise InvalidArgumentError("namespace name must be 1..200 characters")
         if not self.access.may_open(s.peer, name):
@@ -295,9 +310,12 @@ class Service:
             log.info("namespace %s opened: %d-byte slots, fingerprint %s", name, slot_bytes, fp)
         if index.ns_id not in s.namespaces:
             s.namespaces.add(index.ns_id)
-            index.events.subscribe(s.session_id)
+            s.leases[index.ns_id] = new_token()
+            if subscribe:
+                index.events.subscribe(s.session_id)
         tiers = self.tiering.count if self.tiering is not None else 0
-        return m.NamespaceOpened(rid, index.ns_id, index.slots.slot_bytes, fp, tiers)
+        lease = s.leases[index.ns_id]
+        return m.NamespaceOpened(rid, index.ns_id, index.slots.slot_bytes, fp, tiers, lease)
 
     def _new_index(
         self, ns_id: int, name: str, layout: m.KVLayout, fp: str, slot_bytes: int
@@ -313,6 +331,7 @@ class Service:
             journal=self.region.journal_for(ns_id, slots),
             reclaim=self._reclaim,
             mirror_grace_s=self.config.mirror_grace_s,
+            commit_timeout_s=self.config.commit_timeout_s,
         )
         quota = self.config.quota_for(name)
         if quota is not None:
@@ -344,14 +363,16 @@ class Service:
     def _prepare_store(
         self, s: Session, rid: int, index: NamespaceIndex, keys: list[bytes]
     ) -> m.Reply:
-        plan = index.prepare_store(keys, s.session_id)
+        token = s.leases[index.ns_id]
+        plan = index.prepare_store(keys, s.session_id, token)
         if plan is None:
             raise NoSpaceError(
                 f"namespace {index.name!r}: no space for {len(keys)} blocks "
                 "(the rest is pinned or being written)"
             )
         kp, kb = pack_keys(plan.keys_to_store)
-        return m.StorePlanReply(rid, kp, kb, pack_ids(plan.slots), pack_keys(plan.evicted_keys)[0])
+        evicted = pack_keys(plan.evicted_keys)[0]
+        return m.StorePlanReply(rid, kp, kb, pack_ids(plan.slots), evicted, token)
 
     def _reclaim(self, needy: NamespaceIndex, need: int) -> None:
         """Move extents to a namespace below its fair share from the fattest one above it."""
@@ -396,7 +417,7 @@ class Service:
         """Invariant 5: fail stores, drop pins, detach workers (unmapped after drain)."""
         for ns_id in s.namespaces:
             self.namespaces[ns_id].events.unsubscribe(s.session_id)
-            writes, pins = self.namespaces[ns_id].release_client(s.session_id)
+            writes, pins = self.namespaces[ns_id].release_client(s.session_id, s.leases[ns_id])
             if writes or pins:
                 log.info(
                     "client %d (pid %d) gone: failed %d stores, dropped %d pins in %s",
@@ -417,8 +438,13 @@ class Service:
         return self.transfers.on_completions(done)
 
     def cron(self) -> None:
+        now = time.monotonic()
         for ns in self.namespaces.values():
             ns.free_graves()
+            if late := ns.expire_commits(now):
+                log.warning(
+                    "namespace %s: %d committed stores never got their copies", ns.name, late
+                )
             ns.slots.release_free_tail()
 
     @property

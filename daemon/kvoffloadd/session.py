@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .access import Peer
 
@@ -17,8 +18,12 @@ class Session:
     name: str = ""
     fds: list[int] = field(default_factory=list)
     out_fds: list[int] = field(default_factory=list)  # go out with the next reply
-    snapshots: dict[int, list[bytes]] = field(default_factory=dict)  # ns -> SyncKeys pages
+    snapshots: dict[int, list[tuple[bytes, int]]] = field(default_factory=dict)  # SyncKeys
     namespaces: set[int] = field(default_factory=set)
+    leases: dict[int, int] = field(default_factory=dict)  # ns -> this connection's token
+    want_leases: dict[int, int] = field(default_factory=dict)  # ns -> slots to keep leased
+    push_feeds: set[int] = field(default_factory=set)  # namespaces whose events are pushed
+    pushes: list[Any] = field(default_factory=list)  # messages to send unasked
     workers: set[int] = field(default_factory=set)
     waits: list[tuple[int, int, set[int]]] = field(default_factory=list)  # rid, worker, jobs
     bytes_stored: int = 0

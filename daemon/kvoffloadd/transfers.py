@@ -8,13 +8,19 @@ Rules:
   any address reaches a copier (invariant 4); then its slots are marked busy so they
   cannot be freed under the copy.
 - A completion updates the index (written ranks, checksums, corrupt blocks), the
-  counters and the worker's results, and answers the waits it ends.
+  counters and the worker's results, and answers the waits it ends. Push workers
+  (engines that never wait for a reply) submit one-way and get their results pushed.
+- A store names its engine's lease token: only slots leased to that token may be
+  written (invariant 9); a store's copy that ends after its ``deadline_ns`` (when the
+  engine may reuse its blocks) or whose worker went away is void: never committed. A
+  load that names its keys reads each key wherever its block is now.
 - A detached worker (or one whose client died) keeps its mappings until its copies
   have drained; only then are they closed and a pending detach answered (invariant 5).
-- Client-copy workers (trusted uids only, see access.py) get the region's descriptor
-  and, per submitted job, the copy runs the daemon validated; they copy themselves and
-  end the job with ``ClientCopyDone``, whose completion goes through the same path as
-  the daemon's own copies. A client-copy worker that goes away fails its open jobs.
+- Client-copy workers (trusted uids only, see access.py) get the region's descriptor.
+  Blocking ones get, per submitted job, the copy runs the daemon validated and end the
+  job with ``ClientCopyDone``; push ones plan their copies themselves from the region's
+  tables and report stores with ``Wrote``. A client-copy worker that goes away fails
+  its open jobs.
 """
 
 from __future__ import annotations
@@ -27,19 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload.protocol import messages as m
-from kvoffload.protocol.errors import (
-    InvalidArgumentError,
-    NotLeasedError,
-    PermissionDeniedError,
-    QuotaExceededError,
-)
-from kvoffload.protocol.messages import pack_ids
-
-from .access import AccessPolicy
-from .config import DaemonConfig
-from .copier import ChecksumCheck, Completion, CpuCopier, finished
-from .copyplan import (
+from kvoffload.copyplan import (
     CacheGeometry,
     Placement,
     Runs,
@@ -48,6 +42,19 @@ from .copyplan import (
     place_caches,
     select_caches,
 )
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import (
+    InvalidArgumentError,
+    NotLeasedError,
+    PermissionDeniedError,
+    QuotaExceededError,
+    TimedOutError,
+)
+from kvoffload.protocol.messages import pack_ids, unpack_ids, unpack_keys
+
+from .access import AccessPolicy
+from .config import DaemonConfig
+from .copier import ChecksumCheck, Completion, CpuCopier, finished
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .region import SharedOffloadRegion
@@ -72,6 +79,7 @@ class _Job:
     ns_id: int
     slots: np.ndarray
     is_store: bool
+    deadline_ns: int = 0
 
 
 class Transfers:
@@ -143,15 +151,18 @@ class Transfers:
             raise
         wid = next(self._worker_ids)
         caches: list[ImportedCache]
+        region_bytes = 0
+        if r.client_copy or (r.want_region and self.access.may_map_region(s.peer)):
+            s.out_fds = [self.region.open_fd()]  # trusted: the region goes along
+            region_bytes = self.region.geometry.region_bytes
         if r.client_copy:
             close_fds(fds)
             caches = [ClientCache(check_desc(d)) for d in r.caches]
             w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
-            w.client_copy = True
-            s.out_fds = [self.region.open_fd()]
+            w.client_copy, w.push = True, r.push
             self.workers[wid] = w
             s.workers.add(wid)
-            return m.WorkerAttached(r.rid, wid, self.region.geometry.region_bytes)
+            return m.WorkerAttached(r.rid, wid, region_bytes)
         if r.device_uuid:
             close_fds(fds)
             if self.gpu is None:
@@ -165,9 +176,10 @@ class Transfers:
         else:
             caches = attach_caches(r.caches, fds)
             w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
+        w.push = r.push
         self.workers[wid] = w
         s.workers.add(wid)
-        return m.WorkerAttached(r.rid, wid)
+        return m.WorkerAttached(r.rid, wid, region_bytes)
 
     def submit(
         self,
@@ -177,7 +189,9 @@ class Transfers:
         block_ids: np.ndarray,
         skip: int,
         is_store: bool,
-    ) -> m.Reply:
+    ) -> m.Reply | None:
+        """Validate and start one job; the reply for a blocking submit, None for a
+        one-way one (its result is pushed)."""
         w = self.worker(s, r.worker)
         index = self.namespaces[w.ns_id]
         if r.job_id in w.active_jobs:
@@ -191,10 +205,19 @@ class Transfers:
             raise InvalidArgumentError("a transfer names the same slot twice")
         if not index.slots.is_valid(slots):
             raise_not_leased(index, slots)
-        if is_store:
-            index.check_store_slots(slots)
+        if isinstance(r, m.SubmitStore):
+            index.check_store_slots(slots, s.session_id, r.lease)
+        elif r.keys:
+            keys = unpack_keys(r.keys, r.key_bytes)
+            if len(keys) != slots.size:
+                raise InvalidArgumentError(f"{len(keys)} keys for {slots.size} slots")
+            slots = np.asarray(index.resolve_load(keys, slots.tolist()), dtype=np.int64)
+            if len(set(slots.tolist())) != slots.size:
+                raise InvalidArgumentError("a load names the same key twice")
         else:
             index.check_load_slots(slots)
+        if r.deadline_ns and time.monotonic_ns() > r.deadline_ns:
+            raise TimedOutError(f"job {r.job_id} arrived after its deadline; not started")
         chosen = select_caches(len(w.caches), r.caches)
         caches = [w.caches[i] for i in chosen]
         geometries: list[CacheGeometry] = [c.geometry for c in caches]
@@ -211,7 +234,7 @@ class Transfers:
         region_off = np.concatenate([x.region for x in runs])
         nbytes = np.concatenate([x.nbytes for x in runs])
         token = next(self._tokens)
-        self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store)
+        self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns)
         index.slots.mark_busy(slots)
         w.active_jobs.add(r.job_id)
         check = self._checksum_check(index, w.rank, slots, is_store)
@@ -224,7 +247,7 @@ class Transfers:
             self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event, check)
         else:
             self.copier.submit(token, dst, src, nbytes, check)
-        return m.OkReply(r.rid)
+        return m.OkReply(r.rid) if r.rid else None
 
     def _client_plan(
         self,
@@ -255,6 +278,19 @@ class Transfers:
             pack_ids(which),
         )
 
+    def wrote(self, s: Session, r: m.Wrote) -> None:
+        """A push client-copy worker copied a store into its engine's leased slots."""
+        w = self.worker(s, r.worker)
+        index = self.namespaces[w.ns_id]
+        slots = unpack_ids(r.slots)
+        if not index.slots.is_valid(slots):
+            raise_not_leased(index, slots)
+        index.check_store_slots(slots, s.session_id, r.lease)
+        if r.success:
+            index.mark_written(slots.tolist(), w.rank)
+        else:
+            index.void(slots.tolist())
+
     def client_copy_done(self, s: Session, r: m.ClientCopyDone) -> None:
         """A client-copy worker finished a job: complete it like a daemon copy."""
         w = self.worker(s, r.worker)
@@ -276,21 +312,30 @@ class Transfers:
         rank_bytes = index.layout.rank_bytes
         base = self._region_addr + rank * rank_bytes
         areas = (index.slots.region_offsets(slots) + base).tolist()
-        expected = None if is_store else index.checksums_for(slots.tolist(), rank)
+        expected = None if is_store else index.sums.expected(slots.tolist(), rank)
         return ChecksumCheck(areas, rank_bytes, expected)
 
     def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
-        """Apply finished copies; returns deferred replies as (session id, reply)."""
+        """Apply finished copies; returns deferred replies and pushed results as
+        (session id, message)."""
         replies: list[tuple[int, m.Reply]] = []
+        pushed: dict[int, list[m.JobResult]] = {}
+        now_ns = time.monotonic_ns()
         for c in done:
             job = self._jobs.pop(c.token)
             index = self.namespaces[job.ns_id]
             index.slots.unmark_busy(job.slots)
             w = self.workers[job.worker_id]
-            if c.success and job.is_store:
-                index.mark_written(job.slots.tolist(), w.rank)
-                if c.checksums is not None:
-                    index.set_checksums(job.slots.tolist(), w.rank, c.checksums)
+            if job.is_store:
+                # A copy that ended after the engine may reuse its blocks, or whose
+                # worker went away, may have read reused memory: never commit it.
+                late = bool(job.deadline_ns) and now_ns > job.deadline_ns
+                if c.success and not late and not w.closing:
+                    index.mark_written(job.slots.tolist(), w.rank)
+                    if c.checksums is not None:
+                        index.sums.set(job.slots.tolist(), w.rank, c.checksums)
+                else:
+                    index.void(job.slots.tolist())
             if c.corrupt:
                 bad = index.mark_corrupt([int(job.slots[i]) for i in c.corrupt])
                 self._count_error("CHECKSUM_MISMATCH")
@@ -307,8 +352,14 @@ class Transfers:
                     if w.session_id in self.sessions:
                         replies.extend((w.session_id, m.OkReply(r)) for r in w.detach_rids)
                 continue
-            w.finished.append(m.JobResult(job.job_id, c.success, c.nbytes, c.seconds))
+            result = m.JobResult(job.job_id, c.success, c.nbytes, c.seconds)
+            if w.push:
+                pushed.setdefault(w.worker_id, []).append(result)
+            else:
+                w.finished.append(result)
             replies.extend(self._resolve_waits(w, job.job_id))
+        for wid, results in pushed.items():
+            replies.append((self.workers[wid].session_id, m.JobsDone(0, wid, results)))
         return replies
 
     def _account(self, w: AttachedWorker, job: _Job, c: Completion) -> None:

@@ -24,11 +24,11 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload.copyplan import CacheGeometry, Placement
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc, JobResult
 
 from .copier import ChecksumCheck
-from .copyplan import CacheGeometry, Placement
 
 _F_SEAL_SHRINK = 0x0002
 
@@ -147,7 +147,8 @@ class AttachedWorker:
     finished: list[JobResult] = field(default_factory=list)
     closing: bool = False
     detach_rids: list[int] = field(default_factory=list)  # answered once drained
-    client_copy: bool = False  # the client copies; jobs end with ClientCopyDone
+    client_copy: bool = False  # the client copies; jobs end with ClientCopyDone or Wrote
+    push: bool = False  # one-way submits, results pushed (JobsDone)
     client_jobs: dict[int, ClientJob] = field(default_factory=dict)  # job id -> in flight
 
     @property

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class LoadPlan:
 
 @dataclass(frozen=True)
 class OffloadEvent:
-    """Keys stored (``removed=False``) or evicted (``removed=True``) together."""
+    """Keys stored (``removed=False``) or evicted (``removed=True``) together; a store
+    event also says which slot holds each key (``slots``, co-indexed)."""
 
     keys: list[bytes]
     removed: bool
+    slots: list[int] | None = field(default=None, compare=False)  # placement, not identity

@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import KVLayout
-from kvoffloadd.copyplan import (
+from kvoffload.copyplan import (
     CacheGeometry,
     build_runs,
     check_transfer,
     merge_runs,
     place_caches,
 )
+from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import KVLayout
 
 
 def expand_block_ids(ids: list[int], f: int, skip: int) -> list[int]:

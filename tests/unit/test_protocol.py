@@ -142,6 +142,42 @@ def test_frame_limits_both_directions() -> None:
         p.server.next_event()
 
 
+def test_one_way_requests_and_pushes_carry_rid_zero_and_no_answer() -> None:
+    p = ConnectionPair()
+    step = m.StepBatch(0, 1, 4, b"abcd", pack_ids([7]))
+    with pytest.raises(ProtocolError, match="must be a single Hello"):
+        p.client.send(step)  # not before the handshake
+    p = ConnectionPair()
+    p.handshake()
+    assert p.request(step) == step
+    assert p.server.pending == frozenset() and p.client.outstanding == frozenset()
+    grant = m.LeaseGrant(0, 1, pack_ids([3, 4]))
+    assert p.reply(grant) == grant  # a push answers nothing and needs no outstanding id
+    # between a request and its reply, pushes pass and the reply still matches
+    p.request(m.Ping(2))
+    p.client.receive_data(p.server.send(m.Notice(0, ErrorCode.NOT_LEASED, "x")))
+    p.client.receive_data(p.server.send(m.Pong(2)))
+    assert isinstance(p.client.next_event(), m.Notice)
+    assert p.client.next_event() == m.Pong(2)
+
+
+def test_rid_zero_is_refused_for_anything_else() -> None:
+    p = ConnectionPair()
+    p.handshake()
+    with pytest.raises(ProtocolError, match="start at 1"):
+        p.client.send(m.Ping(0))
+    p.server.receive_data(encode_frame(m.Ping(0)))
+    with pytest.raises(ProtocolError, match="needs a request id"):
+        p.server.next_event()
+    q = ConnectionPair()
+    q.handshake()
+    q.client.receive_data(encode_frame(m.Pong(0)))
+    with pytest.raises(ProtocolError, match="unknown request id 0"):
+        q.client.next_event()
+    with pytest.raises(ProtocolError, match="not pending"):
+        q.server.send(m.Pong(0))
+
+
 def test_garbage_and_unknown_tags_are_protocol_errors() -> None:
     for body in (b"\xc1", msgspec.msgpack.encode(["no_such_tag", 1]), msgspec.msgpack.encode(5)):
         s = ServerConnection()
@@ -159,11 +195,21 @@ GOLDEN = [
     (m.ErrorReply(4, ErrorCode.NO_SPACE, "full"), "0e000000 94 a56572726f72 04 01 a466756c6c"),
     (
         m.OpenNamespace(5, "n", m.KVLayout([16], 1, 2, "m", "bf16", "")),
-        "19000000 94 a76f70656e5f6e73 05 a16e 96 9110 01 02 a16d a462663136 a0",
+        "1a000000 95 a76f70656e5f6e73 05 a16e 96 9110 01 02 a16d a462663136 a0 c3",
     ),
     (
         m.AttachWorker(6, 0, 1, [m.CacheDesc("cuda", 2, 16, -1, 8, 32, b"\x01")], b"\x02", b""),
-        "20000000 98 a6617474616368 06 00 01 91 97 a463756461 02 10 ff 08 20 c40101 c40102 c400 c2",
+        "22000000 9a a6617474616368 06 00 01 91 97 a463756461 02 10 ff 08 20 c40101 c40102 c400"
+        " c2 c2 c2",
+    ),
+    (
+        m.StepBatch(0, 1, 2, b"ab", m.pack_ids([3]), ack_seq=7, want_leases=8),
+        "23000000 9d a473746570 00 01 02 c4026162 c408 0300000000000000 c400 c400 c400 c400 c400"
+        " 07 08",
+    ),
+    (
+        m.FeedPush(0, 1, 9, [m.EventMsg(b"ab", 2, False, m.pack_ids([3]))]),
+        "1c000000 96 a466656564 00 01 09 91 94 c4026162 02 c2 c408 0300000000000000 c2",
     ),
 ]
 

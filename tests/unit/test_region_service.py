@@ -13,18 +13,10 @@ import pytest
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_keys, unpack_ids
+from kvoffload.regionfmt import FORMAT_VERSION, HEADER, MAGIC, SLOT_DTYPE, SLOT_READY
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copier import CpuCopier
-from kvoffloadd.region import (
-    _HEADER,
-    FORMAT_VERSION,
-    MAGIC,
-    SLOT_DTYPE,
-    SLOT_READY,
-    Geometry,
-    RegionError,
-    SharedOffloadRegion,
-)
+from kvoffloadd.region import Geometry, RegionError, SharedOffloadRegion
 from kvoffloadd.service import Service
 
 MIB = 1 << 20
@@ -67,7 +59,7 @@ def test_header_and_slot_table_describe_completed_stores(service: Service) -> No
     shm = posix_ipc.SharedMemory(service.region.name)  # size 0: never resize it
     with mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ) as mm:
         shm.close_fd()
-        fields = _HEADER.unpack(mm[: _HEADER.size])
+        fields = HEADER.unpack(mm[: HEADER.size])
         assert fields[0] == MAGIC and fields[1] == FORMAT_VERSION
         g = service.region.geometry
         assert fields[3:6] == (g.region_bytes, g.extent_bytes, g.num_extents)

@@ -16,6 +16,9 @@ Rules:
   it (``Welcome``, or ``ErrorReply`` which leaves the connection in AWAIT_HELLO).
 - A client may only receive replies to request ids it sent and has not yet seen
   answered; a server may only send replies to request ids it received.
+- One-way requests (``messages.ONE_WAY``) travel with rid 0 and are never answered;
+  pushes (``messages.PUSHES``) travel with rid 0 and answer nothing. Any other rid 0
+  is a protocol error (a server's rid-0 ``ErrorReply`` is its last word).
 - Frames larger than ``max_frame_bytes`` are refused in both directions.
 - Errors are raised as ``ProtocolError`` and move the connection to ERROR; the I/O
   layer then drops that one connection.
@@ -32,6 +35,8 @@ import msgspec
 from .errors import ProtocolError
 from .messages import (
     DEFAULT_MAX_FRAME_BYTES,
+    ONE_WAY,
+    PUSHES,
     ErrorReply,
     Hello,
     Reply,
@@ -145,17 +150,23 @@ class ClientConnection:
             if not isinstance(req, Hello) or self._hello_rid is not None:
                 raise ProtocolError("the first request must be a single Hello")
             self._hello_rid = req.rid
+        if req.rid == 0 and isinstance(req, ONE_WAY) and self.state is State.READY:
+            return self._encode(req)
         if req.rid <= 0:
-            raise ProtocolError("request ids start at 1 (0 is reserved for connection errors)")
+            raise ProtocolError("request ids start at 1 (0 is reserved for one-way requests)")
         if req.rid in self._outstanding:
             raise ProtocolError(f"request id {req.rid} is already outstanding")
+        frame = self._encode(req)
+        self._outstanding.add(req.rid)
+        return frame
+
+    def _encode(self, req: Request) -> bytes:
         frame = encode_frame(req)
         if len(frame) - HEADER_BYTES > self.max_frame_bytes:
             raise ProtocolError(
                 f"request of {len(frame) - HEADER_BYTES} bytes exceeds the frame limit of "
                 f"{self.max_frame_bytes}; split the call"
             )
-        self._outstanding.add(req.rid)
         return frame
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
@@ -171,6 +182,8 @@ class ClientConnection:
             if msg.rid == 0 and isinstance(msg, ErrorReply):
                 # rid 0 is the server's last word before it closes the connection.
                 raise ProtocolError(f"kvoffloadd closed the connection: {msg.message}")
+            if msg.rid == 0 and isinstance(msg, PUSHES) and self.state is State.READY:
+                return msg
             if msg.rid not in self._outstanding:
                 raise ProtocolError(f"reply to unknown request id {msg.rid}")
             self._outstanding.discard(msg.rid)
@@ -226,6 +239,10 @@ class ServerConnection:
                 raise ProtocolError(f"expected Hello first, got {type(msg).__name__}")
             if self.state is State.READY and isinstance(msg, Hello):
                 raise ProtocolError("Hello sent twice")
+            if msg.rid == 0:
+                if not isinstance(msg, ONE_WAY):
+                    raise ProtocolError(f"{type(msg).__name__} needs a request id")
+                return msg
             if msg.rid in self._pending:
                 raise ProtocolError(f"request id {msg.rid} reused while still pending")
             self._pending.add(msg.rid)
@@ -237,6 +254,8 @@ class ServerConnection:
     def send(self, reply: Reply) -> bytes:
         if self.state in (State.CLOSED, State.ERROR):
             raise ProtocolError(f"cannot send on a connection in state {self.state.value}")
+        if reply.rid == 0 and isinstance(reply, PUSHES) and self.state is State.READY:
+            return encode_frame(reply)
         if reply.rid not in self._pending:
             raise ProtocolError(f"reply to request id {reply.rid} that is not pending")
         if self.state is State.AWAIT_HELLO and isinstance(reply, Welcome):

@@ -29,6 +29,7 @@ class ErrorCode(enum.IntEnum):
     NOT_FOUND = 10
     PROTOCOL_ERROR = 11
     INTERNAL = 12
+    TIMED_OUT = 13
 
 
 class KVOffloadError(Exception):
@@ -95,6 +96,17 @@ class InternalError(KVOffloadError):
     code = ErrorCode.INTERNAL
 
 
+class TimedOutError(KVOffloadError):
+    code = ErrorCode.TIMED_OUT
+
+
+class LoadLostError(KVOffloadError):
+    """A load vLLM planned cannot complete, so the engine must stop rather than compute
+    with KV it did not load (README: "What the engine sees when kvoffloadd fails")."""
+
+    code = ErrorCode.NOT_FOUND
+
+
 _BY_CODE: dict[ErrorCode, type[KVOffloadError]] = {
     cls.code: cls
     for cls in (
@@ -110,6 +122,7 @@ _BY_CODE: dict[ErrorCode, type[KVOffloadError]] = {
         NotFoundError,
         ProtocolError,
         InternalError,
+        TimedOutError,
     )
 }
 

@@ -6,6 +6,10 @@ Rules (msgspec schema evolution, see research/aesthetics.md section 4):
 - Tags are explicit short strings, so renaming a class never changes the wire.
 - Every request carries ``rid``, the request id its reply echoes; ids let a client
   pipeline requests and let both sides reject replies nobody asked for.
+- One-way requests (``ONE_WAY``) are sent with ``rid`` 0 and get no reply: an engine
+  never waits for them. What they produce comes back as pushes (``PUSHES``, ``rid``
+  0), which the daemon sends unasked: the namespace's event feed, slot leases, job
+  completions, and notices of one-way requests it refused.
 - Keys travel packed: all keys of one message have the same length ``key_bytes`` and
   are concatenated into one ``bytes`` field. Block ids and slots travel as packed
   little-endian int64 (``pack_ids``). Decoding a list of Python ints costs ~15 ns per
@@ -23,7 +27,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEY_BYTES = 64
 KEY_ABSENT, KEY_READY, KEY_PROMOTING = 0, 1, 2  # ProbeReply states
@@ -81,6 +85,7 @@ class OpenNamespace(_Msg, frozen=True, tag="open_ns"):
     rid: int
     name: str
     layout: KVLayout
+    subscribe: bool = True  # queue the namespace's events for this connection
 
 
 class Lookup(_Msg, frozen=True, tag="lookup"):
@@ -154,6 +159,33 @@ class SyncKeys(_Msg, frozen=True, tag="sync_keys"):
     rid: int
     ns: int
     offset: int = 0
+    push: bool = False  # after the snapshot, events are pushed (``FeedPush``), not taken
+
+
+class StepBatch(_Msg, frozen=True, tag="step"):
+    """One engine scheduler step's changes to a namespace, sent one-way (``rid`` 0).
+
+    Applied in field order: ``claim_keys`` are stored into the engine's leased
+    ``claim_slots``; ``pin_keys`` are loads the engine planned (pinned wherever the
+    key's block is); ``unpin_keys`` loads that finished; ``commit_keys`` and
+    ``fail_keys`` stores that finished (committed once every rank's copy landed) or
+    were given up; ``touch_keys`` recency. Then ``ack_seq``: the engine's mirror has
+    applied the feed up to there (-1: no change); ``want_leases``: how many empty
+    slots the engine wants to hold (-1: no change). All keys are ``key_bytes`` long.
+    """
+
+    rid: int
+    ns: int
+    key_bytes: int
+    claim_keys: bytes = b""
+    claim_slots: bytes = b""
+    pin_keys: bytes = b""
+    unpin_keys: bytes = b""
+    commit_keys: bytes = b""
+    fail_keys: bytes = b""
+    touch_keys: bytes = b""
+    ack_seq: int = -1
+    want_leases: int = -1
 
 
 class CacheDesc(msgspec.Struct, frozen=True, array_like=True):
@@ -185,6 +217,8 @@ class AttachWorker(_Msg, frozen=True, tag="attach"):
     device_uuid: bytes = b""
     store_event: bytes = b""
     client_copy: bool = False  # the worker copies itself; the reply brings the region fd
+    push: bool = False  # submits may be one-way; results are pushed (``JobsDone``)
+    want_region: bool = False  # a daemon-copy worker's fallback mapping, if trusted
 
 
 class DetachWorker(_Msg, frozen=True, tag="detach"):
@@ -193,15 +227,27 @@ class DetachWorker(_Msg, frozen=True, tag="detach"):
 
 
 class SubmitStore(_Msg, frozen=True, tag="sub_store"):
+    """Copy engine blocks into slots. ``lease``: the engine's lease token the slots
+    belong to (0: slots this connection prepared). ``deadline_ns``: CLOCK_MONOTONIC
+    time after which the engine may reuse its blocks; a copy not finished by then is
+    dropped (never committed). With ``rid`` 0 it is one-way (push workers)."""
+
     rid: int
     worker: int
     job_id: int
     block_ids: bytes
     slots: bytes
     caches: list[int] = []  # indices of the registered caches to copy; empty: all
+    lease: int = 0
+    deadline_ns: int = 0
 
 
 class SubmitLoad(_Msg, frozen=True, tag="sub_load"):
+    """Copy slots into engine blocks. With ``keys`` (one per slot) the daemon reads
+    each key wherever its block is now, so the load needs no pin of its own and reads
+    exactly those keys' bytes; without, every slot must be pinned by a prepare_load of
+    this connection. A copy not started by ``deadline_ns`` is not started at all."""
+
     rid: int
     worker: int
     job_id: int
@@ -209,6 +255,20 @@ class SubmitLoad(_Msg, frozen=True, tag="sub_load"):
     block_ids: bytes
     skip: int = 0
     caches: list[int] = []
+    keys: bytes = b""
+    key_bytes: int = 0
+    deadline_ns: int = 0
+
+
+class Wrote(_Msg, frozen=True, tag="wrote"):
+    """A client-copy worker copied a store into its engine's leased slots itself
+    (one-way); the daemon counts this rank's copy as landed."""
+
+    rid: int
+    worker: int
+    lease: int
+    slots: bytes
+    success: bool = True
 
 
 class ClientCopyDone(_Msg, frozen=True, tag="copied"):
@@ -266,6 +326,8 @@ Request = (
     | Touch
     | TakeEvents
     | SyncKeys
+    | StepBatch
+    | Wrote
     | ClientCopyDone
     | AttachWorker
     | DetachWorker
@@ -312,6 +374,7 @@ class NamespaceOpened(_Msg, frozen=True, tag="ns"):
     slot_bytes: int
     fingerprint: str
     tiers: int = 0  # secondary tiers below the region: lookups may promote
+    lease: int = 0  # this connection's lease token in the namespace
 
 
 class ProbeReply(_Msg, frozen=True, tag="probed"):
@@ -335,6 +398,7 @@ class StorePlanReply(_Msg, frozen=True, tag="store_plan"):
     key_bytes: int
     slots: bytes
     evicted_keys: bytes
+    lease: int = 0  # the token workers name when they copy into these slots
 
 
 class LoadPlanReply(_Msg, frozen=True, tag="load_plan"):
@@ -346,6 +410,7 @@ class EventMsg(msgspec.Struct, frozen=True, array_like=True):
     keys: bytes
     key_bytes: int
     removed: bool
+    slots: bytes = b""  # stores: the slot of each key (packed int64)
 
 
 class EventsReply(_Msg, frozen=True, tag="ev"):
@@ -358,6 +423,8 @@ class KeysPage(_Msg, frozen=True, tag="keys"):
     rid: int
     keys: list[bytes]
     next_offset: int  # -1: the snapshot is complete
+    slots: bytes = b""  # the slot of each key (packed int64)
+    seq: int = 0  # the feed position the snapshot was taken at
 
 
 class CopyPlanReply(_Msg, frozen=True, tag="copy_plan"):
@@ -382,6 +449,7 @@ class JobResult(msgspec.Struct, frozen=True, array_like=True):
     success: bool
     nbytes: int
     seconds: float
+    error: int = 0  # the ErrorCode of a job the daemon refused or could not run
 
 
 class FinishedReply(_Msg, frozen=True, tag="results"):
@@ -427,6 +495,45 @@ class ConfigReply(_Msg, frozen=True, tag="config_r"):
     config: dict[str, Any]
 
 
+# ---------------------------------------------------------------------------- pushes
+
+
+class FeedPush(_Msg, frozen=True, tag="feed"):
+    """Events of a namespace a connection mirrors (``SyncKeys(push=True)``); ``seq``
+    is the feed position after them, which the engine acks (``StepBatch.ack_seq``).
+    ``lost``: events were dropped (the connection fell behind): resync."""
+
+    rid: int
+    ns: int
+    seq: int
+    events: list[EventMsg]
+    lost: bool = False
+
+
+class LeaseGrant(_Msg, frozen=True, tag="grant"):
+    """Empty slots for this connection's stores in a namespace (its lease token)."""
+
+    rid: int
+    ns: int
+    slots: bytes
+
+
+class JobsDone(_Msg, frozen=True, tag="done"):
+    """Results of a push worker's jobs."""
+
+    rid: int
+    worker: int
+    results: list[JobResult]
+
+
+class Notice(_Msg, frozen=True, tag="notice"):
+    """A one-way request was refused; nothing else about the connection changes."""
+
+    rid: int
+    code: int
+    message: str
+
+
 Reply = (
     Welcome
     | Pong
@@ -446,7 +553,14 @@ Reply = (
     | ClientsReply
     | EvictReply
     | ConfigReply
+    | FeedPush
+    | LeaseGrant
+    | JobsDone
+    | Notice
 )
+
+ONE_WAY: tuple[type[_Msg], ...] = (StepBatch, Wrote, SubmitStore, SubmitLoad)
+PUSHES: tuple[type[_Msg], ...] = (FeedPush, LeaseGrant, JobsDone, Notice)
 
 
 # ------------------------------------------------------------------------ packing

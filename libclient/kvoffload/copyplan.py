@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import KVLayout
+from .protocol.errors import InvalidArgumentError
+from .protocol.messages import KVLayout
 
 I64 = npt.NDArray[np.int64]
 

@@ -1,0 +1,139 @@
+"""The engine channel: what an engine's scheduler sends once per step, and what the
+daemon pushes back without being asked.
+
+An engine's scheduler never waits for the daemon (kvoffload.view). It holds a mirror
+of the namespace (keys and their slots), a pool of leased empty slots, and sends one
+``StepBatch`` per step, one-way. In return the daemon pushes:
+
+- ``FeedPush``: the namespace's store/evict events, with slots, for every connection
+  that mirrors it (``SyncKeys(push=True)``), at most once per loop turn and only while
+  the connection's unsent output stays under ``FEED_BACKLOG_BYTES``: a connection that
+  does not read falls behind, its queue overflows, and it resyncs from a snapshot.
+- ``LeaseGrant``: empty slots, whenever a connection holds fewer than it asked for
+  (``want_leases``) and the namespace has room, evicting to make room outside any
+  request. A connection may hold at most ``lease_share`` of the namespace's largest
+  possible size, shared among the connections that lease in it.
+
+Rules:
+- A batch is applied in field order (claims, pins, unpins, commits, failures, touches,
+  the feed ack, the lease wish), so pins taken before an ack are seen before it.
+- Nothing in a batch can fail the engine: what does not apply (a claim of a slot no
+  longer leased, a pin of a key gone) is counted, never answered.
+- Loop thread only, as part of the service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
+
+from .index import NamespaceIndex
+from .session import Session
+
+FEED_BACKLOG_BYTES = 4 * 1024 * 1024
+LEASE_SHARE = 8  # all connections together lease at most 1/8 of a namespace
+MIN_LEASE_CAP = 4
+
+
+class EngineChannel:
+    def __init__(self, namespaces: dict[int, NamespaceIndex], max_frame_bytes: int) -> None:
+        self.namespaces = namespaces
+        self.max_frame_bytes = max_frame_bytes
+        self.refused_claims_total = 0
+
+    # ------------------------------------------------------------ batches
+
+    def apply(self, s: Session, index: NamespaceIndex, r: m.StepBatch) -> None:
+        token, sid, kb = s.leases[index.ns_id], s.session_id, r.key_bytes
+
+        def keys(packed: bytes) -> list[bytes]:
+            return unpack_keys(packed, kb) if packed else []
+
+        claimed, slots = keys(r.claim_keys), unpack_ids(r.claim_slots).tolist()
+        if len(claimed) != len(slots):
+            raise InvalidArgumentError(f"{len(claimed)} claimed keys for {len(slots)} slots")
+        if claimed:
+            self.refused_claims_total += index.claim(token, sid, claimed, slots)
+        if r.pin_keys:
+            index.pin(keys(r.pin_keys), sid)
+        if r.unpin_keys:
+            index.unpin(keys(r.unpin_keys), sid)
+        if r.commit_keys:
+            index.commit(token, sid, keys(r.commit_keys), True)
+        if r.fail_keys:
+            index.commit(token, sid, keys(r.fail_keys), False)
+        if r.touch_keys:
+            index.touch(keys(r.touch_keys))
+        if r.ack_seq >= 0:
+            index.ack(sid, r.ack_seq)
+        if r.want_leases >= 0:
+            s.want_leases[index.ns_id] = r.want_leases
+        self.refill(s, index)
+
+    def refill(self, s: Session, index: NamespaceIndex) -> None:
+        """Top the connection's lease pool up to what it wants (within its share)."""
+        token = s.leases.get(index.ns_id)
+        if token is None:
+            return
+        want = min(s.want_leases.get(index.ns_id, 0), self.lease_cap(index))
+        short = want - index.leases.unclaimed(token)
+        if short <= 0:
+            return
+        slots = index.lease(token, short)
+        if slots:
+            s.pushes.append(m.LeaseGrant(0, index.ns_id, pack_ids(slots)))
+
+    def lease_cap(self, index: NamespaceIndex) -> int:
+        """How many empty slots one connection may hold in this namespace."""
+        largest = index.slots.pool.num_extents * index.slots.slots_per_extent
+        if index.max_blocks is not None:
+            largest = min(largest, index.max_blocks)
+        holders = max(1, len(index.leases.holders()))
+        return max(MIN_LEASE_CAP, largest // (LEASE_SHARE * holders))
+
+    # ------------------------------------------------------------ feeds
+
+    def snapshot_page(self, s: Session, index: NamespaceIndex, r: m.SyncKeys) -> m.KeysPage:
+        """Pages of a snapshot of the ready keys and their slots; offset 0 restarts the
+        event feed at that instant (pushed from then on with ``push``)."""
+        ns = index.ns_id
+        if r.offset == 0:
+            s.snapshots[ns] = index.ready_keys()
+            index.events.subscribe(s.session_id)
+            index.add_mirror(s.session_id)
+            if r.push:
+                s.push_feeds.add(ns)
+            else:
+                s.push_feeds.discard(ns)
+        snap = s.snapshots.get(ns)
+        if snap is None or not 0 <= r.offset < max(len(snap), 1):
+            raise InvalidArgumentError("no key snapshot at that offset; start with offset 0")
+        end = r.offset + max(1, (self.max_frame_bytes - 4096) // (m.MAX_KEY_BYTES + 24))
+        page = snap[r.offset : end]
+        if end >= len(snap):
+            del s.snapshots[ns]
+        return m.KeysPage(
+            r.rid,
+            [k for k, _ in page],
+            -1 if end >= len(snap) else end,
+            pack_ids([slot for _, slot in page]),
+            index.events.seq,
+        )
+
+    def feed_pushes(self, s: Session, backlog_bytes: int) -> Iterator[m.FeedPush]:
+        """The connection's pending feed events, as pushes (nothing while it lags)."""
+        if backlog_bytes > FEED_BACKLOG_BYTES:
+            return
+        for ns in s.push_feeds:
+            index = self.namespaces[ns]
+            if not index.events.pending(s.session_id):
+                continue
+            events, lost = index.events.take(s.session_id)
+            msgs = [
+                m.EventMsg(*pack_keys(e.keys), e.removed, pack_ids(e.slots) if e.slots else b"")
+                for e in events
+            ]
+            yield m.FeedPush(0, ns, index.events.seq, msgs, lost)

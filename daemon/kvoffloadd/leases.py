@@ -1,0 +1,83 @@
+"""Slot leases: empty slots handed to an engine ahead of its stores.
+
+An engine's scheduler must not wait for the daemon in a scheduler step, so it plans
+stores from slots it already holds: the daemon grants each (connection, namespace) a
+small pool of free slots, identified by an unguessable lease token, and refills it in
+the background (evicting to make room outside any request). The engine claims slots
+for keys in its per-step batch; its workers copy into them naming the token.
+
+Rules:
+- A token belongs to one connection and one namespace; only copies that name it may
+  write its slots (DESIGN.md invariant 9). Tokens are random 63-bit numbers, never
+  reused, so a token of a dead connection or an earlier daemon matches nothing.
+- A slot is in exactly one of: leased (granted, not claimed), claimed (``writing``,
+  or a ``shadow``: the key was stored by someone else meanwhile, so this copy is
+  dropped at commit and one copy stays), or neither.
+- A connection that goes away frees its unclaimed slots at once; its claimed ones
+  fail like any store of a dead client.
+- Pure bookkeeping, loop thread only; the index allocates and frees the slots.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+
+def new_token() -> int:
+    """A fresh lease token (never 0, which means "no lease")."""
+    return secrets.randbits(63) | 1
+
+
+class LeaseBook:
+    def __init__(self) -> None:
+        self.token_of: dict[int, int] = {}  # slot -> token, leased or claimed under a lease
+        self._unclaimed: dict[int, set[int]] = {}  # token -> slots granted, not claimed
+        self.shadows: dict[tuple[int, bytes], int] = {}  # (token, key) -> duplicate's slot
+
+    def grant(self, token: int, slots: list[int]) -> None:
+        self._unclaimed.setdefault(token, set()).update(slots)
+        for s in slots:
+            self.token_of[s] = token
+
+    def holders(self) -> list[int]:
+        """Tokens that hold (or held) leases and are still alive."""
+        return list(self._unclaimed)
+
+    def unclaimed(self, token: int) -> int:
+        return len(self._unclaimed.get(token, ()))
+
+    def total_unclaimed(self) -> int:
+        return sum(len(v) for v in self._unclaimed.values())
+
+    def is_unclaimed(self, token: int, slot: int) -> bool:
+        return slot in self._unclaimed.get(token, ())
+
+    def claim(self, token: int, slot: int) -> bool:
+        """Take a granted slot out of the pool; False when it was not granted to token."""
+        pool = self._unclaimed.get(token)
+        if pool is None or slot not in pool:
+            return False
+        pool.discard(slot)
+        return True
+
+    def may_write(self, token: int, slot: int) -> bool:
+        """Whether a copy naming ``token`` may write ``slot``."""
+        return token != 0 and self.token_of.get(slot) == token
+
+    def release(self, token: int) -> list[int]:
+        """The token's connection is gone: its unclaimed slots, to be freed."""
+        slots = sorted(self._unclaimed.pop(token, set()))
+        for s in slots:
+            self.token_of.pop(s, None)
+        return slots
+
+    def shadows_of(self, token: int) -> list[tuple[bytes, int]]:
+        return [(key, slot) for (t, key), slot in self.shadows.items() if t == token]
+
+    def forget(self, slot: int) -> None:
+        """The slot was freed."""
+        token = self.token_of.pop(slot, None)
+        if token is not None:
+            pool = self._unclaimed.get(token)
+            if pool is not None:
+                pool.discard(slot)

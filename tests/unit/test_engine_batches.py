@@ -1,0 +1,202 @@
+"""The index's engine-facing operations: leases, claims, one-way commits, pins by key.
+
+Engines never wait for the daemon, so everything they send must be applicable in any
+order the daemon happens to read it, and nothing they send can fail them. Each test
+is one scenario on the index alone (no sockets, no sleeps).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_index_story import ks
+
+from kvoffload.protocol.errors import NotFoundError, NotLeasedError
+from kvoffload.protocol.messages import KVLayout
+from kvoffloadd.allocator import ExtentPool, SlotPool
+from kvoffloadd.index import NamespaceIndex
+from kvoffloadd.leases import new_token
+
+A, B = 1, 2  # two engines (connections) sharing the namespace
+TA, TB = new_token(), new_token()
+
+
+def make_index(blocks: int = 8, world_size: int = 1, grace_s: float = 60.0) -> NamespaceIndex:
+    pool = ExtentPool(num_extents=1, extent_bytes=blocks * 4096)
+    layout = KVLayout(tensor_page_bytes=[4096 // world_size], world_size=world_size)
+    idx = NamespaceIndex(0, "e", layout, "fp", SlotPool(pool, 0, 4096), mirror_grace_s=grace_s)
+    for conn in (A, B):
+        idx.events.subscribe(conn)
+        idx.add_mirror(conn)
+    return idx
+
+
+def stored_events(idx: NamespaceIndex, conn: int) -> list[tuple[list[bytes], list[int] | None]]:
+    events, _ = idx.take_feed(conn)
+    return [(e.keys, e.slots) for e in events if not e.removed]
+
+
+def test_a_claimed_lease_commits_once_written_and_the_event_says_where() -> None:
+    idx = make_index()
+    slots = idx.lease(TA, 3)
+    assert len(slots) == 3 and idx.leases.unclaimed(TA) == 3
+    assert idx.claim(TA, A, ks(1, 2), slots[:2]) == 0
+    assert idx.lookup(ks(1)) == 0  # claimed is not stored (invariant 1)
+    idx.mark_written(slots[:2], rank=0)
+    idx.commit(TA, A, ks(1, 2), True)
+    assert idx.lookup(ks(1, 2)) == 2
+    assert stored_events(idx, B) == [(ks(1, 2), slots[:2])]
+    assert idx.leases.unclaimed(TA) == 1
+
+
+def test_a_commit_that_arrives_before_the_copy_waits_for_it() -> None:
+    """The scheduler's commit and the worker's copy come on two connections, in either
+    order: the store becomes visible when both are in, and only then."""
+    idx = make_index(world_size=2)
+    slots = idx.lease(TA, 1)
+    idx.claim(TA, A, ks(1), slots)
+    idx.mark_written(slots, rank=0)
+    idx.commit(TA, A, ks(1), True)
+    assert idx.lookup(ks(1)) == 0 and idx.statistics().commits_waiting == 1
+    idx.mark_written(slots, rank=1)
+    assert idx.lookup(ks(1)) == 1 and idx.statistics().commits_waiting == 0
+
+
+def test_a_copy_written_before_its_claim_counts() -> None:
+    """The worker's copy into a leased slot may land before the scheduler's claim."""
+    idx = make_index()
+    slots = idx.lease(TA, 1)
+    idx.mark_written(slots, rank=0)
+    idx.claim(TA, A, ks(1), slots)
+    idx.commit(TA, A, ks(1), True)
+    assert idx.lookup(ks(1)) == 1
+
+
+def test_a_void_copy_is_never_committed_and_frees_its_slot() -> None:
+    idx = make_index()
+    slots = idx.lease(TA, 2)
+    idx.claim(TA, A, ks(1, 2), slots)
+    idx.commit(TA, A, ks(1, 2), True)  # committed first, copies pending
+    idx.void(slots[:1])  # the copy of 1 failed (or ended after its deadline)
+    idx.mark_written(slots[1:], rank=0)
+    assert idx.lookup(ks(1)) == 0 and idx.lookup(ks(2)) == 1
+    assert idx.statistics().store_failures_total == 1
+    assert idx.slots.num_used == 1  # 1's slot is free again
+
+
+def test_a_commit_whose_copy_never_lands_expires() -> None:
+    idx = make_index()
+    idx.commit_timeout_s = 5.0
+    slots = idx.lease(TA, 1)
+    idx.claim(TA, A, ks(1), slots)
+    idx.commit(TA, A, ks(1), True)
+    assert idx.expire_commits(now_s=0.0) == 0
+    assert idx.expire_commits(now_s=1e12) == 1
+    assert idx.lookup(ks(1)) == 0 and idx.slots.num_used == 0
+
+
+def test_two_engines_storing_one_key_at_once_end_with_one_copy() -> None:
+    idx = make_index()
+    sa, sb = idx.lease(TA, 1), idx.lease(TB, 1)
+    idx.claim(TA, A, ks(7), sa)
+    idx.claim(TB, B, ks(7), sb)  # B's mirror had not seen A's claim: a shadow copy
+    for s in (sa, sb):
+        idx.mark_written(s, rank=0)
+    idx.commit(TB, B, ks(7), True)  # the shadow goes
+    idx.commit(TA, A, ks(7), True)
+    assert idx.lookup(ks(7)) == 1
+    assert idx.slots.num_used == 1 and idx.statistics().duplicate_stores_total == 1
+    assert stored_events(idx, A) == [(ks(7), sa)]
+
+
+def test_only_the_lease_holder_may_claim_or_write_its_slots() -> None:
+    """Invariant 9: a lease belongs to the connection it was handed to."""
+    idx = make_index()
+    slots = idx.lease(TA, 2)
+    assert idx.claim(TB, B, ks(1), slots[:1]) == 1  # refused, counted
+    with pytest.raises(NotLeasedError):
+        idx.check_store_slots(np.array(slots), B, TB)
+    with pytest.raises(NotLeasedError):
+        idx.check_store_slots(np.array(slots), B, 0)
+    idx.check_store_slots(np.array(slots), A, TA)
+    idx.claim(TA, A, ks(1), slots[:1])
+    idx.check_store_slots(np.array(slots[:1]), A, TA)  # claimed: still A's to write
+
+
+def test_blocking_stores_check_the_writer_too() -> None:
+    """Without a token (the blocking API) only the client that prepared may write."""
+    idx = make_index()
+    plan = idx.prepare_store(ks(1), A)
+    assert plan is not None
+    with pytest.raises(NotLeasedError):
+        idx.check_store_slots(np.array(plan.slots), B, 0)
+    idx.check_store_slots(np.array(plan.slots), A, 0)
+
+
+def test_a_gone_connection_frees_its_leases_and_fails_its_claims() -> None:
+    idx = make_index()
+    slots = idx.lease(TA, 3)
+    idx.claim(TA, A, ks(1), slots[:1])
+    idx.mark_written(slots[:1], rank=0)
+    assert idx.release_client(A, TA) == (1, 0)
+    assert idx.slots.num_used == 0 and idx.leases.unclaimed(TA) == 0
+    idx.commit(TA, A, ks(1), True)  # a late commit of a dead connection does nothing
+    assert idx.lookup(ks(1)) == 0
+
+
+def test_leasing_evicts_outside_requests_but_never_pinned_blocks() -> None:
+    idx = make_index(blocks=4)
+    slots = idx.lease(TA, 4)
+    idx.claim(TA, A, ks(1, 2, 3, 4), slots)
+    idx.mark_written(slots, rank=0)
+    idx.commit(TA, A, ks(1, 2, 3, 4), True)
+    idx.pin(ks(1), A)
+    # everything evictable goes, 1 is pinned; the space frees once both mirrors saw it
+    assert idx.lease(TA, 4) == []
+    assert idx.lookup(ks(2)) == idx.lookup(ks(3)) == idx.lookup(ks(4)) == 0
+    idx.ack(A, idx.events.seq), idx.ack(B, idx.events.seq)
+    assert len(idx.lease(TA, 4)) == 3 and idx.lookup(ks(1)) == 1
+
+
+def test_a_local_pin_reaches_the_daemon_before_the_ack_so_the_slot_stays() -> None:
+    """B pinned key 1 from its mirror while the daemon evicted it. B's batch carries
+    the pin before the ack of the eviction: the grave stays until B unpins."""
+    idx = make_index(blocks=4)
+    slots = idx.lease(TA, 4)
+    idx.claim(TA, A, ks(1, 2, 3, 4), slots)
+    idx.mark_written(slots, rank=0)
+    idx.commit(TA, A, ks(1, 2, 3, 4), True)
+    idx.ack(A, idx.events.seq), idx.ack(B, idx.events.seq)
+    idx.evict(ks(1))  # pressure: 1 is evicted while B's mirror still says HIT
+    idx.pin(ks(1), B)  # B's batch: the pin...
+    idx.ack(B, idx.events.seq)  # ...then the ack
+    idx.ack(A, idx.events.seq)
+    assert idx.resolve_load(ks(1), slots[:1]) == slots[:1]  # the old bytes, still there
+    assert slots[0] in idx.graves.by_slot
+    idx.unpin(ks(1), B)
+    assert slots[0] not in idx.graves.by_slot  # freed once unpinned and seen
+
+
+def test_a_load_by_key_finds_the_key_where_it_is_now() -> None:
+    idx = make_index()
+    first = idx.lease(TA, 1)
+    idx.claim(TA, A, ks(1), first)
+    idx.mark_written(first, 0)
+    idx.commit(TA, A, ks(1), True)
+    idx.graves.drop_mirror(A), idx.graves.drop_mirror(B)
+    idx.evict(ks(1))  # gone, slot free
+    assert idx.lookup(ks(1)) == 0
+    with pytest.raises(NotFoundError):
+        idx.resolve_load(ks(1), first)
+    again = idx.lease(TB, 2)
+    idx.claim(TB, B, ks(1), again[1:])  # stored again elsewhere
+    idx.mark_written(again[1:], 0)
+    idx.commit(TB, B, ks(1), True)
+    assert idx.resolve_load(ks(1), first) == again[1:]
+
+
+def test_pins_and_unpins_of_unknown_keys_are_counted_not_raised() -> None:
+    idx = make_index()
+    idx.pin(ks(9), A)
+    idx.unpin(ks(9), A)
+    assert idx.statistics().pins_missed_total == 1
