@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-gpu test-vllm bench bench-report soak lint clean
+.PHONY: setup run test test-gpu test-vllm bench bench-engine bench-report soak lint clean
 
 setup: $(STAMP)
 
@@ -22,23 +22,27 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/kvoffloadd $(ARGS)
 
-test: $(STAMP)
+# Everything, the vLLM suite included (its tests skip in .venv, which has no vLLM).
+test: $(STAMP) $(VLLM_STAMP)
 	@tools/ensure-redis-server
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu $(PYTEST_ARGS)
 
-# The vLLM plug-in against the real vLLM 0.33 classes, in a separate virtualenv:
-# vllm with --no-deps (its kv_offload modules import nothing beyond torch and numpy),
-# so `make test` stays free of vLLM and its tests skip there.
+# The vLLM plug-in against vLLM 0.33's real Scheduler and OffloadingConnector, in a
+# separate virtualenv: vllm with --no-deps plus only what its scheduler imports
+# (tests/vllm/requirements.txt, --no-deps too: never a CUDA torch, nvidia-* or triton).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvoffload-installed
-$(VLLM_STAMP): pyproject.toml
+VLLM_REQUIREMENTS := tests/vllm/requirements.txt
+$(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENTS)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis]'
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps vllm==0.33.0
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+		vllm==0.33.0 -r $(VLLM_REQUIREMENTS)
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

@@ -35,7 +35,7 @@ from .session import Session
 
 FEED_BACKLOG_BYTES = 4 * 1024 * 1024
 LEASE_SHARE = 8  # all connections together lease at most 1/8 of a namespace
-MIN_LEASE_CAP = 4
+MIN_LEASE_CAP = 1
 
 
 class EngineChannel:

@@ -14,7 +14,8 @@ Worker side::
 """
 
 from .cache import shared_kv_cache
-from .client import Client, Namespace, connect
+from .client import Client, connect
+from .namespace import Namespace
 from .plans import LoadPlan, OffloadEvent, StorePlan
 from .protocol.errors import (
     DaemonUnavailableError,

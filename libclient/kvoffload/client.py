@@ -1,125 +1,210 @@
-"""The client: one connection per engine process, namespaces on the scheduler side.
+"""The client: one connection per engine process, and what keeps it alive.
 
-Rules (DESIGN.md section 4, invariant 7 — an engine never crashes or hangs because
-the cache is down):
-- Every call has a timeout (``timeout_s``). A lost daemon turns into misses:
-  ``lookup`` -> 0, ``prepare_store`` -> None, completions and ``touch`` -> no-ops,
-  ``take_events`` -> []. Only ``prepare_load`` raises, because a load cannot be
-  planned without the daemon; callers treat that as a failed load.
-- After a failure the client retries the connection with exponential backoff (0.2 s
-  to 5 s) on later calls; on reconnect it re-opens its namespaces and re-attaches its
-  workers. Leases do not survive a reconnect: the daemon failed them when the old
-  connection closed.
+Rules (DESIGN.md section 4, invariant 7 — an engine never crashes, hangs or waits
+because the cache is down):
+- Every blocking call has a timeout (``timeout_s``). A lost daemon turns into misses
+  (see ``namespace.Namespace``); nothing here ever blocks on a daemon that is away.
+- A lost connection is replaced in the background: a reconnect thread retries every
+  ``RETRY_MIN_S`` to ``RETRY_MAX_S`` (so a daemon that comes back is found within a
+  quarter of a second, and a call never sits in a backoff), performs the whole
+  handshake on its own socket — Hello, every namespace re-opened, every worker
+  re-attached, every engine mirror's snapshot — and hands the finished link over.
+  The engine's thread adopts it at its next call: one pointer swap and local updates.
+- Registrations (namespaces, workers) take effect now if connected and are replayed
+  on every reconnect. Leases, pins and in-flight jobs of an older connection are void:
+  the daemon dropped them when it closed (``epoch`` counts connections).
+- Pushes (feed, leases, job results, notices) are read only when the engine's thread
+  asks (``poll``), without blocking, and routed to the namespace or worker they are
+  for. One-way requests are queued (``post``) and written by ``flush``.
+- One warning per outage, one note on recovery.
 - One lock serialises calls, so a client may be shared between threads.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import itertools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from .namespace import Namespace, pack_checked
 from .paths import default_socket_path
-from .plans import LoadPlan, OffloadEvent, StorePlan
 from .protocol import messages as m
-from .protocol.errors import (
-    DaemonUnavailableError,
-    InvalidArgumentError,
-    KVOffloadError,
-    NoSpaceError,
-    QuotaExceededError,
-)
-from .protocol.messages import KVLayout, pack_keys, unpack_ids, unpack_keys
+from .protocol.errors import DaemonUnavailableError, KVOffloadError
+from .protocol.messages import KVLayout
 from .transport import Transport
-
-if TYPE_CHECKING:
-    from .worker import Worker
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=m.Reply)
 
 
+class Registration(Protocol):
+    """A namespace or worker the client re-establishes on every connection."""
+
+    def _handshake(self, t: Transport, ns_ids: dict[int, int]) -> Any: ...
+    def _adopt(self, state: Any) -> None: ...
+    def _lost(self) -> None: ...
+    def _on_push(self, msg: m.Reply) -> None: ...
+
+
+class _Link:
+    """A connection whose handshake is complete, waiting to be adopted."""
+
+    def __init__(self, t: Transport, welcome: m.Welcome) -> None:
+        self.transport = t
+        self.welcome = welcome
+        self.states: list[tuple[Registration, Any]] = []
+
+
 class Client:
     """A connection to kvoffloadd. Build it with ``kvoffload.connect()``."""
 
-    BACKOFF_MIN_S = 0.2
-    BACKOFF_MAX_S = 5.0
+    RETRY_MIN_S = 0.02
+    RETRY_MAX_S = 0.25
 
     def __init__(self, socket_path: str, timeout_s: float = 5.0, name: str = "") -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.name = name or f"pid{os.getpid()}"
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self._rids = itertools.count(1)
         self._transport: Transport | None = None
-        self._namespaces: list[Namespace] = []
-        self._workers: list[Worker] = []
-        self._retry_at = 0.0
-        self._backoff_s = self.BACKOFF_MIN_S
+        self._pending: _Link | None = None
+        self._registrations: list[Registration] = []
+        self._routes: dict[tuple[type, int], Registration] = {}  # (push kind, id) -> owner
+        self._reconnector: threading.Thread | None = None
         self.epoch = 0  # bumped on every (re)connect; leases of older epochs are void
         self.welcome: m.Welcome | None = None
+        self.outages_total = 0
         self._closed = False
 
     # ------------------------------------------------------------ connection
 
     @property
     def connected(self) -> bool:
-        return self._transport is not None
+        return self._transport is not None or self._pending is not None
 
     def _rid(self) -> int:
         return next(self._rids)
 
-    def _connect(self) -> Transport:
+    def _handshake(self) -> _Link:
+        """Connect and replay every registration on a new socket (any thread)."""
         t = Transport(self.socket_path, self.timeout_s)
         try:
             welcome = t.request(m.Hello(self._rid(), m.PROTOCOL_VERSION, self.name, os.getpid()))
             assert isinstance(welcome, m.Welcome)
-            self._transport = t
-            self.welcome = welcome
-            self.epoch += 1
-            for ns in self._namespaces:
-                ns._reopen(t)
-            for w in self._workers:
-                w._reattach(t)
+            link = _Link(t, welcome)
+            with self._lock:
+                registrations = list(self._registrations)
+            ns_ids: dict[int, int] = {}  # id(Namespace) -> namespace id on this connection
+            for reg in registrations:
+                state = reg._handshake(t, ns_ids)
+                link.states.append((reg, state))
+            return link
         except BaseException:
             t.close()
-            self._transport = None
             raise
-        self._backoff_s = self.BACKOFF_MIN_S
+
+    def _adopt(self, link: _Link) -> None:
+        """Take over a finished handshake (the engine's thread, the lock held)."""
+        if [reg for reg, _ in link.states] != self._registrations:
+            link.transport.close()  # registrations changed meanwhile: do it again
+            self._start_reconnect()
+            return
+        self._transport, self.welcome = link.transport, link.welcome
+        self.epoch += 1
+        self._routes.clear()
+        for reg, state in link.states:
+            reg._adopt(state)
         if self.epoch > 1:
-            log.info("reconnected to kvoffloadd at %s", self.socket_path)
-        return t
+            log.warning("kvoffloadd at %s is back; offloading resumes", self.socket_path)
 
     def _ensure(self) -> Transport:
         if self._closed:
             raise DaemonUnavailableError("client is closed")
-        if self._transport is not None:
-            return self._transport
-        now = time.monotonic()
-        if now < self._retry_at:
+        if self._pending is not None:
+            link, self._pending = self._pending, None
+            self._adopt(link)
+        if self._transport is None:
+            self._start_reconnect()
             raise DaemonUnavailableError(f"kvoffloadd at {self.socket_path} is unavailable")
-        try:
-            return self._connect()
-        except DaemonUnavailableError:
-            self._retry_at = time.monotonic() + self._backoff_s
-            self._backoff_s = min(self._backoff_s * 2, self.BACKOFF_MAX_S)
-            raise
+        return self._transport
 
-    def _lost(self, exc: DaemonUnavailableError) -> None:
-        if self._transport is not None:
-            log.warning("lost kvoffloadd: %s", exc)
-            self._transport.close()
-            self._transport = None
-            self._retry_at = time.monotonic() + self._backoff_s
-            for w in self._workers:
-                w._fail_inflight()
+    def _lost(self, exc: KVOffloadError) -> None:
+        if self._transport is None:
+            return
+        self.outages_total += 1
+        log.warning(
+            "lost kvoffloadd at %s (%s); engines run without offloading until it is back",
+            self.socket_path,
+            exc,
+        )
+        self._transport.close()
+        self._transport = None
+        for reg in self._registrations:
+            reg._lost()
+        self._start_reconnect()
+
+    def _start_reconnect(self) -> None:
+        if self._closed or self._reconnector is not None:
+            return
+        self._reconnector = threading.Thread(
+            target=self._reconnect_loop, name="kvoffload-reconnect", daemon=True
+        )
+        self._reconnector.start()
+
+    def _reconnect_loop(self) -> None:
+        delay_s = self.RETRY_MIN_S
+        refused = ""
+        while not self._closed:
+            try:
+                link = self._handshake()
+            except KVOffloadError as exc:
+                if not isinstance(exc, DaemonUnavailableError) and str(exc) != refused:
+                    refused = str(exc)
+                    log.error("kvoffloadd at %s refuses this client: %s", self.socket_path, exc)
+                with self._lock:
+                    self._changed.wait(delay_s)
+                delay_s = min(delay_s * 2, self.RETRY_MAX_S)
+                continue
+            with self._lock:
+                self._reconnector = None
+                if self._closed:
+                    link.transport.close()
+                else:
+                    self._pending = link
+                    self._changed.notify_all()
+                return
+        with self._lock:
+            self._reconnector = None
+
+    def connect_now(self) -> None:
+        """Connect on the calling thread; raises DaemonUnavailableError if it cannot."""
+        with self._lock:
+            if self._transport is None:
+                self._adopt(self._handshake())
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Block until a connection is up (or adopted), at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while not self._closed:
+                try:
+                    self._ensure()
+                    return True
+                except DaemonUnavailableError:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._changed.wait(min(left, 0.05))
+        return False
+
+    # ------------------------------------------------------------ requests
 
     def call(
         self,
@@ -140,6 +225,8 @@ class Client:
                 lost = DaemonUnavailableError(f"unexpected reply {type(reply).__name__}")
                 self._lost(lost)
                 raise lost
+            if t.pushed:
+                self._route(t.poll())
             return reply
 
     def send_nowait(self, make: Callable[[int], m.Request]) -> None:
@@ -149,27 +236,89 @@ class Client:
             except DaemonUnavailableError as exc:
                 self._lost(exc)
 
+    def post(self, msg: m.Request) -> bool:
+        """Queue a one-way request for the next ``flush``; False when disconnected."""
+        with self._lock:
+            try:
+                self._ensure().post(msg)
+            except DaemonUnavailableError as exc:
+                self._lost(exc)
+                return False
+            return True
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._transport is not None:
+                try:
+                    self._transport.flush()
+                except DaemonUnavailableError as exc:
+                    self._lost(exc)
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Adopt a new connection if one is ready, write queued requests, and deliver
+        the pushes that arrived (waiting up to ``timeout_s`` for some)."""
+        with self._lock:
+            try:
+                t = self._ensure()
+                t.flush()
+                pushes = t.poll(timeout_s)
+            except DaemonUnavailableError as exc:
+                self._lost(exc)
+                return
+            self._route(pushes)
+
+    def _route(self, pushes: Sequence[m.Reply]) -> None:
+        for msg in pushes:
+            if isinstance(msg, (m.FeedPush, m.LeaseGrant)):
+                owner = self._routes.get((Namespace, msg.ns))
+            elif isinstance(msg, m.JobsDone):
+                owner = self._routes.get((m.JobsDone, msg.worker))
+            else:
+                log.warning("kvoffloadd refused a request: %s", getattr(msg, "message", msg))
+                continue
+            if owner is not None:
+                owner._on_push(msg)
+
+    def route(self, kind: type, ident: int, owner: Registration) -> None:
+        """Deliver pushes of ``kind`` for ``ident`` (namespace or worker id) to owner."""
+        self._routes[(kind, ident)] = owner
+
+    # ------------------------------------------------------------ registrations
+
+    def _register(self, reg: Registration) -> None:
+        """Set a registration up now (if connected) and replay it on reconnects.
+
+        A daemon that is down, or lost during the registration, is no error: it runs
+        again when the client reconnects. Other errors (a layout mismatch, a refused
+        cache) propagate and nothing is kept.
+        """
+        with self._lock:
+            try:
+                t = self._ensure()
+                ns_ids = {id(r): r.ns_id for r in self._registrations if isinstance(r, Namespace)}
+                state = reg._handshake(t, ns_ids)
+            except DaemonUnavailableError as exc:
+                self._lost(exc)
+                self._registrations.append(reg)
+                return
+            self._registrations.append(reg)
+            reg._adopt(state)
+
+    def _unregister(self, reg: Registration) -> None:
+        with self._lock:
+            if reg in self._registrations:
+                self._registrations.remove(reg)
+            for key in [k for k, v in self._routes.items() if v is reg]:
+                del self._routes[key]
+
     # ------------------------------------------------------------ public API
 
-    def _register(self, setup: Callable[[Transport], None], keep: Callable[[], None]) -> None:
-        """Run a registration now and ``keep`` it for reconnects (the lock held).
-
-        A daemon that is down, or lost during the registration, is no error: like
-        every registration, it runs again when the client reconnects. Other errors
-        (a layout mismatch, a refused cache) propagate and nothing is kept.
-        """
-        try:
-            setup(self._ensure())
-        except DaemonUnavailableError as exc:
-            self._lost(exc)
-        keep()
-
-    def namespace(self, name: str, layout: KVLayout) -> Namespace:
-        """Open (or join) a namespace; LayoutMismatchError if it exists with another layout."""
-        with self._lock:
-            ns = Namespace(self, name, layout)
-            self._register(ns._reopen, lambda: self._namespaces.append(ns))
-            return ns
+    def namespace(self, name: str, layout: KVLayout, subscribe: bool = True) -> Namespace:
+        """Open (or join) a namespace; LayoutMismatchError if it exists with another
+        layout. ``subscribe=False``: this connection takes no events of it."""
+        ns = Namespace(self, name, layout, subscribe)
+        self._register(ns)
+        return ns
 
     def ping(self) -> float:
         """Round trip to the daemon in seconds."""
@@ -191,7 +340,7 @@ class Client:
     ) -> int:
         """Evict unpinned blocks of one namespace (or all): only ``keys``, only keys
         starting with ``prefix``, or all of them. Returns how many were evicted."""
-        packed, kb = _pack(keys) if keys is not None else (None, 0)
+        packed, kb = pack_checked(keys) if keys is not None else (None, 0)
         reply = self.call(lambda rid: m.Evict(rid, namespace, packed, kb, prefix), m.EvictReply)
         return reply.evicted
 
@@ -200,173 +349,26 @@ class Client:
         return self.call(m.GetConfig, m.ConfigReply).config
 
     def close(self) -> None:
+        from .worker import Worker
+
         with self._lock:
-            for w in list(self._workers):
-                w.close()
+            for reg in list(self._registrations):
+                if isinstance(reg, Worker):
+                    reg.close()
             self._closed = True
+            self._changed.notify_all()
             if self._transport is not None:
                 self._transport.close()
                 self._transport = None
+            if self._pending is not None:
+                self._pending.transport.close()
+                self._pending = None
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _register_worker(self, w: Worker) -> None:
-        self._workers.append(w)
-
-    def _unregister_worker(self, w: Worker) -> None:
-        if w in self._workers:
-            self._workers.remove(w)
-
-
-class Namespace:
-    """Scheduler-side view of one namespace: vLLM's OffloadingManager contract."""
-
-    def __init__(self, client: Client, name: str, layout: KVLayout) -> None:
-        self.client = client
-        self.name = name
-        self.layout = layout
-        self.ns_id = -1
-        self.slot_bytes = 0
-        self.fingerprint = ""
-        self.tiers = 0  # secondary tiers below the daemon's region
-        self.last_error: KVOffloadError | None = None  # why prepare_store gave None
-
-    def _reopen(self, t: Transport) -> None:
-        reply = t.request(m.OpenNamespace(self.client._rid(), self.name, self.layout))
-        assert isinstance(reply, m.NamespaceOpened)
-        self.ns_id, self.slot_bytes, self.fingerprint, self.tiers = (
-            reply.ns,
-            reply.slot_bytes,
-            reply.fingerprint,
-            reply.tiers,
-        )
-
-    def _keys_call(
-        self, cls: Callable[..., m.Request], keys: Sequence[bytes], expect: type[R], *extra: Any
-    ) -> R:
-        packed, kb = _pack(keys)
-        return self.client.call(lambda rid: cls(rid, self.ns_id, packed, kb, *extra), expect)
-
-    def lookup(self, keys: Sequence[bytes]) -> int | None:
-        """Number of leading keys stored and ready; 0 when the daemon is unavailable."""
-        if not keys:
-            return 0
-        try:
-            return self._keys_call(m.Lookup, keys, m.LookupReply).hits
-        except DaemonUnavailableError:
-            return 0
-
-    def probe(self, keys: Sequence[bytes]) -> list[int]:
-        """Per key ``KEY_READY``, ``KEY_PROMOTING`` or ``KEY_ABSENT``, up to and including
-        the first absent key; keys a secondary tier holds start their promotion. Empty
-        when the daemon is unavailable."""
-        if not keys:
-            return []
-        try:
-            return list(self._keys_call(m.Probe, keys, m.ProbeReply).states)
-        except DaemonUnavailableError:
-            return []
-
-    def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
-        """Lease slots for the keys not stored yet; None when there is no space.
-
-        None also when the namespace's quota is full and nothing of its own can be
-        evicted (``QUOTA_EXCEEDED``); the reason stays in ``last_error``.
-        """
-        try:
-            r = self._keys_call(m.PrepareStore, keys, m.StorePlanReply)
-        except (NoSpaceError, QuotaExceededError, DaemonUnavailableError) as exc:
-            self.last_error = exc
-            return None
-        return StorePlan(
-            unpack_keys(r.keys, r.key_bytes),
-            unpack_ids(r.slots).tolist(),
-            unpack_keys(r.evicted_keys, r.key_bytes),
-        )
-
-    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
-        if keys:
-            # Without the daemon there is nothing to complete: it failed these stores
-            # when the connection dropped.
-            with contextlib.suppress(DaemonUnavailableError):
-                self._keys_call(m.CompleteStore, keys, m.OkReply, success)
-
-    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
-        """Pin the blocks and return their slots in key order (raises if not all ready)."""
-        r = self._keys_call(m.PrepareLoad, keys, m.LoadPlanReply)
-        return LoadPlan(unpack_ids(r.slots).tolist())
-
-    def complete_load(self, keys: Sequence[bytes]) -> None:
-        if keys:
-            with contextlib.suppress(DaemonUnavailableError):  # pins died with the connection
-                self._keys_call(m.CompleteLoad, keys, m.OkReply)
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Refresh recency; sent without waiting for the reply."""
-        if keys:
-            packed, kb = _pack(keys)
-            self.client.send_nowait(lambda rid: m.Touch(rid, self.ns_id, packed, kb))
-
-    def take_events(self) -> list[OffloadEvent]:
-        """Events of this namespace since the last take on this connection: stores that
-        completed (by any engine) and evictions. [] when the daemon is unavailable."""
-        try:
-            return self.read_feed()[0]
-        except DaemonUnavailableError:
-            return []
-
-    def read_feed(self) -> tuple[list[OffloadEvent], bool]:
-        """(events, lost): like ``take_events``; ``lost`` says the daemon dropped some
-        (its per-connection queue overflowed), so a mirror must ``sync_keys`` again.
-        Raises DaemonUnavailableError."""
-        r = self.client.call(lambda rid: m.TakeEvents(rid, self.ns_id), m.EventsReply)
-        events = [OffloadEvent(unpack_keys(e.keys, e.key_bytes), e.removed) for e in r.events]
-        return events, r.lost
-
-    def sync_keys(self) -> list[bytes]:
-        """Every key ready in the namespace now, and the event feed restarted at that
-        instant: keys + later ``read_feed`` events are exact. Raises
-        DaemonUnavailableError."""
-        keys: list[bytes] = []
-        offset = 0
-        while offset >= 0:
-            page = self.client.call(
-                functools.partial(m.SyncKeys, ns=self.ns_id, offset=offset), m.KeysPage
-            )
-            keys.extend(page.keys)
-            offset = page.next_offset
-        return keys
-
-    def attach_worker(
-        self,
-        caches: Sequence[Any],
-        rank: int = 0,
-        stream: int | None = None,
-        copy_mode: str = "auto",
-    ) -> Worker:
-        """Register this rank's KV caches.
-
-        ``caches`` are ``shared_kv_cache`` CPU tensors or CUDA tensors (one GPU per
-        worker, exported by IPC handle), which the daemon copies; or, with
-        ``copy_mode`` "client" (or "auto" when the caches cannot be exported), plain CPU
-        tensors that the worker copies itself through a mapping of the region, which
-        the daemon allows only for trusted uids. For CUDA, stores wait on work queued on
-        ``stream`` (a raw ``cudaStream_t``; default: PyTorch's current stream).
-        """
-        from .worker import Worker
-
-        return Worker(self, caches, rank, stream, copy_mode)
-
-
-def _pack(keys: Sequence[bytes]) -> tuple[bytes, int]:
-    try:
-        return pack_keys(list(keys))
-    except ValueError as exc:
-        raise InvalidArgumentError(str(exc)) from None
 
 
 def connect(
@@ -376,11 +378,13 @@ def connect(
 
     ``socket_path`` defaults to ``$KVOFFLOAD_SOCKET``, then the default path. With
     ``lazy=False`` an unreachable daemon raises DaemonUnavailableError now; with
-    ``lazy=True`` the client starts disconnected and connects on first use.
+    ``lazy=True`` the client starts disconnected and connects in the background.
     """
     path = socket_path or os.environ.get("KVOFFLOAD_SOCKET") or default_socket_path()
     client = Client(path, timeout_s, name)
-    if not lazy:
+    if lazy:
         with client._lock:
-            client._ensure()
+            client._start_reconnect()
+    else:
+        client.connect_now()
     return client

@@ -161,7 +161,8 @@ class SlotMap:
     def offsets(self, slots: I64) -> I64:
         """Byte offset of each slot from the region's start."""
         h = self.tables.header
-        ext = self._extents[self._chunks(slots)]
+        chunks = self._chunks(slots)  # may refresh the extent list
+        ext = self._extents[chunks]
         result: I64 = (
             h.data_offset + ext * h.extent_bytes + (slots % self.slots_per_extent) * self.slot_bytes
         )
@@ -169,7 +170,8 @@ class SlotMap:
 
     def records(self, slots: I64) -> npt.NDArray[np.void]:
         """A copy of each slot's record."""
-        ext = self._extents[self._chunks(slots)]
+        chunks = self._chunks(slots)
+        ext = self._extents[chunks]
         index = ext * self.tables.header.slots_per_extent_max + slots % self.slots_per_extent
         rows: npt.NDArray[np.void] = self.tables.slots[index]  # fancy indexing copies
         return rows

@@ -23,9 +23,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable
 
-from .client import Namespace
-from .mirror import KeyState
+from .namespace import Namespace
 from .protocol.messages import KEY_ABSENT, KEY_PROMOTING, KEY_READY
+from .view import KeyState
 
 MAX_REMEMBERED = 1 << 17
 

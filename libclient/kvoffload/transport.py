@@ -1,17 +1,23 @@
-"""Blocking unix-socket transport under the sans-IO ``ClientConnection``.
+"""Unix-socket transport under the sans-IO ``ClientConnection``.
 
 Rules:
-- Every call has a deadline; a timeout or any OS error closes the socket and raises
-  ``DaemonUnavailableError``: after a lost reply the stream cannot be trusted. The
-  socket is blocking with kernel receive/send timeouts (SO_RCVTIMEO/SO_SNDTIMEO), so a
-  round trip costs one send and one recv system call, with no poll in between; a
-  call therefore gives up after at most ``2 * timeout_s``.
+- Blocking requests (``request``) have a deadline; a timeout or any OS error closes
+  the socket and raises ``DaemonUnavailableError``: after a lost reply the stream
+  cannot be trusted. The socket is blocking with kernel receive/send timeouts
+  (SO_RCVTIMEO/SO_SNDTIMEO), so a round trip costs one send and one recv system call,
+  with no poll in between; a call therefore gives up after at most ``2 * timeout_s``.
+- One-way requests (``post``) are queued and written by ``flush`` without blocking
+  (MSG_DONTWAIT); what the kernel does not take now stays queued, in order, and goes
+  before anything sent later. A daemon that stops reading for good fills the queue
+  past ``MAX_OUTBOX_BYTES``: the connection is then given up as lost.
+- ``poll`` reads whatever has arrived without blocking (or waits up to ``timeout_s``
+  for something) and returns the pushes; an end of stream is a lost daemon.
 - ``ErrorReply`` becomes the typed exception for its code.
-- Replies to fire-and-forget requests (``send_nowait``) are read and dropped while
-  waiting for a later reply.
+- Replies to fire-and-forget requests (``send_nowait``) are read and dropped; pushes
+  that arrive while a blocking request waits are kept for the next ``poll``.
 - File descriptors go out with SCM_RIGHTS in the same ``sendmsg`` as the frame that
-  refers to them; descriptors a reply brings (the region, for client-copy workers)
-  wait in ``received_fds`` for whoever asked for them.
+  refers to them; descriptors a reply brings (the region, for trusted workers) wait in
+  ``received_fds`` for whoever asked for them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import array
 import logging
 import os
+import select
 import socket
 import struct
 import time
@@ -34,6 +41,7 @@ from .protocol.errors import (
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 256 * 1024
+MAX_OUTBOX_BYTES = 16 * 1024 * 1024
 _ANC_BYTES = socket.CMSG_SPACE(4 * 4)  # room for a few descriptors (one is expected)
 
 
@@ -44,6 +52,8 @@ class Transport:
         self.conn = ClientConnection()
         self._nowait: set[int] = set()
         self.received_fds: list[int] = []  # SCM_RIGHTS descriptors replies brought
+        self.pushed: list[m.Reply] = []  # pushes not yet taken by ``poll``
+        self._outbox = bytearray()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(timeout_s)
         try:
@@ -77,11 +87,92 @@ class Transport:
             self.sock = None
         self.conn.close()
 
+    def _lost(self, exc: BaseException | str) -> DaemonUnavailableError:
+        self.close()
+        return DaemonUnavailableError(f"lost kvoffloadd at {self.path}: {exc}")
+
+    # ------------------------------------------------------------ one-way
+
+    def post(self, req: m.Request) -> None:
+        """Queue a one-way request (rid 0); ``flush`` writes it."""
+        try:
+            self._outbox += self.conn.send(req)
+        except ProtocolError as exc:
+            raise self._lost(exc) from exc
+
+    @property
+    def unsent_bytes(self) -> int:
+        return len(self._outbox)
+
+    def flush(self) -> None:
+        """Write queued one-way frames without blocking; raises when the daemon is gone
+        or has stopped reading for good."""
+        sock = self.sock
+        if sock is None:
+            raise DaemonUnavailableError("connection to kvoffloadd is closed")
+        while self._outbox:
+            try:
+                n = sock.send(self._outbox, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                raise self._lost(exc) from exc
+            del self._outbox[:n]
+        if len(self._outbox) > MAX_OUTBOX_BYTES:
+            raise self._lost(f"it has not read {len(self._outbox)} bytes of requests")
+
+    def poll(self, timeout_s: float = 0.0) -> list[m.Reply]:
+        """Pushes that arrived (waiting up to ``timeout_s`` for the first bytes)."""
+        sock = self.sock
+        if sock is None:
+            raise DaemonUnavailableError("connection to kvoffloadd is closed")
+        if timeout_s > 0 and not self.pushed:
+            try:
+                ready, _, _ = select.select([sock], [], [], timeout_s)
+            except (OSError, ValueError) as exc:
+                raise self._lost(exc) from exc
+            if not ready:
+                return []
+        try:
+            while True:
+                try:
+                    data, anc, _, _ = sock.recvmsg(RECV_BYTES, _ANC_BYTES, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                if not data:
+                    raise ConnectionResetError("kvoffloadd closed the connection")
+                self._take_anc(anc)
+                self.conn.receive_data(data)
+                if len(data) < RECV_BYTES:
+                    break
+            while not isinstance(event := self.conn.next_event(), NeedData):
+                self._route(event)
+        except (OSError, ProtocolError) as exc:
+            raise self._lost(exc) from exc
+        out, self.pushed = self.pushed, []
+        return out
+
+    def _route(self, event: m.Reply) -> None:
+        """A message outside a blocking request: a push, or a dropped nowait reply."""
+        if event.rid == 0:
+            self.pushed.append(event)
+        elif event.rid in self._nowait:
+            self._nowait.discard(event.rid)
+            if isinstance(event, m.ErrorReply):
+                log.debug("fire-and-forget request failed: %s", event.message)
+        else:
+            raise ProtocolError(f"unexpected reply to request {event.rid}")
+
+    # ------------------------------------------------------------ blocking
+
     def _send(self, req: m.Request, fds: list[int] | None) -> None:
         if self.sock is None:
             raise DaemonUnavailableError("connection to kvoffloadd is closed")
         frame = self.conn.send(req)
         try:
+            if self._outbox:  # one-way frames queued earlier go first
+                self.sock.sendall(self._outbox)
+                self._outbox.clear()
             if fds:
                 anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
                 sent = self.sock.sendmsg([frame], anc)
@@ -90,8 +181,7 @@ class Transport:
             else:
                 self.sock.sendall(frame)
         except OSError as exc:
-            self.close()
-            raise DaemonUnavailableError(f"lost kvoffloadd at {self.path}: {exc}") from exc
+            raise self._lost(exc) from exc
 
     def send_nowait(self, req: m.Request) -> None:
         self._send(req, None)
@@ -106,17 +196,22 @@ class Transport:
         deadline = time.monotonic() + limit_s
         while True:
             reply = self._next_reply(deadline)
-            if reply.rid in self._nowait:
-                self._nowait.discard(reply.rid)
-                if isinstance(reply, m.ErrorReply):
-                    log.debug("fire-and-forget request failed: %s", reply.message)
-                continue
             if reply.rid != req.rid:
-                self.close()
-                raise DaemonUnavailableError(f"reply for request {reply.rid}, expected {req.rid}")
+                try:
+                    self._route(reply)
+                except ProtocolError as exc:
+                    raise self._lost(exc) from exc
+                continue
             if isinstance(reply, m.ErrorReply):
                 raise error_for_code(reply.code, reply.message)
             return reply
+
+    def _take_anc(self, anc: list[tuple[int, int, bytes]]) -> None:
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                self.received_fds.extend(fds)
 
     def _next_reply(self, deadline: float) -> m.Reply:
         try:
@@ -132,11 +227,7 @@ class Transport:
                     data, anc, _, _ = self.sock.recvmsg(RECV_BYTES, _ANC_BYTES)
                 except BlockingIOError:  # SO_RCVTIMEO expired
                     raise TimeoutError from None
-                for level, kind, payload in anc:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds = array.array("i")
-                        fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                        self.received_fds.extend(fds)
+                self._take_anc(anc)
                 if not data:
                     raise ConnectionResetError("kvoffloadd closed the connection")
                 self.conn.receive_data(data)

@@ -6,7 +6,8 @@ Rules:
   logged. They never raise for daemon-side problems, as vLLM's offloading worker
   expects.
 - Jobs in flight when the connection is lost are reported by ``get_finished`` as
-  failed: their leases died with the connection.
+  failed: their leases died with the connection. (Engines that must never see a
+  failure use ``kvoffload.streaming.StreamingWorker``.)
 - Engine block ids and slots travel packed (int64).
 - CUDA caches are exported by IPC handle (``cuda_export``); each store first records
   the worker's store fence on the engine's current CUDA stream (or ``stream``), so
@@ -35,6 +36,8 @@ import numpy.typing as npt
 
 from .cache import describe_cache
 from .client_copy import RegionMapping, describe_plain_cache
+from .copyplan import CacheGeometry
+from .cuda_driver import CudaApi
 from .cuda_export import StoreFence, current_stream, export_cuda_caches, require_driver
 from .protocol import messages as m
 from .protocol.errors import DaemonUnavailableError, InvalidArgumentError, KVOffloadError
@@ -42,7 +45,7 @@ from .protocol.messages import pack_ids
 from .transport import Transport
 
 if TYPE_CHECKING:
-    from .client import Namespace
+    from .namespace import Namespace
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,9 @@ COPY_MODES = ("auto", "daemon", "client")
 
 
 class Worker:
+    push = False  # one-way submits, pushed results (StreamingWorker)
+    want_region = False  # map the region when trusted, for copies of our own
+
     def __init__(
         self,
         ns: Namespace,
@@ -76,6 +82,7 @@ class Worker:
         self.caches = list(caches)
         self._stream = stream
         self._fence: StoreFence | None = None
+        self._cuda: CudaApi | None = None
         self._device_uuid = b""
         self._fds: list[int] = []
         self._region: RegionMapping | None = None
@@ -84,7 +91,7 @@ class Worker:
         if self.caches and all(getattr(c, "is_cuda", False) for c in self.caches):
             if copy_mode == "client":
                 raise InvalidArgumentError("client-copy mode takes CPU tensors only")
-            api = require_driver()
+            api = self._cuda = require_driver()
             export = export_cuda_caches(self.caches, api)
             self._descs = export.descs
             self._device_uuid = export.device_uuid
@@ -103,41 +110,64 @@ class Worker:
             self._cache_bases = [base for _, base in described_plain]
             self.copy_mode = "client"
         self.worker_id = -1
+        self.epoch = 0  # connections this worker was attached on
         self.last_error: KVOffloadError | None = None
         self._inflight: set[int] = set()
         self._failed_locally: list[TransferResult] = []
-        client = ns.client
-        with client._lock:
-            client._register(self._reattach, lambda: client._register_worker(self))
+        ns.client._register(self)
 
-    def _reattach(self, t: Transport) -> None:
+    @property
+    def geometries(self) -> list[CacheGeometry]:
+        """Each cache's rows as this process addresses them (base: ``bases``)."""
+        return [
+            CacheGeometry(d.num_blocks, d.page_bytes, 0, d.row_stride_bytes or d.page_bytes)
+            for d in self._descs
+        ]
+
+    @property
+    def bases(self) -> list[int]:
+        return [int(c.data_ptr()) for c in self.caches]
+
+    def _handshake(
+        self, t: Transport, ns_ids: dict[int, int]
+    ) -> tuple[m.WorkerAttached, list[int]]:
         fence = self._fence.handle if self._fence is not None else b""
         client_copy = self.copy_mode == "client"
         req = m.AttachWorker(
             self.ns.client._rid(),
-            self.ns.ns_id,
+            ns_ids.get(id(self.ns), self.ns.ns_id),
             self.rank,
             self._descs,
             self._device_uuid,
             fence,
             client_copy,
+            self.push,
+            self.want_region,
         )
         reply = t.request(req, fds=self._fds)
         assert isinstance(reply, m.WorkerAttached)
-        if client_copy:
-            fds = t.take_fds()
-            for extra in fds[1:]:
-                os.close(extra)
-            if not fds:
-                raise DaemonUnavailableError("kvoffloadd sent no region descriptor")
-            if self._region is not None:
-                self._region.close()
-            self._region = RegionMapping(fds[0], reply.region_bytes)
-        self.worker_id = reply.worker
+        return reply, t.take_fds()
 
-    def _fail_inflight(self) -> None:
+    def _adopt(self, state: tuple[m.WorkerAttached, list[int]]) -> None:
+        reply, fds = state
+        for extra in fds[1:]:
+            os.close(extra)
+        # The mapping of an earlier region (a cold restart) stays alive as long as a
+        # job planned against it holds it.
+        self._region = RegionMapping(fds[0], reply.region_bytes) if fds else None
+        if self._region is None and self.copy_mode == "client":
+            log.error("kvoffloadd sent no region descriptor to a client-copy worker")
+        self.worker_id = reply.worker
+        self.epoch += 1
+        if self.push:
+            self.ns.client.route(m.JobsDone, self.worker_id, self)
+
+    def _lost(self) -> None:
         self._failed_locally.extend(TransferResult(j, False, 0, 0.0) for j in self._inflight)
         self._inflight.clear()
+
+    def _on_push(self, msg: m.Reply) -> None:
+        return
 
     def _submit(self, job_id: int, make: Any, is_store: bool) -> bool:
         client = self.ns.client
@@ -159,7 +189,7 @@ class Worker:
         assert self._region is not None
         ok = True
         try:
-            self._region.run(plan, self._cache_bases, is_store)
+            self._region.run_plan(plan, self._cache_bases, is_store)
         except (OSError, ValueError) as exc:
             log.error("job %d: client copy failed: %s", job_id, exc)
             ok = False
@@ -231,7 +261,7 @@ class Worker:
 
     def close(self) -> None:
         client = self.ns.client
-        client._unregister_worker(self)
+        client._unregister(self)
         if client.connected:
             try:
                 client.call(lambda rid: m.DetachWorker(rid, self.worker_id), m.OkReply)
@@ -240,9 +270,7 @@ class Worker:
         if self._fence is not None:
             self._fence.close()
             self._fence = None
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+        self._region = None  # unmapped once no job holds it
 
 
 def _memfd_caches(caches: list[Any], copy_mode: str) -> list[tuple[m.CacheDesc, int]] | None:

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
-import tempfile
 import time
-from collections.abc import Iterator
 
-import pytest
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
@@ -37,17 +33,6 @@ SLOT_BYTES = 16 * 1024  # a 4 KiB block rounds up to the daemon's minimum slot
 
 def k(*ids: int) -> list[bytes]:
     return [make_offload_key(str(i).encode(), 0) for i in ids]
-
-
-@pytest.fixture
-def four_block_daemon() -> Iterator[DaemonProcess]:
-    """A daemon whose vLLM namespaces hold 4 blocks, like vLLM's manager test."""
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(f'[[namespace_quotas]]\npattern = "vllm/*"\nmax_region_size = {4 * SLOT_BYTES}\n')
-    with DaemonProcess("64MiB", "--config", f.name, "--log-level", "warning") as d:
-        yield d
-        assert d.stop() == 0
-    os.unlink(f.name)
 
 
 # vLLM resolves spec_name + spec_module_path the same way as a registered spec, but
@@ -93,91 +78,83 @@ def events(mgr: OffloadingManager) -> list[tuple[set[bytes], bool]]:
     return [(set(e.keys), e.removed) for e in mgr.take_events()]
 
 
-def test_cpu_manager_story(four_block_daemon: DaemonProcess) -> None:
-    mgr = manager(four_block_daemon)
-    other = manager(four_block_daemon, engine_id="e1")  # a second vLLM instance
+def step(*managers: OffloadingManager) -> None:
+    """The end of a scheduler step, for each manager: its batch goes, pushes come in."""
+    for m_ in managers:
+        m_.on_schedule_end(None)  # type: ignore[arg-type]
+
+
+def settled(mgr: OffloadingManager, ids: tuple[int, ...], want: list[LookupResult]) -> None:
+    deadline = time.monotonic() + 20
+    while results(mgr, *ids) != want:
+        assert time.monotonic() < deadline, f"{results(mgr, *ids)} never became {want}"
+        step(mgr)
+        time.sleep(0.001)
+
+
+def test_the_manager_contract_with_no_round_trip_per_call(daemon: DaemonProcess) -> None:
+    """vLLM's manager contract, answered locally: stores plan from leased slots, loads
+    from the mirrored slots, completions go one-way with the step's batch."""
+    mgr = manager(daemon)
+    other = manager(daemon, engine_id="e1")  # a second vLLM instance, one pool
+    settled_leases(mgr)
 
     out = mgr.prepare_store(k(1, 2), CTX)
     assert out is not None and (out.keys_to_store, out.evicted_keys) == (k(1, 2), [])
     assert len(set(out.store_spec.block_ids.tolist())) == 2
     assert results(mgr, 1, 2, 3) == [PENDING, PENDING, MISS]  # not readable yet
+    assert mgr.prepare_store(k(1, 2), CTX).keys_to_store == []  # already being stored
+    step(mgr)  # the claims go out
     written(mgr, out)
-    assert events(mgr) == []
-
     mgr.complete_store(k(1, 2), CTX)
-    assert results(mgr, 1, 2, 3) == [HIT, HIT, MISS]
-    assert events(mgr) == [(set(k(1, 2)), False)]
+    assert results(mgr, 1, 2) == [MISS, MISS]  # never a hit until the daemon confirms
+    step(mgr)
+    settled(mgr, (1, 2, 3), [HIT, HIT, MISS])
+    settled(other, (1, 2, 3), [HIT, HIT, MISS])
+    assert mgr.prepare_store(k(1, 2), CTX).keys_to_store == []  # stored: nothing to do
 
-    out = mgr.prepare_store(k(2, 3, 4, 5), CTX)
-    assert out is not None and (out.keys_to_store, out.evicted_keys) == (k(3, 4, 5), k(1))
-    assert results(mgr, 1) == [MISS]
-    assert mgr.prepare_store(k(1, 6), CTX) is None  # only 2 is evictable, 2 are needed
-    written(mgr, out)
-    mgr.complete_store(k(3, 4, 5), CTX)
+    spec = other.prepare_load(k(2, 1), CTX)  # slots in key order, from the mirror
+    assert spec.block_ids.tolist() == out.store_spec.block_ids.tolist()[::-1]
+    assert spec.keys == k(2, 1)
+    other.complete_load(k(2, 1), CTX)
+    step(other)
 
-    spec = mgr.prepare_load(k(2, 3), CTX)  # pinned blocks are never evicted
-    assert len(spec.block_ids) == 2 and not spec.failed
-    assert mgr.prepare_store(k(6, 7, 8), CTX) is None
-    mgr.complete_load(k(2, 3), CTX)
-    out = mgr.prepare_store(k(6, 7, 8), CTX)
-    assert out is not None and out.evicted_keys == k(2, 3, 4)
-    written(mgr, out)
-    mgr.complete_store(k(6, 7, 8), CTX)
-
-    mgr.touch(k(5, 6, 7), CTX)
-    out = mgr.prepare_store(k(9), CTX)
-    assert out is not None and out.evicted_keys == k(8)
-    mgr.complete_store(k(7, 9), CTX, success=False)
-    assert results(mgr, 7, 9) == [HIT, MISS]
-    assert events(mgr) == [
-        (set(k(1)), True),
-        (set(k(3, 4, 5)), False),
-        (set(k(2, 3, 4)), True),
-        (set(k(6, 7, 8)), False),
-        (set(k(8)), True),
-    ]
-    # the other instance shares the pool: it sees the same blocks, and its events
-    # report them (its first lookup took a snapshot of the pool as it was)
-    assert results(other, 5, 6, 7, 8, 9) == [HIT, HIT, HIT, MISS, MISS]
-    assert events(other) == [(set(k(5, 6, 7)), False)]
-    for m_ in (mgr, other):
-        _workers.pop(id(m_)).shutdown()
-        m_.shutdown()
-
-
-def test_a_hit_that_races_an_eviction_still_loads_its_bytes(
-    four_block_daemon: DaemonProcess,
-) -> None:
-    """Instance B's mirror says HIT; before B's prepare_load, the block is evicted.
-    The daemon keeps it loadable until B's mirror has seen the eviction."""
-    a = manager(four_block_daemon)
-    b = manager(four_block_daemon, engine_id="e1")
-    src = _workers[id(a)].worker.caches[0]
-    src.copy_(torch.arange(64 * 4096, dtype=torch.int64).to(torch.int8).view(64, 4096))
-    out = a.prepare_store(k(1), CTX)
-    written(a, out)
-    a.complete_store(k(1), CTX)
-    assert results(b, 1) == [HIT]
-    admin = kvoffload.connect(four_block_daemon.socket_path)
-    assert admin.evict(keys=k(1)) == 1  # another engine's pressure, between lookup and load
-    assert results(a, 1) == [MISS]  # new lookups miss at once
-    spec = b.prepare_load(k(1), CTX)
-    assert not spec.failed
-    w = _workers[id(b)]
-    assert w.submit_load(9, spec, GPULoadStoreSpec([10], [1], [0]))
-    deadline = time.monotonic() + 20
-    while not (done := [r for r in w.get_finished() if r.job_id == 9]):
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    assert done[0].success
-    assert torch.equal(w.worker.caches[0][10], src[0])
-    b.complete_load(k(1), CTX)
-    b.on_schedule_end(None)  # b's mirror sees the eviction; the slot is free again
-    assert results(b, 1) == [MISS]
+    admin = kvoffload.connect(daemon.socket_path)
+    assert admin.evict(keys=k(1)) == 1
     admin.close()
-    for m_ in (a, b):
+    settled(other, (1, 2), [MISS, HIT])
+    settled(mgr, (1, 2), [MISS, HIT])
+    assert events(mgr) == [(set(k(1, 2)), False), (set(k(1)), True)]
+    assert events(other) == [(set(k(1, 2)), False), (set(k(1)), True)]
+    for m_ in (mgr, other):
+        assert m_.view.blocking_calls_total == 0  # type: ignore[attr-defined]
         _workers.pop(id(m_)).shutdown()
         m_.shutdown()
+
+
+def settled_leases(mgr: OffloadingManager) -> None:
+    deadline = time.monotonic() + 20
+    while not mgr.view.leases:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "no lease grant"
+        step(mgr)
+        time.sleep(0.001)
+
+
+def test_a_store_the_worker_could_not_make_is_never_a_hit(daemon: DaemonProcess) -> None:
+    """vLLM completes every store (its worker reports success). One whose copy never
+    landed stays invisible and is not offered again while its commit may still come."""
+    mgr = manager(daemon)
+    settled_leases(mgr)
+    out = mgr.prepare_store(k(5), CTX)
+    assert out is not None
+    step(mgr)
+    mgr.complete_store(k(5), CTX)  # no copy was ever made
+    for _ in range(3):
+        step(mgr)
+        assert results(mgr, 5) == [MISS]
+        assert mgr.prepare_store(k(5), CTX).keys_to_store == []
+    _workers.pop(id(mgr)).shutdown()
+    mgr.shutdown()
 
 
 def test_blocks_on_a_disk_tier_come_back_through_retry(tmp_path: pathlib.Path) -> None:
@@ -186,7 +163,7 @@ def test_blocks_on_a_disk_tier_come_back_through_retry(tmp_path: pathlib.Path) -
     one batch at the step's end), then HIT; the load returns the stored bytes."""
     cfg = tmp_path / "d.toml"
     cfg.write_text(
-        f'[[namespace_quotas]]\npattern = "vllm/*"\nmax_region_size = {4 * SLOT_BYTES}\n'
+        f'[[namespace_quotas]]\npattern = "vllm/*"\nmax_region_size = {8 * SLOT_BYTES}\n'
         f'[[tiers]]\ntype = "disk"\npath = "{tmp_path / "disk"}"\ncapacity = "1MiB"\n'
     )
     with DaemonProcess("64MiB", "--config", str(cfg), "--log-level", "warning") as d:
@@ -195,8 +172,12 @@ def test_blocks_on_a_disk_tier_come_back_through_retry(tmp_path: pathlib.Path) -
         src = w.worker.caches[0]
         src.copy_(torch.randint(-128, 128, (64, 4096), dtype=torch.int8))
         first = src[:4].clone()
-        written(mgr, mgr.prepare_store(k(1, 2, 3, 4), CTX))
+        settled_leases(mgr)
+        out = mgr.prepare_store(k(1, 2, 3, 4), CTX)
+        step(mgr)
+        written(mgr, out)
         mgr.complete_store(k(1, 2, 3, 4), CTX)
+        settled(mgr, (1, 2, 3, 4), [HIT] * 4)
         admin = kvoffload.connect(d.socket_path)
 
         def tier_stores() -> int:
@@ -207,7 +188,9 @@ def test_blocks_on_a_disk_tier_come_back_through_retry(tmp_path: pathlib.Path) -
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert admin.evict() == 4  # the region forgets them; the disk keeps them
-        mgr.on_schedule_end(None)
+        while k(1)[0] in mgr.view.ready:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline
+            step(mgr)
         # 1 is probed alone; the rest of the request waits for one batch at step end
         assert results(mgr, 1, 2, 3, 4, 5) == [LookupResult.RETRY] * 5
         mgr.on_schedule_end(None)  # probes 1..5 together: 2..4 promote as one batch
@@ -230,18 +213,20 @@ def test_blocks_on_a_disk_tier_come_back_through_retry(tmp_path: pathlib.Path) -
         assert d.stop() == 0
 
 
-def test_a_daemon_that_goes_away_turns_lookups_into_retry_then_miss() -> None:
+def test_a_daemon_that_goes_away_costs_hits_never_waits() -> None:
     d = DaemonProcess("64MiB", "--log-level", "warning").start()
-    mgr = manager(d, retry_s=0.3, mirror_max_age_s=0.0)
+    mgr = manager(d)
+    settled_leases(mgr)
     out = mgr.prepare_store(k(1), CTX)
+    step(mgr)
     written(mgr, out)
     mgr.complete_store(k(1), CTX)
-    assert results(mgr, 1) == [HIT]
+    settled(mgr, (1,), [HIT])
     assert d.stop() == 0
-    assert results(mgr, 1, 2) == [LookupResult.RETRY, LookupResult.RETRY]
-    time.sleep(0.35)
-    assert results(mgr, 1) == [MISS]
-    assert mgr.prepare_store(k(2), CTX) is None
+    step(mgr)  # the step that finds it gone
+    assert results(mgr, 1, 2) == [MISS, MISS]  # at once, no RETRY: nothing to wait for
+    plan = mgr.prepare_store(k(2), CTX)
+    assert plan is not None and plan.keys_to_store == []  # nothing to do, nothing to warn
     _workers.pop(id(mgr)).shutdown()
     mgr.shutdown()
 

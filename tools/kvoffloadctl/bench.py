@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 import kvoffload
-from kvoffload.mirror import KeyMirror
+from kvoffload.view import EngineView
 
 from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .bench_tiers import run_tiers, tier_rows
@@ -157,16 +157,16 @@ def concurrent_lookups(sock: str, clients: int, seconds: float) -> float:
 def mirror_lookup_us(
     ns: kvoffload.Namespace, keys: list[bytes], rounds: int
 ) -> tuple[float, float]:
-    """Per-key cost of a mirror lookup (what vLLM's per-key ``lookup`` costs), and of a
-    bare Python set membership test in the same process as the baseline. The mirror
-    refreshes every 50 ms as in production, so its round trips are included."""
-    mirror = KeyMirror(ns)
-    mirror.refresh()
-    look = mirror.lookup
+    """Per-key cost of an engine view's lookup (what vLLM's per-key ``lookup`` costs),
+    and of a bare Python set membership test in the same process as the baseline. Each
+    round is one scheduler step: its first lookup reads the pushes that arrived."""
+    view = EngineView(ns)
+    look = view.lookup
     t0 = time.perf_counter()
     for _ in range(rounds):
         for k in keys:
             look(k)
+        view.end_step()
     per_key_us = (time.perf_counter() - t0) / (rounds * len(keys)) * 1e6
     ready = set(keys)
     t0 = time.perf_counter()

@@ -9,9 +9,14 @@
 - ``cache_salt``: part of the namespace identity; change it when the KV bytes of the
   same model change (new weights).
 - ``copy_mode``: "auto" (default), "daemon" or "client" (see ``kvoffload.worker``).
-- ``timeout_s`` (5): per daemon call; ``mirror_max_age_s`` (0.05): how stale a
-  lookup may be; ``retry_s`` (5): how long lookups answer RETRY while the daemon is
-  away before they answer MISS.
+- ``timeout_s`` (5): per blocking daemon call (start-up and fallbacks only).
+- ``lease_blocks`` (64): the fewest empty slots the scheduler keeps leased, so a
+  store never waits for the daemon; the pool grows with the engine's store rate.
+- ``store_timeout_s`` (10): a store the daemon has not copied by then is dropped
+  (never committed), so the engine may reuse its blocks.
+- ``load_wait_s`` (10): how long a planned load may wait for a daemon that went away
+  before the engine stops with ``LoadLostError`` (only workers the daemon does not
+  trust with the region ever wait: trusted ones copy from the region themselves).
 
 The pool's size is the daemon's business (its ``region_size``), so
 ``cpu_bytes_to_use`` is not needed here.
@@ -57,20 +62,23 @@ class KVOffloadSpec(OffloadingSpec):
         self.socket_path: str | None = extra.get("socket_path") or None
         self.timeout_s = float(extra.get("timeout_s", 5.0))
         self.copy_mode = str(extra.get("copy_mode", "auto"))
-        self.mirror_max_age_s = float(extra.get("mirror_max_age_s", 0.05))
-        self.retry_s = float(extra.get("retry_s", 5.0))
+        self.lease_blocks = int(extra.get("lease_blocks", 64))
+        self.store_timeout_s = float(extra.get("store_timeout_s", 10.0))
+        self.load_wait_s = float(extra.get("load_wait_s", 10.0))
         self._manager: KVOffloadManager | None = None
         self._worker: KVOffloadWorker | None = None
 
     def _connect(self, role: str) -> Client:
         """One connection per role (scheduler, each rank); its owner closes it."""
-        # lazy: an engine starts (with misses) even when the daemon is not up yet
         client = connect(
             self.socket_path,
             timeout_s=self.timeout_s,
             name=f"vllm-{self.config.engine_id}-{role}",
             lazy=True,
         )
+        # An engine starts (with misses) even when the daemon is not up yet; when it
+        # is, the first steps already find the pool.
+        client.wait_connected(self.timeout_s)
         log.info(
             "kvoffload: %s of engine %s uses namespace %s at %s",
             role,
@@ -86,16 +94,22 @@ class KVOffloadSpec(OffloadingSpec):
             self._manager = KVOffloadManager(
                 ns,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
-                max_age_s=self.mirror_max_age_s,
-                retry_s=self.retry_s,
+                lease_blocks=self.lease_blocks,
             )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadWorker:
         if self._worker is None:
             rank = self.config.parallel.rank
-            ns = self._connect(f"rank{rank}").namespace(self.namespace_name, self.layout)
+            client = self._connect(f"rank{rank}")
+            ns = client.namespace(self.namespace_name, self.layout, subscribe=False)
             self._worker = KVOffloadWorker(
-                ns, kv_caches, rank, self.blocks_per_chunk, self.copy_mode
+                ns,
+                kv_caches,
+                rank,
+                self.blocks_per_chunk,
+                self.copy_mode,
+                self.store_timeout_s,
+                self.load_wait_s,
             )
         return self._worker

@@ -10,9 +10,11 @@ Rules:
   one kvoffload job that copies only those tensors. The first engine block of a group
   may sit inside its first offloaded block (``block_indices[g] % blocks_per_chunk``):
   that many sub-blocks are skipped, as in vLLM's ``compute_sub_block_ptrs``.
-- A vLLM job finishes when all its parts did; it succeeded only if all did.
-- A load whose ``prepare_load`` failed (``SlotsSpec.failed``) copies nothing and is
-  reported failed.
+- vLLM 0.33 asserts that every submit and every result succeeded, so this worker
+  never reports a failure (``kvoffload.streaming``): a store that could not happen is
+  reported finished and is simply not offloaded; a planned load completes byte-exact
+  or stops the engine with ``LoadLostError`` naming why.
+- A vLLM job finishes when all its parts did.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from ..client import Namespace
+from ..namespace import Namespace
+from ..streaming import StreamingWorker
 from .manager import SlotsSpec
 
 log = logging.getLogger(__name__)
@@ -38,9 +41,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Job:
     parts_left: int
-    success: bool = True
     nbytes: int = 0
     seconds: float = 0.0
+
+
+Part = tuple[list[int], list[int], int, list[int], list[bytes]]  # ids, slots, skip, caches, keys
 
 
 class KVOffloadWorker(OffloadingWorker):
@@ -51,6 +56,8 @@ class KVOffloadWorker(OffloadingWorker):
         rank: int,
         blocks_per_chunk: int,
         copy_mode: str = "auto",
+        store_timeout_s: float = 10.0,
+        load_wait_s: float = 10.0,
     ) -> None:
         tensors = [t.tensor for t in kv_caches.tensors]
         self.f = blocks_per_chunk
@@ -59,7 +66,14 @@ class KVOffloadWorker(OffloadingWorker):
         for refs in kv_caches.group_data_refs:
             used = sorted({ref.tensor_idx for ref in refs})
             self.group_caches.append([] if used == everything else used)
-        self.worker = ns.attach_worker(tensors, rank=rank, copy_mode=copy_mode)
+        self.worker = StreamingWorker(
+            ns,
+            tensors,
+            rank,
+            copy_mode=copy_mode,
+            store_timeout_s=store_timeout_s,
+            load_wait_s=load_wait_s,
+        )
         log.info(
             "kvoffload: rank %d attached %d KV tensors to namespace %s (%s copies)",
             rank,
@@ -91,32 +105,22 @@ class KVOffloadWorker(OffloadingWorker):
     ) -> bool:
         if not isinstance(slot_spec, SlotsSpec):
             raise TypeError(f"expected kvoffload slots, got {type(slot_spec).__name__}")
-        if slot_spec.failed:
-            log.error("job %d: not loaded: %s", job_id, slot_spec.failed)
-            self._done.append(TransferResult(job_id, False, 0, 0.0))
-            return True
-        parts = self._split(gpu, slot_spec.block_ids.tolist())
+        parts = self._split(gpu, slot_spec.block_ids.tolist(), slot_spec.keys)
         if not parts:
             self._done.append(TransferResult(job_id, True, 0, 0.0))
             return True
-        job = self._jobs[job_id] = _Job(len(parts))
-        for ids, slots, skip, caches in parts:
+        self._jobs[job_id] = _Job(len(parts))
+        for ids, slots, skip, caches, keys in parts:
             part = next(self._part_ids)
+            self._part_job[part] = job_id
             if is_store:
-                ok = self.worker.submit_store(part, ids, slots, caches=caches)
+                self.worker.submit_store(part, ids, slots, caches, lease=slot_spec.lease)
             else:
-                ok = self.worker.submit_load(part, slots, ids, skip=skip, caches=caches)
-            if ok:
-                self._part_job[part] = job_id
-            else:
-                job.success = False
-                self._finish_part(job_id)
+                self.worker.submit_load(part, slots, ids, skip, caches, keys=keys)
         return True
 
-    def _split(
-        self, gpu: GPULoadStoreSpec, slots: list[int]
-    ) -> list[tuple[list[int], list[int], int, list[int]]]:
-        """(engine block ids, slots, skip, cache indices) per non-empty group."""
+    def _split(self, gpu: GPULoadStoreSpec, slots: list[int], keys: list[bytes]) -> list[Part]:
+        """(engine block ids, slots, skip, cache indices, keys) per non-empty group."""
         ids = gpu.block_ids.tolist()
         out = []
         at_id = at_slot = 0
@@ -131,6 +135,7 @@ class KVOffloadWorker(OffloadingWorker):
                     slots[at_slot : at_slot + n_slots],
                     skip,
                     self.group_caches[g],
+                    keys[at_slot : at_slot + n_slots],
                 )
             )
             at_id += size
@@ -142,23 +147,18 @@ class KVOffloadWorker(OffloadingWorker):
             )
         return out
 
-    def _finish_part(self, job_id: int, nbytes: int = 0, seconds: float = 0.0) -> None:
-        job = self._jobs[job_id]
-        job.parts_left -= 1
-        job.nbytes += nbytes
-        job.seconds = max(job.seconds, seconds)
-        if job.parts_left == 0:
-            del self._jobs[job_id]
-            self._done.append(TransferResult(job_id, job.success, job.nbytes, job.seconds))
-
     def get_finished(self) -> list[TransferResult]:
         for r in self.worker.get_finished():
             job_id = self._part_job.pop(r.job_id, None)
             if job_id is None:
                 continue
-            if not r.success:
-                self._jobs[job_id].success = False
-            self._finish_part(job_id, r.nbytes, r.seconds)
+            job = self._jobs[job_id]
+            job.parts_left -= 1
+            job.nbytes += r.nbytes
+            job.seconds = max(job.seconds, r.seconds)
+            if job.parts_left == 0:
+                del self._jobs[job_id]
+                self._done.append(TransferResult(job_id, True, job.nbytes, job.seconds))
         out, self._done = self._done, []
         return out
 

@@ -1,0 +1,246 @@
+"""A namespace on the scheduler side: vLLM's OffloadingManager contract, one call each.
+
+Rules (invariant 7):
+- Every call is one blocking round trip with a timeout; a lost daemon turns into
+  misses: ``lookup`` -> 0, ``prepare_store`` -> None, completions and ``touch`` ->
+  no-ops, ``take_events`` -> []. Only ``prepare_load`` raises, because a load cannot
+  be planned without the daemon; callers treat that as a failed load.
+- Engines that must not wait per call use a ``kvoffload.view.EngineView`` over the
+  namespace instead: the view is attached here (``view``), gets its snapshot on every
+  (re)connect and the namespace's pushes (feed, leases).
+- After a reconnect the namespace has a new id and lease token; calls made with the
+  old ones belong to a closed connection and changed nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from .plans import LoadPlan, OffloadEvent, StorePlan
+from .protocol import messages as m
+from .protocol.errors import (
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    KVOffloadError,
+    NoSpaceError,
+    QuotaExceededError,
+)
+from .protocol.messages import KVLayout, pack_keys, unpack_ids, unpack_keys
+from .transport import Transport
+
+if TYPE_CHECKING:
+    from .client import Client
+    from .worker import Worker
+
+R = TypeVar("R", bound=m.Reply)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every ready key of a namespace with its slot, and the feed position it is at."""
+
+    keys: list[bytes]
+    slots: list[int]
+    seq: int
+
+
+class View(Protocol):
+    """What a namespace needs from an engine view attached to it."""
+
+    def adopt(self, snapshot: Snapshot) -> None: ...
+    def lost(self) -> None: ...
+    def on_push(self, msg: m.Reply) -> None: ...
+
+
+class Namespace:
+    """Scheduler-side view of one namespace: vLLM's OffloadingManager contract."""
+
+    def __init__(self, client: Client, name: str, layout: KVLayout, subscribe: bool = True) -> None:
+        self.client = client
+        self.name = name
+        self.layout = layout
+        self.subscribe = subscribe
+        self.ns_id = -1
+        self.slot_bytes = 0
+        self.fingerprint = ""
+        self.tiers = 0  # secondary tiers below the daemon's region
+        self.lease = 0  # this connection's lease token in the namespace
+        self.last_error: KVOffloadError | None = None  # why prepare_store gave None
+        self.view: View | None = None
+
+    # ------------------------------------------------------------ connection
+
+    def _handshake(self, t: Transport, ns_ids: dict[int, int]) -> tuple[Any, ...]:
+        req = m.OpenNamespace(self.client._rid(), self.name, self.layout, self.subscribe)
+        reply = t.request(req)
+        assert isinstance(reply, m.NamespaceOpened)
+        ns_ids[id(self)] = reply.ns
+        snapshot = fetch_snapshot(t, self.client._rid, reply.ns) if self.view else None
+        return reply, snapshot
+
+    def _adopt(self, state: tuple[Any, ...]) -> None:
+        reply, snapshot = state
+        self.ns_id, self.slot_bytes, self.fingerprint = (
+            reply.ns,
+            reply.slot_bytes,
+            reply.fingerprint,
+        )
+        self.tiers, self.lease = reply.tiers, reply.lease
+        if self.view is not None:
+            self.client.route(Namespace, self.ns_id, self)
+            if snapshot is not None:
+                self.view.adopt(snapshot)
+
+    def _lost(self) -> None:
+        if self.view is not None:
+            self.view.lost()
+
+    def _on_push(self, msg: m.Reply) -> None:
+        if self.view is not None:
+            self.view.on_push(msg)
+
+    def _keys_call(
+        self, cls: Callable[..., m.Request], keys: Sequence[bytes], expect: type[R], *extra: Any
+    ) -> R:
+        packed, kb = pack_checked(keys)
+        return self.client.call(lambda rid: cls(rid, self.ns_id, packed, kb, *extra), expect)
+
+    # ------------------------------------------------------------ the contract
+
+    def lookup(self, keys: Sequence[bytes]) -> int | None:
+        """Number of leading keys stored and ready; 0 when the daemon is unavailable."""
+        if not keys:
+            return 0
+        try:
+            return self._keys_call(m.Lookup, keys, m.LookupReply).hits
+        except DaemonUnavailableError:
+            return 0
+
+    def probe(self, keys: Sequence[bytes]) -> list[int]:
+        """Per key ``KEY_READY``, ``KEY_PROMOTING`` or ``KEY_ABSENT``, up to and including
+        the first absent key; keys a secondary tier holds start their promotion. Empty
+        when the daemon is unavailable."""
+        if not keys:
+            return []
+        try:
+            return list(self._keys_call(m.Probe, keys, m.ProbeReply).states)
+        except DaemonUnavailableError:
+            return []
+
+    def prepare_store(self, keys: Sequence[bytes]) -> StorePlan | None:
+        """Lease slots for the keys not stored yet; None when there is no space.
+
+        None also when the namespace's quota is full and nothing of its own can be
+        evicted (``QUOTA_EXCEEDED``); the reason stays in ``last_error``.
+        """
+        try:
+            r = self._keys_call(m.PrepareStore, keys, m.StorePlanReply)
+        except (NoSpaceError, QuotaExceededError, DaemonUnavailableError) as exc:
+            self.last_error = exc
+            return None
+        return StorePlan(
+            unpack_keys(r.keys, r.key_bytes),
+            unpack_ids(r.slots).tolist(),
+            unpack_keys(r.evicted_keys, r.key_bytes),
+        )
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        if keys:
+            # Without the daemon there is nothing to complete: it failed these stores
+            # when the connection dropped.
+            with contextlib.suppress(DaemonUnavailableError):
+                self._keys_call(m.CompleteStore, keys, m.OkReply, success)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
+        """Pin the blocks and return their slots in key order (raises if not all ready)."""
+        r = self._keys_call(m.PrepareLoad, keys, m.LoadPlanReply)
+        return LoadPlan(unpack_ids(r.slots).tolist())
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            with contextlib.suppress(DaemonUnavailableError):  # pins died with it
+                self._keys_call(m.CompleteLoad, keys, m.OkReply)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Refresh recency; sent without waiting for the reply."""
+        if keys:
+            packed, kb = pack_checked(keys)
+            self.client.send_nowait(lambda rid: m.Touch(rid, self.ns_id, packed, kb))
+
+    def take_events(self) -> list[OffloadEvent]:
+        """Events of this namespace since the last take on this connection: stores that
+        completed (by any engine) and evictions. [] when the daemon is unavailable."""
+        try:
+            return self.read_feed()[0]
+        except DaemonUnavailableError:
+            return []
+
+    def read_feed(self) -> tuple[list[OffloadEvent], bool]:
+        """(events, lost): like ``take_events``; ``lost`` says the daemon dropped some
+        (its per-connection queue overflowed), so a mirror must ``sync_keys`` again.
+        Raises DaemonUnavailableError."""
+        r = self.client.call(lambda rid: m.TakeEvents(rid, self.ns_id), m.EventsReply)
+        return [event_of(e) for e in r.events], r.lost
+
+    def sync_keys(self) -> list[bytes]:
+        """Every key ready in the namespace now, and the event feed restarted at that
+        instant: keys + later ``read_feed`` events are exact. Raises
+        DaemonUnavailableError."""
+        with self.client._lock:
+            t = self.client._ensure()
+            try:
+                return fetch_snapshot(t, self.client._rid, self.ns_id, push=False).keys
+            except DaemonUnavailableError as exc:
+                self.client._lost(exc)
+                raise
+
+    def attach_worker(
+        self,
+        caches: Sequence[Any],
+        rank: int = 0,
+        stream: int | None = None,
+        copy_mode: str = "auto",
+    ) -> Worker:
+        """Register this rank's KV caches.
+
+        ``caches`` are ``shared_kv_cache`` CPU tensors or CUDA tensors (one GPU per
+        worker, exported by IPC handle), which the daemon copies; or, with
+        ``copy_mode`` "client" (or "auto" when the caches cannot be exported), plain CPU
+        tensors that the worker copies itself through a mapping of the region, which
+        the daemon allows only for trusted uids. For CUDA, stores wait on work queued on
+        ``stream`` (a raw ``cudaStream_t``; default: PyTorch's current stream).
+        """
+        from .worker import Worker
+
+        return Worker(self, caches, rank, stream, copy_mode)
+
+
+def event_of(e: m.EventMsg) -> OffloadEvent:
+    slots = unpack_ids(e.slots).tolist() if e.slots else None
+    return OffloadEvent(unpack_keys(e.keys, e.key_bytes), e.removed, slots)
+
+
+def fetch_snapshot(t: Transport, rid: Callable[[], int], ns: int, push: bool = True) -> Snapshot:
+    """Page through a key snapshot on ``t`` (restarting the namespace's feed there)."""
+    keys: list[bytes] = []
+    slots: list[int] = []
+    offset, seq = 0, 0
+    while offset >= 0:
+        page = t.request(m.SyncKeys(rid(), ns, offset, push))
+        assert isinstance(page, m.KeysPage)
+        keys.extend(page.keys)
+        slots.extend(unpack_ids(page.slots).tolist())
+        if offset == 0:
+            seq = page.seq
+        offset = page.next_offset
+    return Snapshot(keys, slots, seq)
+
+
+def pack_checked(keys: Sequence[bytes]) -> tuple[bytes, int]:
+    try:
+        return pack_keys(list(keys))
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None

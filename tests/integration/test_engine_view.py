@@ -1,0 +1,138 @@
+"""An engine's view of a namespace (every scheduler answer local) against a live daemon.
+
+Two engines share one namespace; one stores through its leased slots with a streaming
+worker, the other sees the blocks through its pushed feed. In steady state no call
+makes a blocking round trip; while the daemon is away everything misses at once, and
+the view comes back by itself when the daemon does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from engines import FACTOR, filled_caches, keys, layout
+from helpers import poll
+
+import kvoffload
+from kvoffload.streaming import StreamingWorker
+from kvoffload.view import EngineView, KeyState
+from kvoffload.vllm.identity import VllmIdentity
+from kvoffloadctl.launch import DaemonProcess
+
+HIT, MISS, PENDING = KeyState.HIT, KeyState.MISS, KeyState.HIT_PENDING
+
+
+def step(view: EngineView) -> None:
+    """One scheduler step with nothing else to do: the batch goes, pushes come in."""
+    view.end_step()
+    view.lookup(b"")  # the next step begins: reads what arrived
+
+
+def settle(view: EngineView, predicate: object, what: str) -> None:
+    def again() -> bool:
+        step(view)
+        return bool(predicate())  # type: ignore[operator]
+
+    poll(again, what, deadline_s=20)
+
+
+def finished(w: StreamingWorker, job: int) -> kvoffload.TransferResult:
+    out: list[kvoffload.TransferResult] = []
+    poll(lambda: out.extend(r for r in w.get_finished() if r.job_id == job) or out, f"job {job}")
+    return out[0]
+
+
+def test_two_engines_share_blocks_with_no_round_trip_per_step(daemon: DaemonProcess) -> None:
+    a, b = kvoffload.connect(daemon.socket_path), kvoffload.connect(daemon.socket_path)
+    ns_a, ns_b = a.namespace("v", layout()), b.namespace("v", layout())
+    va, vb = EngineView(ns_a, lease_blocks=8), EngineView(ns_b, keep_events=True)
+    worker_client = kvoffload.connect(daemon.socket_path)
+    wns = worker_client.namespace("v", layout(), subscribe=False)
+    w = StreamingWorker(wns, filled_caches(3))
+    settle(va, lambda: len(va.leases) >= 8, "a's first lease grant")
+
+    ks = keys(b"s", 4)
+    assert [va.lookup(k) for k in ks] == [MISS] * 4
+    plan = va.prepare_store(ks)
+    assert plan is not None and plan[0] == ks
+    assert [va.lookup(k) for k in ks] == [PENDING] * 4
+    assert w.submit_store(1, np.arange(4 * FACTOR), plan[1], lease=ns_a.lease)
+    va.end_step()  # the claims go out; the worker's copy runs meanwhile
+    assert finished(w, 1).success
+    va.complete_store(ks)
+    assert va.lookup(ks[0]) == PENDING  # committed here, not yet seen from the daemon
+    settle(va, lambda: va.lookup(ks[0]) == HIT, "a's own commit in its feed")
+    settle(vb, lambda: vb.lookup(ks[3]) == HIT, "b seeing a's blocks")
+    assert vb.ready[ks[2]] == va.ready[ks[2]] == plan[1][2]  # the slot came with the event
+
+    # b loads them through its own streaming worker, by key: byte-exact
+    lc = kvoffload.connect(daemon.socket_path)
+    lw = StreamingWorker(lc.namespace("v", layout(), subscribe=False), filled_caches(99))
+    slots = vb.prepare_load(ks)
+    assert lw.submit_load(2, slots, np.arange(4 * FACTOR) + 20, keys=ks)
+    assert finished(lw, 2).success
+    vb.complete_load(ks)
+    for src, dst in zip(filled_caches(3), lw.caches):
+        assert bool((src[: 4 * FACTOR] == dst[20 : 20 + 4 * FACTOR]).all())
+
+    # evictions reach b's view through the feed as well
+    assert a.evict("v", keys=[ks[0]]) == 1
+    settle(vb, lambda: vb.lookup(ks[0]) == MISS, "b seeing the eviction")
+    assert [(set(x), r) for x, r in vb.events] == [(set(ks), False), ({ks[0]}, True)]
+    assert va.blocking_calls_total == vb.blocking_calls_total == 0
+    for c in (worker_client, lc, a, b):
+        c.close()
+
+
+def test_an_outage_costs_hits_never_latency_and_the_view_comes_back() -> None:
+    d = DaemonProcess("64MiB", "--log-level", "warning").start()
+    c = kvoffload.connect(d.socket_path, timeout_s=1.0)
+    view = EngineView(c.namespace("o", kvoffload.KVLayout([4096])))
+    settle(view, lambda: view.leases, "the first lease grant")
+    assert view.prepare_store([b"k"]) == ([b"k"], [view.writing[b"k"]])
+    d.kill()
+    t0 = time.perf_counter()
+    step(view)  # the step that finds the daemon gone
+    assert view.lookup(b"k") == MISS and view.lookup(b"x") == MISS
+    assert view.prepare_store([b"y"]) == ([], [])  # nothing to do: vLLM neither waits nor warns
+    assert time.perf_counter() - t0 < 0.5
+    assert c.outages_total == 1
+    d2 = DaemonProcess("64MiB", "--log-level", "warning", socket_path=d.socket_path).start()
+    t1 = time.monotonic()
+    settle(view, lambda: view.connected and view.leases, "the view after the restart")
+    assert time.monotonic() - t1 < 2.0  # no backoff: found within a few retries
+    assert view.prepare_store([b"y"]) == ([b"y"], [view.writing[b"y"]])
+    c.close()
+    assert d2.stop() == 0
+
+
+def test_vllm_identity_shares_equal_instances_and_separates_the_rest() -> None:
+    def ident(**kw: object) -> VllmIdentity:
+        base: dict[str, object] = {
+            "model": "m/a",
+            "kv_dtype": "bfloat16",
+            "worker_kv_bytes_per_block": 65536,
+            "world_size": 2,
+            "blocks_per_chunk": 4,
+            "tokens_per_block": (16,),
+            "tokens_per_hash": 16,
+        }
+        base.update(kw)
+        return VllmIdentity(**base)  # type: ignore[arg-type]
+
+    name, lay = ident().namespace()
+    assert name.startswith("vllm/m/a/") and lay.tensor_page_bytes == [65536]
+    assert (lay.world_size, lay.block_size_factor, lay.model) == (2, 4, "m/a")
+    assert ident().namespace() == ident().namespace()
+    for change in (
+        {"model": "m/b"},
+        {"kv_dtype": "fp8"},
+        {"world_size": 4},
+        {"blocks_per_chunk": 2},
+        {"tokens_per_block": (32,)},
+        {"cache_salt": "v2"},
+        {"kv_cache_layout": "HND"},
+    ):
+        assert ident(**change).namespace()[0] != name, change
+    assert ident().namespace("shared")[0] == "shared"
