@@ -48,6 +48,10 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENTS)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
+# vLLM's real scheduler step with kvoffload vs vLLM's own CPU offloading, same run.
+bench-engine: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m kvoffloadbench.bench_engine $(ARGS)
+
 bench: $(STAMP)
 	@tools/ensure-redis-server
 	$(BIN)/python -m kvoffloadctl.bench $(ARGS)

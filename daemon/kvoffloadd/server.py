@@ -124,9 +124,13 @@ class Server:
         try:
             while not self._stop:
                 timeout = max(0.0, next_cron - time.monotonic())
-                for key, mask in self.sel.select(timeout):
+                ready = self.sel.select(timeout)
+                t0 = time.perf_counter()
+                for key, mask in ready:
                     key.data(key.fileobj, mask)
                 self._push_feeds()
+                if ready:
+                    self.service.loop.record(time.perf_counter() - t0)
                 if time.monotonic() >= next_cron:
                     self._cron()
                     next_cron = time.monotonic() + self._cron_period_s

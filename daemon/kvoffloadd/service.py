@@ -48,7 +48,7 @@ from .leases import new_token
 from .recovery import read_namespaces
 from .region import SharedOffloadRegion
 from .session import Session
-from .stats import client_infos, render_stats
+from .stats import LoopTurns, client_infos, render_stats
 from .tiering import Tiering
 from .transfers import Transfers
 from .workers import AttachedWorker, close_fds
@@ -92,6 +92,7 @@ class Service:
             self.access,
         )
         self.engines = EngineChannel(self.namespaces, config.max_frame_bytes)
+        self.loop = LoopTurns()
         self.shutting_down = False
         self.started_s = time.monotonic()
         self.requests_total = 0

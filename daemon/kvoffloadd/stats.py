@@ -82,8 +82,45 @@ def render_stats(svc: Service) -> dict[str, Any]:
             "load_seconds_total": round(svc.transfers.load_seconds, 6),
         },
         "gpu": gpu_stats(svc),
+        "loop": svc.loop.summary(),
+        "engines": {
+            "refused_claims_total": svc.engines.refused_claims_total,
+            "leased_blocks": sum(n["leased_blocks"] for n in namespaces.values()),
+            "pins_missed_total": total("pins_missed_total"),
+            "duplicate_stores_total": total("duplicate_stores_total"),
+        },
         "errors": dict(sorted(svc.errors_by_code.items())),
     }
+
+
+class LoopTurns:
+    """How long the loop thread works per turn (everything but waiting in select):
+    what another client may wait behind one turn. A ring of the latest turns."""
+
+    SAMPLES = 4096
+
+    def __init__(self) -> None:
+        self._us = [0.0] * self.SAMPLES
+        self._at = 0
+        self.turns_total = 0
+        self.max_us = 0.0
+
+    def record(self, seconds: float) -> None:
+        us = seconds * 1e6
+        self._us[self._at] = us
+        self._at = (self._at + 1) % self.SAMPLES
+        self.turns_total += 1
+        self.max_us = max(self.max_us, us)
+
+    def summary(self) -> dict[str, Any]:
+        n = min(self.turns_total, self.SAMPLES)
+        recent = sorted(self._us[:n]) if n else [0.0]
+        return {
+            "turns_total": self.turns_total,
+            "turn_p50_us": round(recent[len(recent) // 2], 1),
+            "turn_p99_us": round(recent[min(len(recent) - 1, len(recent) * 99 // 100)], 1),
+            "turn_max_us": round(self.max_us, 1),
+        }
 
 
 def gpu_stats(svc: Service) -> dict[str, Any]:

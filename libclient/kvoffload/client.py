@@ -81,6 +81,9 @@ class Client:
         self.epoch = 0  # bumped on every (re)connect; leases of older epochs are void
         self.welcome: m.Welcome | None = None
         self.outages_total = 0
+        self.round_trips_total = 0  # blocking requests made on the caller's thread
+        self.posts_total = 0  # one-way requests
+        self.notices_total = 0  # one-way requests the daemon refused
         self._closed = False
 
     # ------------------------------------------------------------ connection
@@ -113,7 +116,11 @@ class Client:
     def _adopt(self, link: _Link) -> None:
         """Take over a finished handshake (the engine's thread, the lock held)."""
         if [reg for reg, _ in link.states] != self._registrations:
-            link.transport.close()  # registrations changed meanwhile: do it again
+            for reg, state in link.states:  # registrations changed meanwhile: again
+                discard = getattr(reg, "_discard", None)
+                if discard is not None:
+                    discard(state)
+            link.transport.close()
             self._start_reconnect()
             return
         self._transport, self.welcome = link.transport, link.welcome
@@ -216,6 +223,7 @@ class Client:
         """Send one request and return its reply (typed); raises KVOffloadError."""
         with self._lock:
             t = self._ensure()
+            self.round_trips_total += 1
             try:
                 reply = t.request(make(self._rid()), fds, timeout_s)
             except DaemonUnavailableError as exc:
@@ -244,6 +252,7 @@ class Client:
             except DaemonUnavailableError as exc:
                 self._lost(exc)
                 return False
+            self.posts_total += 1
             return True
 
     def flush(self) -> None:
@@ -273,8 +282,9 @@ class Client:
                 owner = self._routes.get((Namespace, msg.ns))
             elif isinstance(msg, m.JobsDone):
                 owner = self._routes.get((m.JobsDone, msg.worker))
-            else:
-                log.warning("kvoffloadd refused a request: %s", getattr(msg, "message", msg))
+            else:  # a refused one-way request: its effect is counted, never raised
+                self.notices_total += 1
+                log.debug("kvoffloadd refused a request: %s", getattr(msg, "message", msg))
                 continue
             if owner is not None:
                 owner._on_push(msg)

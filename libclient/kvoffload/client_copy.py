@@ -143,7 +143,7 @@ class LocalCopies:
     def store(self, slots: I64, ids: I64, caches: Sequence[int], lease: int) -> int:
         """Copy engine blocks into leased slots; SlotChanged if a slot is not ours."""
         region, cache, nbytes = self._runs(slots, ids, 0, caches)
-        recs = self._slots.records(slots)
+        recs = self._records(slots)
         state = recs["state"]
         mine = ((state == SLOT_LEASED) | (state == SLOT_WRITING)) & (recs["lease"] == lease)
         if lease == 0 or not bool(mine.all()):
@@ -164,13 +164,19 @@ class LocalCopies:
             raise SlotChanged("a slot was rewritten while it was being read")
         return int(nbytes.sum())
 
+    def _records(self, slots: I64) -> npt.NDArray[np.void]:
+        try:
+            return self._slots.records(slots)
+        except RegionFormatError as exc:  # its extent went back to the pool
+            raise SlotChanged(str(exc)) from None
+
     def _holding(self, slots: I64, keys: list[bytes]) -> npt.NDArray[np.void]:
-        recs = self._slots.records(slots)
+        recs = self._records(slots)
         state = recs["state"]
         held = ((state == SLOT_READY) | (state == SLOT_GRAVE)) & keys_match(recs, keys)
         if not bool(held.all()):
             self._slots.refresh()  # an extent may have moved: look once more
-            recs = self._slots.records(slots)
+            recs = self._records(slots)
             state = recs["state"]
             held = ((state == SLOT_READY) | (state == SLOT_GRAVE)) & keys_match(recs, keys)
             if not bool(held.all()):

@@ -102,6 +102,41 @@ class Namespace:
         if self.view is not None:
             self.view.on_push(msg)
 
+    # ------------------------------------------------------------ for engine views
+
+    def attach_view(self, view: View) -> bool:
+        """Route this namespace's pushes to ``view``; True when already connected (the
+        view then takes a snapshot), False when it gets one on connecting."""
+        self.view = view
+        with self.client._lock:
+            if self.client._transport is None or self.ns_id < 0:
+                return False
+            self.client.route(Namespace, self.ns_id, self)
+            return True
+
+    def poll(self) -> None:
+        """Deliver what the daemon pushed (to the view) without blocking."""
+        self.client.poll()
+
+    def post(self, msg: m.Request) -> bool:
+        """Send a one-way request now, without blocking; False when disconnected."""
+        sent = self.client.post(msg)
+        if sent:
+            self.client.flush()
+        return sent
+
+    def snapshot(self) -> Snapshot:
+        """Every ready key with its slot, restarting the pushed feed there (blocking).
+        Raises DaemonUnavailableError."""
+        client = self.client
+        with client._lock:
+            client.round_trips_total += 1
+            try:
+                return fetch_snapshot(client._ensure(), client._rid, self.ns_id)
+            except DaemonUnavailableError as exc:
+                client._lost(exc)
+                raise
+
     def _keys_call(
         self, cls: Callable[..., m.Request], keys: Sequence[bytes], expect: type[R], *extra: Any
     ) -> R:

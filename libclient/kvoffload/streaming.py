@@ -89,6 +89,7 @@ class StreamingWorker(Worker):
         self._results: list[StreamResult] = []
         self._local: LocalCopies | None = None
         self._fatal: LoadLostError | None = None
+        self._wrote: dict[int, list[int]] = {}  # lease -> slots copied, for one Wrote each
         self.stores_dropped_total = 0
         self.loads_recovered_total = 0
         super().__init__(ns, caches, rank, stream, copy_mode)
@@ -97,6 +98,7 @@ class StreamingWorker(Worker):
 
     def _adopt(self, state: tuple[m.WorkerAttached, list[int]]) -> None:
         super()._adopt(state)
+        self._wrote.clear()  # copies under an earlier connection's leases: void there
         self._local = None
         if self._region is not None:
             self._local = self._local_copies(self._region)
@@ -265,7 +267,7 @@ class StreamingWorker(Worker):
         except (SlotChanged, KVOffloadError, OSError) as exc:
             self._drop(job, str(exc))
             return
-        self.ns.client.post(m.Wrote(0, self.worker_id, job.lease, pack_ids(job.slots)))
+        self._wrote.setdefault(job.lease, []).extend(job.slots.tolist())
         seconds = time.perf_counter() - job.started_s
         self._results.append(StreamResult(job.job_id, True, nbytes, seconds))
 
@@ -340,7 +342,14 @@ class StreamingWorker(Worker):
             "not load"
         )
 
+    def _report_writes(self) -> None:
+        """One ``Wrote`` per lease for every client copy since the last report."""
+        wrote, self._wrote = self._wrote, {}
+        for lease, slots in wrote.items():
+            self.ns.client.post(m.Wrote(0, self.worker_id, lease, pack_ids(slots)))
+
     def get_finished(self) -> list[TransferResult]:
+        self._report_writes()
         self.ns.client.poll()
         self._settle()
         out, self._results = self._results, []
@@ -350,6 +359,7 @@ class StreamingWorker(Worker):
         """Block until the given jobs finished, at most until their deadlines."""
         wanted = set(job_ids)
         while True:
+            self._report_writes()
             self._settle()
             pending = [j for j in [*self._jobs.values(), *self._stalled] if j.job_id in wanted]
             if not pending:

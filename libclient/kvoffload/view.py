@@ -33,7 +33,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from enum import IntEnum
 
-from .namespace import Namespace, Snapshot, fetch_snapshot
+from .namespace import Namespace, Snapshot
 from .protocol import messages as m
 from .protocol.errors import DaemonUnavailableError
 from .protocol.messages import pack_ids, unpack_ids, unpack_keys
@@ -116,15 +116,11 @@ class EngineView:
         # statistics
         self.steps_total = self.blocking_calls_total = self.lease_fallbacks_total = 0
         self.resyncs_total = self.batches_total = 0
-        ns.view = self
-        with ns.client._lock:
-            if ns.client._transport is not None and ns.ns_id >= 0:
-                # the namespace opened before the view existed: snapshot it now
-                ns.client.route(Namespace, ns.ns_id, ns)
-                self.connected = True
-                self._snapshot()
-                self.blocking_calls_total = self.resyncs_total = 0  # start-up, not a step
-                self.flush()
+        if ns.attach_view(self):  # connected already: start from a snapshot now
+            self.connected = True
+            self._snapshot()
+            self.blocking_calls_total = self.resyncs_total = 0  # start-up, not a step
+            self.flush()
 
     # ------------------------------------------------------------ daemon side
 
@@ -182,7 +178,7 @@ class EngineView:
     def _begin_step(self) -> None:
         self._in_step = True
         self.steps_total += 1
-        self.ns.client.poll()
+        self.ns.poll()
         if self._resync and self.connected:
             self._snapshot()
 
@@ -190,13 +186,10 @@ class EngineView:
         """Our feed had a gap: a fresh snapshot on the same connection (blocking)."""
         self.resyncs_total += 1
         self.blocking_calls_total += 1
-        client = self.ns.client
-        with client._lock:
-            try:
-                snap = fetch_snapshot(client._ensure(), client._rid, self.ns.ns_id)
-            except DaemonUnavailableError as exc:
-                client._lost(exc)
-                return
+        try:
+            snap = self.ns.snapshot()
+        except DaemonUnavailableError:
+            return  # the namespace told the client; the view is reset on reconnect
         self._resync = False
         self._replace(snap)
         for key in self.ready.keys() & self.committing.keys():
@@ -299,8 +292,7 @@ class EngineView:
         self._batch = _Batch()
         self._acked, self._sent_want = self.seq, self.want
         self.batches_total += 1
-        self.ns.client.post(msg)
-        self.ns.client.flush()
+        self.ns.post(msg)
 
     def _add(self, field: str, key: bytes) -> None:
         if not self.connected:

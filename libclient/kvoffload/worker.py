@@ -162,6 +162,11 @@ class Worker:
         if self.push:
             self.ns.client.route(m.JobsDone, self.worker_id, self)
 
+    def _discard(self, state: tuple[m.WorkerAttached, list[int]]) -> None:
+        """A handshake that will not be adopted: close the descriptors it brought."""
+        for fd in state[1]:
+            os.close(fd)
+
     def _lost(self) -> None:
         self._failed_locally.extend(TransferResult(j, False, 0, 0.0) for j in self._inflight)
         self._inflight.clear()

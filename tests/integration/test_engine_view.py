@@ -61,7 +61,7 @@ def test_two_engines_share_blocks_with_no_round_trip_per_step(daemon: DaemonProc
     va.end_step()  # the claims go out; the worker's copy runs meanwhile
     assert finished(w, 1).success
     va.complete_store(ks)
-    assert va.lookup(ks[0]) == PENDING  # committed here, not yet seen from the daemon
+    assert va.lookup(ks[0]) == MISS  # committed here, never a hit before the daemon confirms
     settle(va, lambda: va.lookup(ks[0]) == HIT, "a's own commit in its feed")
     settle(vb, lambda: vb.lookup(ks[3]) == HIT, "b seeing a's blocks")
     assert vb.ready[ks[2]] == va.ready[ks[2]] == plan[1][2]  # the slot came with the event
