@@ -16,12 +16,13 @@ from .copier import CpuCopier
 from .gpu import start_gpu
 from .logfmt import setup_logging
 from .metrics import MetricsEndpoint
-from .region import Geometry, InstanceLock, RegionError, SharedOffloadRegion
+from .region import Geometry, RegionError, SharedOffloadRegion
 from .server import Server, bind_listener
 from .service import Service
 from .systemd import Notifier, listen_fds
 from .tiering import Tiering
 from .tiers import SecondaryTier, TierError, WakeFd, build_tier
+from .trust import FileLock, UntrustedError, raise_fd_limit, secure_dir
 
 log = logging.getLogger("kvoffloadd")
 
@@ -82,13 +83,13 @@ def activated_listener() -> socket.socket | None:
 
 def build(
     cfg: DaemonConfig, listener: socket.socket | None, notifier: Notifier
-) -> tuple[InstanceLock, SharedOffloadRegion, CpuCopier, Server]:
-    """Lock the instance, create the region, bind (unless activated) and wire the loop."""
+) -> tuple[FileLock, SharedOffloadRegion, CpuCopier, Server]:
+    """Lock the socket path, create (or adopt) and lock the region, bind (unless
+    activated) and wire the loop. Nothing found on the way is trusted (trust.py)."""
     if listener is not None:
         cfg.socket = listener.getsockname() or cfg.socket_path
-    run_dir = os.path.dirname(cfg.socket_path) or "."
-    os.makedirs(run_dir, mode=0o750, exist_ok=True)
-    lock = InstanceLock(os.path.join(run_dir, f"{cfg.instance}.lock"))
+    secure_dir(os.path.dirname(os.path.abspath(cfg.socket_path)))
+    lock = FileLock(f"{cfg.socket_path}.lock", f"pid {os.getpid()} instance {cfg.instance}\n")
     try:
         geometry = Geometry.plan(cfg.region_bytes, cfg.extent_bytes, cfg.min_slot_bytes)
         region = SharedOffloadRegion(cfg.region_name, geometry, discard=cfg.discard_region)
@@ -177,11 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvoffloadd: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    fd_limit = raise_fd_limit()
+    log.debug("descriptor limit %d", fd_limit)
     notifier = Notifier()
     activated = activated_listener()
     try:
         lock, region, copier, server = build(cfg, activated, notifier)
-    except (RegionError, ConfigError, OSError) as exc:
+    except (RegionError, ConfigError, UntrustedError, OSError) as exc:
         log.error("cannot start: %s", exc)
         notifier.notify(STATUS=f"cannot start: {exc}")
         return 1

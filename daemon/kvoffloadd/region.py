@@ -8,10 +8,14 @@ completed store, so a later daemon can rebuild the index from the segment alone 
 restart); records are written on the loop thread when a slot changes state.
 
 Rules:
-- One daemon per instance name: a ``flock`` on ``<runtime_dir>/<instance>.lock``
-  proves it. A segment found under the name without the lock held belongs to a daemon
-  that stopped or died: it is recovered when its header matches this format and
-  geometry (warm restart, see ``recovery.py``), refused otherwise unless ``discard``.
+- One daemon per region: the daemon holds an exclusive ``flock`` on the segment itself
+  for its lifetime (trust.py). A segment found under the name without the lock held
+  belongs to a daemon that stopped or died.
+- A found segment is checked on the descriptor it is used through: only a regular
+  file owned by the daemon's uid with no group or other permission is ever adopted
+  (an attacker's pre-created segment is refused, or dropped with ``discard``). It is
+  recovered when its header matches this format and geometry (warm restart, see
+  ``recovery.py``), refused otherwise unless ``discard``.
 - Clients open the segment, when they do, with size 0: opening with a size would
   ftruncate it under everybody else (research/stack.md section 5).
 - Pre-faulting runs in a background thread, in chunks, so start-up does not wait.
@@ -25,7 +29,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -60,6 +63,7 @@ from kvoffload.regionfmt import (
 
 from .allocator import ExtentPool, SlotPool
 from .index import SlotJournal
+from .trust import UntrustedError, check_private_file, lock_region
 
 log = logging.getLogger(__name__)
 
@@ -121,30 +125,6 @@ def default_extent_bytes(region_bytes: int) -> int:
     return 1 << (target.bit_length() - 1)
 
 
-class InstanceLock:
-    """flock held for the daemon's lifetime: proof that the instance is alive."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip()
-            os.close(self._fd)
-            raise RegionError(
-                f"another kvoffloadd already runs this instance (pid {holder or '?'}; "
-                f"lock {path}); stop it or pick another --instance"
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-
-    def release(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-        os.close(self._fd)
-
-
 class SharedOffloadRegion:
     """The daemon's mapping of the region, its tables and the extent pool."""
 
@@ -154,17 +134,26 @@ class SharedOffloadRegion:
         self.name = name
         self.geometry = g = geometry
         self.recovered = False
-        found = self._probe(name)
-        if found is not None and recover and found == self._header_fields(g)[:14]:
-            self._shm = posix_ipc.SharedMemory(name)  # size 0: never resize a live region
-            self.recovered = True
-        else:
-            if found is not None:
+        old = self._open_existing(name, discard or not recover)
+        if old is not None:
+            try:
+                lock_region(old.fd, name)  # a live daemon's region is never touched
+            except UntrustedError as exc:
+                old.close_fd()
+                raise RegionError(str(exc)) from None
+            found = self._header_of(old)
+            if recover and found == self._header_fields(g)[:14]:
+                self._shm = old  # size 0: never resize a live region
+                self.recovered = True
+            else:
+                old.close_fd()
                 self._refuse_or_discard(name, found, g, discard or not recover)
+        if not self.recovered:
             self._check_shm_space(g.region_bytes)
             self._shm = posix_ipc.SharedMemory(
                 name, flags=posix_ipc.O_CREX, mode=0o600, size=g.region_bytes
             )
+            lock_region(self._shm.fd, name)  # ours alone: O_CREX just made it
         try:
             self._mm = mmap.mmap(self._shm.fd, g.region_bytes)
         except BaseException:
@@ -212,19 +201,34 @@ class SharedOffloadRegion:
             )
 
     @staticmethod
-    def _probe(name: str) -> tuple[object, ...] | None:
-        """Header fields (without pid and time) of an existing segment, or None."""
+    def _open_existing(name: str, discard: bool) -> posix_ipc.SharedMemory | None:
+        """The segment already under the name, if it passes the trust checks; one that
+        does not is refused, or unlinked with ``discard``."""
         try:
-            old = posix_ipc.SharedMemory(name)
+            old = posix_ipc.SharedMemory(name)  # shm_open: O_NOFOLLOW
         except posix_ipc.ExistentialError:
             return None
         try:
-            if old.size < HEADER.size:
-                return ()
-            with mmap.mmap(old.fd, HEADER.size, prot=mmap.PROT_READ) as mm:
-                return tuple(HEADER.unpack(mm[: HEADER.size]))[:14]
-        finally:
+            check_private_file(old.fd, f"/dev/shm{name}")
+        except UntrustedError as exc:
             old.close_fd()
+            if not discard:
+                raise RegionError(str(exc)) from None
+            log.warning("discarding %s: %s", name, exc)
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.PermissionsError:
+                raise RegionError(f"{exc}; and this daemon may not remove it") from None
+            return None
+        return old
+
+    @staticmethod
+    def _header_of(shm: posix_ipc.SharedMemory) -> tuple[object, ...]:
+        """Header fields (without pid and time) of a segment."""
+        if shm.size < HEADER.size:
+            return ()
+        with mmap.mmap(shm.fd, HEADER.size, prot=mmap.PROT_READ) as mm:
+            return tuple(HEADER.unpack(mm[: HEADER.size]))[:14]
 
     @staticmethod
     def _refuse_or_discard(

@@ -31,6 +31,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import struct
 import time
 from collections import deque
@@ -45,6 +46,7 @@ from .service import Service
 from .session import Session
 from .stats import render_stats
 from .systemd import Notifier, watchdog_interval_s
+from .trust import UntrustedError, secure_dir, socket_in_use
 from .workers import close_fds
 
 log = logging.getLogger(__name__)
@@ -369,11 +371,19 @@ class Server:
 
 
 def bind_listener(path: str) -> socket.socket:
-    """Bind the control socket: 0750 directory, 0660 socket; a stale path is replaced."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o750, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)  # the instance lock proves nobody else serves it
+    """Bind the control socket: 0750 directory, 0660 socket. A stale socket is replaced;
+    one something still answers on, or anything that is not a socket, is not."""
+    secure_dir(os.path.dirname(os.path.abspath(path)))
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(st.st_mode):
+            raise UntrustedError(f"{path} exists and is not a socket; remove it")
+        if socket_in_use(path):
+            raise UntrustedError(f"something already serves {path}; stop it first")
+        os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     old = os.umask(0o117)
     try:

@@ -30,6 +30,7 @@ import socket
 import struct
 import time
 
+from .peer import check_daemon
 from .protocol import ClientConnection, NeedData
 from .protocol import messages as m
 from .protocol.errors import (
@@ -61,6 +62,11 @@ class Transport:
         except OSError as exc:
             sock.close()
             raise DaemonUnavailableError(f"cannot connect to kvoffloadd at {path}: {exc}") from exc
+        try:
+            check_daemon(sock, path)  # nothing of ours goes to a planted socket
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(None)
         self._kernel_timeout_s = 0.0
         self.sock: socket.socket | None = sock
