@@ -4,8 +4,10 @@ a real daemon started as root."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
 import tempfile
 import threading
 import uuid
@@ -24,12 +26,9 @@ from kvoffloadd.region import Geometry, SharedOffloadRegion
 def start_fails(*args: str, socket_path: str, instance: str) -> str:
     """Start a daemon that must refuse; returns what it printed on stderr."""
     d = DaemonProcess("64MiB", *args, socket_path=socket_path, instance=instance)
-    d.proc = __import__("subprocess").Popen(
-        d.args, stdout=__import__("subprocess").PIPE, stderr=__import__("subprocess").PIPE
-    )
-    out, err = d.proc.communicate(timeout=60)
-    assert d.proc.returncode == 1, f"it started: {out!r} {err!r}"
-    return err.decode()
+    proc = subprocess.run(d.args, capture_output=True, timeout=60)
+    assert proc.returncode == 1, f"it started: {proc.stdout!r} {proc.stderr!r}"
+    return proc.stderr.decode()
 
 
 def test_a_region_another_uid_planted_is_never_adopted() -> None:
@@ -63,10 +62,8 @@ def test_a_region_another_uid_planted_is_never_adopted() -> None:
                 assert c.stats()["blocks"]["used_blocks"] == 0  # nothing of nobody's
             assert d.stop() == 0
     finally:
-        try:
+        with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(name)
-        except posix_ipc.ExistentialError:
-            pass
 
 
 def test_a_squatted_runtime_directory_and_a_planted_lock_link_are_refused() -> None:
@@ -74,9 +71,8 @@ def test_a_squatted_runtime_directory_and_a_planted_lock_link_are_refused() -> N
     the directory first (0777) with the lock file as a symlink to a root file."""
     requires_root()
     base = f"/tmp/kvoffload-squat-{uuid.uuid4().hex[:8]}"
-    victim = tempfile.NamedTemporaryFile("w", delete=False)
-    victim.write("precious\n")
-    victim.close()
+    with tempfile.NamedTemporaryFile("w", delete=False) as victim:
+        victim.write("precious\n")
 
     def squat() -> None:
         os.mkdir(base, 0o777)
