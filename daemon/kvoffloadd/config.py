@@ -124,6 +124,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: str = "info"
     max_frame_bytes: int = 16 * 1024 * 1024
     max_clients: int = 1024
+    # requests not yet complete and replies not yet sent, all clients together; the
+    # largest holder is cut off beyond it
+    buffer_budget: int | str = "256MiB"
     prefault: bool = True
     gpu: str = "auto"  # "auto": copy for CUDA engines when a driver and GPU exist; "off"
     pin_region: bool = True  # page-lock the region for GPU DMA (background, chunked)
@@ -161,6 +164,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return parse_size(self.region_size, "region_size")
 
     @property
+    def buffer_budget_bytes(self) -> int:
+        return parse_size(self.buffer_budget, "buffer_budget")
+
+    @property
     def min_slot_bytes(self) -> int:
         return parse_size(self.min_slot_size, "min_slot_size")
 
@@ -184,6 +191,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"instance: {self.instance!r} must be 1-64 letters, digits, '_', '.' or '-'"
             )
         self.region_bytes  # noqa: B018 - parse for the error message
+        if self.buffer_budget_bytes < 2 * self.max_frame_bytes:
+            raise ConfigError(
+                f"buffer_budget: {self.buffer_budget} must hold at least two frames of "
+                f"max_frame_bytes ({self.max_frame_bytes})"
+            )
         self.min_slot_bytes  # noqa: B018
         self.extent_bytes  # noqa: B018
         if self.policy not in POLICIES:

@@ -11,8 +11,9 @@ of the namespace (keys and their slots), a pool of leased empty slots, and sends
   does not read falls behind, its queue overflows, and it resyncs from a snapshot.
 - ``LeaseGrant``: empty slots, whenever a connection holds fewer than it asked for
   (``want_leases``) and the namespace has room, evicting to make room outside any
-  request. A connection may hold at most ``lease_share`` of the namespace's largest
-  possible size, shared among the connections that lease in it.
+  request, one refill ahead (evicted space frees only once every engine's mirror has
+  seen the eviction). A connection may hold at most ``LEASE_SHARE`` of the
+  namespace's largest possible size, shared among the connections that lease in it.
 
 Rules:
 - A batch is applied in field order (claims, pins, unpins, commits, failures, touches,
@@ -80,11 +81,11 @@ class EngineChannel:
             return
         want = min(s.want_leases.get(index.ns_id, 0), self.lease_cap(index))
         short = want - index.leases.unclaimed(token)
-        if short <= 0:
-            return
-        slots = index.lease(token, short)
-        if slots:
+        if short > 0 and (slots := index.lease(token, short)):
             s.pushes.append(m.LeaseGrant(0, index.ns_id, pack_ids(slots)))
+        # Evicted blocks stay in graves until every engine has seen the eviction, a
+        # step or more: evict for the next refill now, so it finds the space free.
+        index.reserve(want)
 
     def lease_cap(self, index: NamespaceIndex) -> int:
         """How many empty slots one connection may hold in this namespace."""

@@ -321,17 +321,22 @@ class NamespaceIndex:
         """
         if n <= 0:
             return []
+        self.reserve(n)
+        slots = self._allocate(min(n, self._free_within_quota()))
+        self.leases.grant(token, slots)
+        for slot in slots:
+            self._journal.leased(slot, token)
+        return slots
+
+    def reserve(self, n: int) -> None:
+        """Keep ``n`` slots free, or coming free from graves, evicting least recently
+        used blocks now: what the next lease refill will hand out."""
         self._reclaim_for(n)
         short = n - self._free_within_quota() - len(self.graves)
         if short > 0 and self._num_evictable:
             victims = self._policy.evict(min(short, self._num_evictable), set())
             if victims:
                 self._drop(victims)
-        slots = self._allocate(min(n, self._free_within_quota()))
-        self.leases.grant(token, slots)
-        for slot in slots:
-            self._journal.leased(slot, token)
-        return slots
 
     def claim(self, token: int, client: int, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         """An engine stores ``keys`` into its leased ``slots``; returns refused claims."""

@@ -9,8 +9,13 @@ Rules:
 - A protocol error (bad frame, oversized frame, unknown tag, request before Hello)
   gets one ``ErrorReply(rid=0, PROTOCOL_ERROR)`` and that connection is closed;
   everyone else is unaffected (invariant 6).
-- A client that does not read its replies is disconnected once ``MAX_OUTBUF_BYTES``
-  are queued for it, so it cannot grow the daemon without bound.
+- Budgets (budgets.py): descriptors (a reserve for shedding at EMFILE, a cap on
+  clients and on descriptors parked with SCM_RIGHTS), buffered bytes per connection
+  and in total (the largest holder is cut off), and loop time: at most
+  ``FRAMES_PER_TURN`` requests of one connection per turn, none while it has more than
+  ``PAUSE_OUTPUT_BYTES`` of replies unsent (it is not read until it reads).
+- A peer the access rules refuse gets one ``ErrorReply(rid=0, PERMISSION_DENIED)`` and
+  is disconnected at once: it holds no slot and parks nothing.
 - One-way requests (rid 0) get no reply; a refused one becomes a push. Pushes the
   service queued (``Session.pushes``) go out after each read and each drain of copy
   completions; pushed event feeds once per loop turn, for connections that keep up.
@@ -41,27 +46,31 @@ from kvoffload.protocol import NeedData, ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 
+from .budgets import (
+    FRAMES_PER_TURN,
+    MAX_OUTPUT_BYTES_PER_CLIENT,
+    PAUSE_OUTPUT_BYTES,
+    Budgets,
+)
 from .metrics import MetricsEndpoint
 from .service import Service
 from .session import Session
 from .stats import render_stats
 from .systemd import Notifier, watchdog_interval_s
-from .trust import UntrustedError, secure_dir, socket_in_use
+from .trust import UntrustedError, raise_fd_limit, secure_dir, socket_in_use
 from .workers import close_fds
 
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 256 * 1024
 MAX_FDS_PER_MSG = 253
-MAX_QUEUED_FDS = 1024
-MAX_OUTBUF_BYTES = 64 * 1024 * 1024
 CRON_PERIOD_S = 1.0
 DRAIN_TIMEOUT_S = 30.0
 LINGER_S = 5.0  # how long a client closed for a protocol error has to read its replies
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 
 
-@dataclass
+@dataclass(eq=False)  # one per connection, kept in sets by identity
 class _Client:
     sock: socket.socket
     conn: ServerConnection
@@ -70,8 +79,16 @@ class _Client:
     sent_bytes: int = 0  # everything ever sent, to place descriptors in the stream
     # (stream position, fds): descriptors that go out with the byte at that position
     fd_marks: deque[tuple[int, list[int]]] = field(default_factory=deque)
-    writing: bool = False
+    events: int = selectors.EVENT_READ  # what the selector watches for it now
     closing_by_s: float = 0.0  # after a protocol error: deliver the replies, then close
+    # what this connection holds of the global budgets (budgets.py)
+    held_in: int = 0
+    held_out: int = 0
+    held_fds: int = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self.held_in + self.held_out
 
 
 class Server:
@@ -103,6 +120,10 @@ class Server:
         self._sig_w.setblocking(False)
         self.sel.register(self._sig_r, selectors.EVENT_READ, self._signalled)
         self.clients: dict[int, _Client] = {}
+        self._backlog: set[_Client] = set()  # frames left undispatched by a turn's limit
+        cfg = service.config
+        self.budgets = Budgets(cfg.max_clients, cfg.buffer_budget_bytes, raise_fd_limit())
+        service.budgets = self.budgets
         self._next_id = 1
         self._stop = False
         self._max_frame = service.config.max_frame_bytes
@@ -125,13 +146,15 @@ class Server:
         next_cron = time.monotonic() + self._cron_period_s
         try:
             while not self._stop:
-                timeout = max(0.0, next_cron - time.monotonic())
+                timeout = 0.0 if self._backlog else max(0.0, next_cron - time.monotonic())
                 ready = self.sel.select(timeout)
                 t0 = time.perf_counter()
                 for key, mask in ready:
                     key.data(key.fileobj, mask)
+                for c in list(self._backlog):
+                    self._process(c)
                 self._push_feeds()
-                if ready:
+                if ready or self._backlog:
                     self.service.loop.record(time.perf_counter() - t0)
                 if time.monotonic() >= next_cron:
                     self._cron()
@@ -146,6 +169,7 @@ class Server:
             for c in list(self.clients.values()):
                 self._drop(c, "daemon stopping")
             self.sel.close()
+            self.budgets.close()
             self._sig_r.close()
             self._sig_w.close()
 
@@ -199,12 +223,20 @@ class Server:
     # ------------------------------------------------------------ connections
 
     def _accept(self, sock: object, mask: int) -> None:
-        while True:
+        for _ in range(64):  # a burst of connections does not hold the loop either
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            if self._stop or len(self.clients) >= self.service.config.max_clients:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self.budgets.shed(self.listener)
+                    log.warning("out of descriptors: shed a new connection")
+                else:
+                    log.warning("accept failed: %s", exc)
+                return
+            if self._stop or len(self.clients) >= self.budgets.max_clients:
+                self.budgets.shed_total += 1
                 conn.close()
                 continue
             conn.setblocking(False)
@@ -214,10 +246,21 @@ class Server:
             cid = self._next_id
             self._next_id += 1
             session = self.service.open_session(cid, pid, uid, gid)
+            if not session.allowed:
+                self._refuse(conn, session)
+                continue
             client = _Client(conn, ServerConnection(self._max_frame), session)
             self.clients[cid] = client
             self.sel.register(conn, selectors.EVENT_READ, lambda s, mk, c=client: self._io(c, mk))
             log.debug("client %d connected (pid %d uid %d)", cid, pid, uid)
+
+    def _refuse(self, conn: socket.socket, session: Session) -> None:
+        """A peer the access rules refuse: one error frame, then gone."""
+        reason = self.service.refusal(session)
+        with contextlib.suppress(OSError):
+            conn.send(encode_frame(m.ErrorReply(0, ErrorCode.PERMISSION_DENIED, reason)))
+        conn.close()
+        self.service.close_session(session)
 
     def _io(self, c: _Client, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
@@ -240,19 +283,27 @@ class Server:
                 fds = array.array("i")
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
                 c.session.fds.extend(fds)
-        if len(c.session.fds) > MAX_QUEUED_FDS:
-            self._drop(c, "too many unclaimed file descriptors")
-            return
         if not nbytes:
             self._drop(c, "disconnected")
             return
         c.conn.receive_data(self._rview[:nbytes])
+        self._process(c)
+
+    def _process(self, c: _Client) -> None:
+        """Dispatch the connection's complete frames, within this turn's limits."""
+        self._backlog.discard(c)
+        if not self._account(c):
+            return
         try:
-            while True:
+            for _ in range(FRAMES_PER_TURN):
+                if len(c.outbuf) > PAUSE_OUTPUT_BYTES:
+                    break  # paused: it is read again once it has read its replies
                 req = c.conn.next_event()
                 if isinstance(req, NeedData):
                     break
                 self._dispatch(c, req)
+            else:
+                self._backlog.add(c)  # more may be buffered: the next turn goes on
         except ProtocolError as exc:
             c.outbuf += encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, str(exc.args[0])))
             self.service.count_error(ErrorCode.PROTOCOL_ERROR.name)
@@ -263,6 +314,29 @@ class Server:
             self._flush(c)
             return
         self._flush(c)
+
+    def _account(self, c: _Client) -> bool:
+        """Update what the connection holds of the budgets; cut off whoever is over."""
+        b = self.budgets
+        held_in, fds = c.conn.buffered_bytes, len(c.session.fds)
+        b.input_bytes += held_in - c.held_in
+        b.parked_fds += fds - c.held_fds
+        c.held_in, c.held_fds = held_in, fds
+        if not b.fds_ok(fds):
+            self._cut_off(c, f"{fds} descriptors parked (global {b.parked_fds})")
+            return False
+        while b.memory_over() and self.clients:
+            worst = max(self.clients.values(), key=lambda x: x.held_bytes)
+            self._cut_off(worst, f"holds {worst.held_bytes} bytes of the buffer budget")
+            if worst is c:
+                return False
+        return c.session.session_id in self.clients
+
+    def _cut_off(self, c: _Client, why: str) -> None:
+        self.budgets.cut_off_total += 1
+        log.warning("client %d (pid %d uid %d) cut off: %s", c.session.session_id,
+                    c.session.pid, c.session.uid, why)  # fmt: skip
+        self._drop(c, why)
 
     def _dispatch(self, c: _Client, req: m.Request) -> None:
         code: ErrorCode | None = None
@@ -284,12 +358,12 @@ class Server:
                 reply = None
             else:
                 reply = m.ErrorReply(req.rid, code, message)
+        self._queue_pushes(c)  # what the request caused goes out before its reply
         if reply is not None:
             if c.session.out_fds:  # they travel with the first byte of this reply
                 c.fd_marks.append((c.sent_bytes + len(c.outbuf), c.session.out_fds))
                 c.session.out_fds = []
             c.outbuf += c.conn.send(reply)
-        self._queue_pushes(c)
 
     def _queue_pushes(self, c: _Client) -> None:
         if c.session.pushes:
@@ -332,16 +406,22 @@ class Server:
         if c.closing_by_s and not c.outbuf:
             self._drop(c, "protocol error")
             return
-        if len(c.outbuf) > MAX_OUTBUF_BYTES:
-            self._drop(c, "not reading its replies")
+        self.budgets.output_bytes += len(c.outbuf) - c.held_out
+        c.held_out = len(c.outbuf)
+        if len(c.outbuf) > MAX_OUTPUT_BYTES_PER_CLIENT:
+            self._cut_off(c, "not reading its replies")
             return
-        want_write = bool(c.outbuf)
-        if (want_write != c.writing or c.closing_by_s) and c.session.session_id in self.clients:
-            events = (0 if c.closing_by_s else selectors.EVENT_READ) | (
-                selectors.EVENT_WRITE if want_write else 0
-            )
+        if self.budgets.memory_over() and not self._account(c):
+            return
+        paused = len(c.outbuf) > PAUSE_OUTPUT_BYTES or bool(c.closing_by_s)
+        events = (0 if paused else selectors.EVENT_READ) | (
+            selectors.EVENT_WRITE if c.outbuf else 0
+        )
+        if events != c.events and c.session.session_id in self.clients:
             self.sel.modify(c.sock, events, lambda s, mk, cl=c: self._io(cl, mk))
-            c.writing = want_write
+            c.events = events
+            if not paused and c.conn.buffered_bytes:
+                self._backlog.add(c)  # resumed: frames buffered while paused go on
 
     @staticmethod
     def _send_some(c: _Client) -> int:
@@ -360,6 +440,12 @@ class Server:
     def _drop(self, c: _Client, why: str) -> None:
         if self.clients.pop(c.session.session_id, None) is None:
             return
+        self._backlog.discard(c)
+        b = self.budgets
+        b.input_bytes -= c.held_in
+        b.output_bytes -= c.held_out
+        b.parked_fds -= c.held_fds
+        c.held_in = c.held_out = c.held_fds = 0
         for _, fds in c.fd_marks:
             close_fds(fds)
         c.fd_marks.clear()

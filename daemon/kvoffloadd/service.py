@@ -39,6 +39,7 @@ from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_
 from . import __version__
 from .access import Peer, peer_groups
 from .allocator import SlotPool
+from .budgets import Budgets
 from .config import DaemonConfig
 from .copier import Completion, CpuCopier
 from .engines import EngineChannel
@@ -93,6 +94,7 @@ class Service:
         )
         self.engines = EngineChannel(self.namespaces, config.max_frame_bytes)
         self.loop = LoopTurns()
+        self.budgets: Budgets | None = None  # the server's, once it runs
         self.shutting_down = False
         self.started_s = time.monotonic()
         self.requests_total = 0
@@ -102,13 +104,16 @@ class Service:
 
     # ------------------------------------------------------------ dispatch
 
+    def refusal(self, s: Session) -> str:
+        return (
+            f"uid {s.uid} may not connect to kvoffloadd; list it in allow_uids or "
+            "allow_gids of the daemon config"
+        )
+
     def handle(self, s: Session, req: m.Request) -> m.Reply | None:
         self.requests_total += 1
         if not s.allowed:
-            raise PermissionDeniedError(
-                f"uid {s.uid} may not connect to kvoffloadd; list it in allow_uids or "
-                "allow_gids of the daemon config"
-            )
+            raise PermissionDeniedError(self.refusal(s))
         if self.shutting_down and type(req) not in _SERVED_WHILE_STOPPING:
             raise ShuttingDownError("kvoffloadd is shutting down")
         return self._handlers[type(req)](s, req)

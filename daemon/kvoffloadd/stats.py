@@ -83,6 +83,7 @@ def render_stats(svc: Service) -> dict[str, Any]:
         },
         "gpu": gpu_stats(svc),
         "loop": svc.loop.summary(),
+        "budgets": dataclasses.asdict(svc.budgets.statistics()) if svc.budgets else {},
         "engines": {
             "refused_claims_total": svc.engines.refused_claims_total,
             "leased_blocks": sum(n["leased_blocks"] for n in namespaces.values()),

@@ -65,6 +65,7 @@ class Client:
 
     RETRY_MIN_S = 0.02
     RETRY_MAX_S = 0.25
+    RETRY_REFUSED_S = 5.0  # a daemon that refuses us is asked again, but rarely
 
     def __init__(self, socket_path: str, timeout_s: float = 5.0, name: str = "") -> None:
         self.socket_path = socket_path
@@ -172,11 +173,14 @@ class Client:
             try:
                 link = self._handshake()
             except KVOffloadError as exc:
-                if not isinstance(exc, DaemonUnavailableError) and str(exc) != refused:
-                    refused = str(exc)
-                    log.error("kvoffloadd at %s refuses this client: %s", self.socket_path, exc)
+                wait_s = delay_s
+                if not isinstance(exc, DaemonUnavailableError):
+                    wait_s = self.RETRY_REFUSED_S
+                    if str(exc) != refused:
+                        refused = str(exc)
+                        log.error("kvoffloadd at %s refuses this client: %s", self.socket_path, exc)
                 with self._lock:
-                    self._changed.wait(delay_s)
+                    self._changed.wait(wait_s)
                 delay_s = min(delay_s * 2, self.RETRY_MAX_S)
                 continue
             with self._lock:

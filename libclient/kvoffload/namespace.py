@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import msgspec
+
 from .plans import LoadPlan, OffloadEvent, StorePlan
 from .protocol import messages as m
 from .protocol.errors import (
@@ -124,6 +126,15 @@ class Namespace:
         if sent:
             self.client.flush()
         return sent
+
+    def send_and_wait(self, msg: m.StepBatch) -> bool:
+        """Send a step batch as a blocking request: what it causes (a lease grant) has
+        been delivered when this returns. False when disconnected."""
+        try:
+            self.client.call(lambda rid: msgspec.structs.replace(msg, rid=rid), m.OkReply)
+        except DaemonUnavailableError:
+            return False
+        return True
 
     def snapshot(self) -> Snapshot:
         """Every ready key with its slot, restarting the pushed feed there (blocking).

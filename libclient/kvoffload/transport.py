@@ -35,6 +35,7 @@ from .protocol import ClientConnection, NeedData
 from .protocol import messages as m
 from .protocol.errors import (
     DaemonUnavailableError,
+    KVOffloadError,
     ProtocolError,
     error_for_code,
 )
@@ -240,6 +241,9 @@ class Transport:
         except ProtocolError as exc:
             self.close()
             raise DaemonUnavailableError(f"protocol error talking to kvoffloadd: {exc}") from exc
+        except KVOffloadError:  # the daemon's last word before closing (a refusal)
+            self.close()
+            raise
         except (OSError, TimeoutError) as exc:
             self.close()
             what = "timed out" if isinstance(exc, TimeoutError) else str(exc)

@@ -219,6 +219,8 @@ class EngineView:
             return [], []
         n = len(todo)
         self._used += n
+        if len(self.leases) < n:
+            self._top_up(n)
         if len(self.leases) >= n:
             slots = self.leases[-n:]
             del self.leases[-n:]
@@ -227,13 +229,23 @@ class EngineView:
                 self._add("claims", key)
                 self._batch.claim_slots.append(slot)
             return todo, slots
-        self.lease_fallbacks_total += 1
-        self.blocking_calls_total += 1
+        self.blocking_calls_total += 1  # no room for a grant: the daemon plans this one
         plan = self.ns.prepare_store(todo)
         if plan is None:
             return None if self.connected else ([], [])
         self.writing.update(zip(plan.keys_to_store, plan.slots))
         return plan.keys_to_store, plan.slots
+
+    def _top_up(self, n: int) -> None:
+        """The pool ran dry within a step: one blocking round trip sends the batch so far
+        with a larger wish and brings the grant back (counted)."""
+        self.lease_fallbacks_total += 1
+        self.blocking_calls_total += 1
+        self.want = min(self.max_lease_blocks, max(self.want, 2 * (self._used + n)))
+        msg = self._batch.message(self.ns.ns_id, self.seq, self.want)
+        self._batch = _Batch()
+        self._acked, self._sent_want = self.seq, self.want
+        self.ns.send_and_wait(msg)
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         writing, give_up_s = self.writing, time.monotonic() + COMMIT_WAIT_S

@@ -231,6 +231,7 @@ def _connect_as(sock: str, uid: int, out: Any) -> None:
         out.put(f"connected; client copy refused: {exc}")
     except Exception as exc:  # anything else is reported, not hung on
         out.put(f"connected; {type(exc).__name__}: {exc}")
+    c.close()
 
 
 def test_peer_credentials_decide_who_connects_and_which_namespaces(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ class FakeNamespace:
         self.sent: list[m.StepBatch] = []
         self.blocking: list[list[bytes]] = []
         self.polls = 0
+        self.grant_on_wait: list[int] = []  # what a blocking batch brings back
 
     def attach_view(self, view: EngineView) -> bool:
         self.view = view
@@ -52,6 +53,14 @@ class FakeNamespace:
         assert isinstance(msg, m.StepBatch)
         if self.connected:
             self.sent.append(msg)
+        return self.connected
+
+    def send_and_wait(self, msg: m.StepBatch) -> bool:
+        self.sent.append(msg)
+        if self.grant_on_wait:
+            self.grant(*self.grant_on_wait)
+            self.grant_on_wait = []
+            self.poll()
         return self.connected
 
     def snapshot(self) -> Snapshot:
@@ -127,10 +136,25 @@ def test_stores_take_leased_slots_and_claim_them_in_the_step_batch() -> None:
     assert view.blocking_calls_total == 0
 
 
-def test_an_empty_lease_pool_falls_back_to_one_blocking_call_counted() -> None:
+def test_a_dry_pool_costs_one_round_trip_for_the_whole_step() -> None:
+    """A burst (a prefill of many requests) empties the pool: one blocking batch asks
+    for more, with the step's claims so far, and the rest of the step uses the grant."""
+    view, ns = connected_view(lease_blocks=2)
+    ns.grant(40, 41)
+    view.lookup(b"")
+    assert view.prepare_store(k(1, 10)) == (k(10), [41])
+    ns.grant_on_wait = list(range(50, 60))
+    assert view.prepare_store(k(11, 12)) == (k(11, 12), [58, 59])
+    assert view.prepare_store(k(13)) == (k(13), [57])
+    assert view.lease_fallbacks_total == view.blocking_calls_total == 1
+    wait = ns.sent[-1]
+    assert fields(wait)["claims"] == [(k(10)[0], 41)] and fields(wait)["want"] >= 6
+
+
+def test_no_room_for_a_grant_falls_back_to_the_daemon_planning_the_store() -> None:
     view, ns = connected_view()
     assert view.prepare_store(k(8)) == (k(8), [900])
-    assert ns.blocking == [k(8)] and view.blocking_calls_total == 1
+    assert ns.blocking == [k(8)] and view.blocking_calls_total == 2  # top-up, then plan
     view.end_step()
     assert fields(ns.sent[-1])["claims"] == []  # the daemon planned it: nothing to claim
 

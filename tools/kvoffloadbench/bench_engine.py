@@ -136,18 +136,19 @@ SPECS = ("none", "vllm", "kvoffload")
 
 def _scale_engine(sock: str, n: int, seconds: float, out: Any) -> None:
     e = _engine("kvoffload", n, False, sock, f"s{os.getpid()}", salt=os.getpid())
+    view = e.manager.view
+    trips0, fallbacks0 = sum(_counters(e)[:2]), view.lease_fallbacks_total  # after warm-up
     times, t_end = [], time.monotonic() + seconds
     while time.monotonic() < t_end:
         a, b = e.step()
         times.append((a + b) * 1e3)
-    view = e.manager.view
     out.put(
         {
             "steps_per_s": len(times) / seconds,
             "p50_ms": statistics.median(times),
             "p99_ms": _pct(times, 0.99),
-            "lease_fallbacks_total": view.lease_fallbacks_total,
-            "round_trips": _counters(e)[0] + _counters(e)[1],
+            "lease_fallbacks_total": view.lease_fallbacks_total - fallbacks0,
+            "round_trips": sum(_counters(e)[:2]) - trips0,
         }
     )
     e.shutdown()

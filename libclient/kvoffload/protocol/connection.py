@@ -32,7 +32,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from .errors import ProtocolError
+from .errors import ProtocolError, error_for_code
 from .messages import (
     DEFAULT_MAX_FRAME_BYTES,
     ONE_WAY,
@@ -181,7 +181,8 @@ class ClientConnection:
                 return msg
             if msg.rid == 0 and isinstance(msg, ErrorReply):
                 # rid 0 is the server's last word before it closes the connection.
-                raise ProtocolError(f"kvoffloadd closed the connection: {msg.message}")
+                self.state = State.ERROR
+                raise error_for_code(msg.code, f"kvoffloadd closed the connection: {msg.message}")
             if msg.rid == 0 and isinstance(msg, PUSHES) and self.state is State.READY:
                 return msg
             if msg.rid not in self._outstanding:
