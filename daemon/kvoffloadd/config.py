@@ -134,6 +134,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     discard_region: bool = False  # drop an existing region that cannot be recovered
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_address: str = "127.0.0.1"
+    # namespace names as metric labels (any local user can read the metrics port)
+    metrics_namespace_labels: bool = False
     # uids allowed to evict and read the config; unset: root and the daemon's own uid
     admin_uids: list[int] | None = None
     admin_gids: list[int] = msgspec.field(default_factory=list)

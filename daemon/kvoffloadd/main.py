@@ -108,7 +108,9 @@ def build(
         if listener is None:
             listener = bind_listener(cfg.socket_path)
         if cfg.metrics_port:
-            metrics = MetricsEndpoint(cfg.metrics_address, cfg.metrics_port)
+            metrics = MetricsEndpoint(
+                cfg.metrics_address, cfg.metrics_port, cfg.metrics_namespace_labels
+            )
     except BaseException:
         if tiering is not None:
             tiering.close()

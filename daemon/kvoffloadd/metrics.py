@@ -1,22 +1,34 @@
-"""Optional Prometheus endpoint (``metrics_port``), fed from the loop's stats snapshot.
+"""Optional Prometheus endpoint (``metrics_port``), fed from the loop's stats snapshot,
+with the health probes an orchestrator needs.
 
 Rules:
-- The HTTP server runs in prometheus-client's own thread and never touches daemon
-  metadata: the loop thread publishes an immutable ``render_stats`` snapshot each cron
-  tick and the collector only reads the latest one (a reference swap).
+- The HTTP server (httpd.py: one thread, bounded connections and time) never touches
+  daemon metadata: the loop thread publishes an immutable ``render_stats`` snapshot and
+  its health at start and at each cron tick, and handlers read only the latest ones (a
+  reference swap). Every series is there from the first scrape.
+- ``/healthz``: 200 while the loop turns (its last publication is recent), 503 with
+  the reason otherwise. ``/readyz``: 200 once serving with the region pre-faulted and
+  GPU pinning finished (or failed, which is reported), 503 with what is pending.
+- Namespace names are labels only with ``metrics_namespace_labels``: the port is open
+  to every local user, and a namespace's name says whose model it is. Without it the
+  per-namespace series are summed under ``namespace="all"``.
 - Names follow Prometheus conventions: ``kvoffload_`` prefix, base units (bytes,
   seconds), ``_total`` for counters.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+
+from .httpd import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +48,27 @@ _NS_COUNTERS = [
 
 
 class StatsCollector(Collector):
-    def __init__(self) -> None:
+    def __init__(self, namespace_labels: bool = False) -> None:
         self.snapshot: dict[str, Any] | None = None
         self.rates: dict[str, float] = {}
+        self.namespace_labels = namespace_labels
 
     def publish(self, stats: dict[str, Any], rates: dict[str, float]) -> None:
         self.snapshot, self.rates = stats, rates
+
+    def _namespaces(self, s: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        namespaces: dict[str, dict[str, Any]] = s["namespaces"]
+        if self.namespace_labels:
+            return namespaces
+        fields = [f for f, _, _ in _NS_COUNTERS] + ["stored_blocks", "writing_blocks"]
+        fields.append("pinned_blocks")
+        return {"all": {f: sum(st[f] for st in namespaces.values()) for f in fields}}
 
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot
         if s is None:
             return
-        namespaces: dict[str, dict[str, Any]] = s["namespaces"]
+        namespaces = self._namespaces(s)
         for field, doc, name in _NS_COUNTERS:
             c = CounterMetricFamily(f"kvoffload_{name}", doc, labels=["namespace"])
             for ns, st in namespaces.items():
@@ -155,14 +176,41 @@ def _tier_metrics(tiers: dict[str, Any]) -> Iterator[Metric]:
             yield fam
 
 
+HEALTH_STALE_S = 5.0  # no publication for this long: the loop is stuck
+
+
+def readiness(stats: dict[str, Any]) -> list[str]:
+    """What keeps the daemon from being ready (empty: ready), from one stats snapshot."""
+    pending = []
+    if stats["server"]["shutting_down"]:
+        pending.append("shutting down")
+    region = stats["region"]
+    if region["prefaulted_bytes"] < region["data_bytes"]:
+        done = 100 * region["prefaulted_bytes"] // max(1, region["data_bytes"])
+        pending.append(f"pre-faulting the region ({done}%)")
+    gpu = stats["gpu"]
+    if (
+        gpu.get("enabled")
+        and gpu["pinned_bytes"] < gpu["pin_target_bytes"]
+        and not gpu["pin_error"]
+    ):
+        pending.append(f"pinning the region ({gpu['pinned_bytes']} of {gpu['pin_target_bytes']})")
+    return pending
+
+
 class MetricsEndpoint:
-    def __init__(self, address: str, port: int) -> None:
-        self.collector = StatsCollector()
+    def __init__(self, address: str, port: int, namespace_labels: bool = False) -> None:
+        self.collector = StatsCollector(namespace_labels)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         self._last: dict[str, Any] | None = None
-        self.server, self.thread = start_http_server(port, address, registry=self.registry)
-        log.info("metrics on http://%s:%d/metrics", address, port)
+        self._published_s = 0.0
+        self.server = HttpServer(
+            address,
+            port,
+            {"/metrics": self._metrics, "/healthz": self._healthz, "/readyz": self._readyz},
+        )
+        log.info("metrics on http://%s:%d/metrics", address, self.server.port)
 
     def publish(self, stats: dict[str, Any], period_s: float) -> None:
         rates: dict[str, float] = {}
@@ -171,7 +219,34 @@ class MetricsEndpoint:
                 rates[name] = (stats["copies"][key] - self._last["copies"][key]) / period_s
         self._last = stats
         self.collector.publish(stats, rates)
+        self._published_s = time.monotonic()
+
+    def _metrics(self) -> tuple[int, str, bytes]:
+        return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+
+    def _healthz(self) -> tuple[int, str, bytes]:
+        age_s = time.monotonic() - self._published_s
+        if self._last is None or age_s > HEALTH_STALE_S:
+            return _json(
+                503, {"alive": False, "reason": f"the loop has not turned for {age_s:.1f} s"}
+            )
+        return _json(200, {"alive": True, "loop_turned_s_ago": round(age_s, 3)})
+
+    def _readyz(self) -> tuple[int, str, bytes]:
+        if self._last is None:
+            return _json(503, {"ready": False, "pending": ["starting"]})
+        pending = readiness(self._last)
+        gpu = self._last["gpu"]
+        body = {
+            "ready": not pending,
+            "pending": pending,
+            "gpu": gpu.get("pin_error") or gpu.get("reason", ""),
+        }
+        return _json(200 if not pending else 503, body)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
+
+
+def _json(status: int, body: dict[str, Any]) -> tuple[int, str, bytes]:
+    return status, "application/json", (json.dumps(body) + "\n").encode()

@@ -127,6 +127,8 @@ class Server:
         self._next_id = 1
         self._stop = False
         self._max_frame = service.config.max_frame_bytes
+        if metrics is not None:  # every series and the probes from the first scrape on
+            metrics.publish(render_stats(service), self._cron_period_s)
         # One preallocated receive buffer: allocating a fresh 256 KiB bytes object per
         # recvmsg costs more than the rest of a ping (research/stack.md section 4).
         self._rbuf = bytearray(RECV_BYTES)

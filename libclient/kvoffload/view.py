@@ -36,7 +36,7 @@ from enum import IntEnum
 from .namespace import Namespace, Snapshot
 from .protocol import messages as m
 from .protocol.errors import DaemonUnavailableError
-from .protocol.messages import pack_ids, unpack_ids, unpack_keys
+from .protocol.messages import MAX_KEYS_PER_MESSAGE, pack_ids, unpack_ids, unpack_keys
 
 log = logging.getLogger(__name__)
 
@@ -310,9 +310,11 @@ class EngineView:
         if not self.connected:
             return  # a new connection starts from a snapshot and the pins
         b = self._batch
-        if len(key) != b.key_bytes:
-            if b:  # one key length per batch: send what we have first
+        keys: list[bytes] = getattr(b, field)
+        if len(key) != b.key_bytes or len(keys) >= MAX_KEYS_PER_MESSAGE:
+            if b:  # one key length per batch, a bounded number of keys: send first
                 self.flush()
                 b = self._batch
+                keys = getattr(b, field)
             b.key_bytes = len(key)
-        getattr(b, field).append(key)
+        keys.append(key)

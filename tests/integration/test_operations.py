@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -124,28 +125,57 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert r.stderr.strip() == "", r.stderr
 
 
-def test_prometheus_endpoint_scrapes_live_counters() -> None:
+def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_prometheus_endpoint_scrapes_live_counters_and_hides_namespace_names() -> None:
     port = free_port()
     with DaemonProcess("64MiB", "--log-level", "warning", "--metrics-port", str(port)) as d:
+        status, first = scrape(port)  # every series, with its value, from the first scrape
+        assert status == 200 and "kvoffload_region_bytes 6" in first
+        assert "kvoffload_clients 0.0" in first and 'namespace="all"' in first
         c = kvoffload.connect(d.socket_path)
         keys = [b"m%07d" % i for i in range(4)]
-        ns, _ = store_blocks(c, "llama", keys)
+        ns, _ = store_blocks(c, "llama-secret-project", keys)
         ns.lookup([*keys, b"missing!"])
         body = ""
         end = time.monotonic() + 20
-        while 'kvoffload_hit_keys_total{namespace="llama"} 4.0' not in body:
+        while 'kvoffload_hit_keys_total{namespace="all"} 4.0' not in body:
             assert time.monotonic() < end, body[-2000:]
             time.sleep(0.2)
-            body = (
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
-                .read()
-                .decode()
-            )
-        assert 'kvoffload_lookup_keys_total{namespace="llama"} 5.0' in body
+            body = scrape(port)[1]
+        assert 'kvoffload_lookup_keys_total{namespace="all"} 5.0' in body
         assert 'kvoffload_copied_bytes_total{direction="store"} 16384.0' in body
-        assert 'kvoffload_blocks{namespace="llama",state="stored"} 4.0' in body
+        assert 'kvoffload_blocks{namespace="all",state="stored"} 4.0' in body
         assert "kvoffload_region_bytes " in body and "kvoffload_clients 1.0" in body
         assert "# TYPE kvoffload_copy_throughput_bytes_per_second gauge" in body
+        assert "secret" not in body  # any local user can read this port
+        status, health = scrape(port, "/healthz")
+        assert status == 200 and json.loads(health)["alive"]
+        status, ready = scrape(port, "/readyz")
+        assert status == 200 and json.loads(ready)["ready"] and not json.loads(ready)["pending"]
+        assert scrape(port, "/nothing")[0] == 404
+        c.close()
+
+
+def test_namespace_names_label_the_series_when_configured(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = tmp_path / "m.toml"
+    cfg.write_text("metrics_namespace_labels = true\n")
+    with DaemonProcess(
+        "64MiB", "--config", str(cfg), "--metrics-port", str(port), "--log-level", "warning"
+    ) as d:
+        c = kvoffload.connect(d.socket_path)
+        store_blocks(c, "llama", [b"m%07d" % i for i in range(2)])
+        end = time.monotonic() + 20
+        while 'kvoffload_blocks{namespace="llama",state="stored"} 2.0' not in scrape(port)[1]:
+            assert time.monotonic() < end
+            time.sleep(0.2)
         c.close()
 
 

@@ -30,6 +30,7 @@ import numpy.typing as npt
 PROTOCOL_VERSION = 5
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEY_BYTES = 64
+MAX_KEYS_PER_MESSAGE = 65536  # bounds the loop time one request can take
 KEY_ABSENT, KEY_READY, KEY_PROMOTING = 0, 1, 2  # ProbeReply states
 
 
@@ -580,6 +581,8 @@ def pack_keys(keys: list[bytes] | tuple[bytes, ...]) -> tuple[bytes, int]:
         raise ValueError("all keys of one call must have the same length")
     if not 0 < key_bytes <= MAX_KEY_BYTES:
         raise ValueError(f"keys must be 1..{MAX_KEY_BYTES} bytes long, got {key_bytes}")
+    if len(keys) > MAX_KEYS_PER_MESSAGE:
+        raise ValueError(f"{len(keys)} keys in one call; split it (at most {MAX_KEYS_PER_MESSAGE})")
     return packed, key_bytes
 
 
@@ -590,6 +593,11 @@ def unpack_keys(packed: bytes, key_bytes: int) -> list[bytes]:
     if not 0 < key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes:
         raise ValueError(
             f"packed keys of {len(packed)} bytes do not split into keys of {key_bytes} bytes"
+        )
+    if len(packed) // key_bytes > MAX_KEYS_PER_MESSAGE:
+        raise ValueError(
+            f"{len(packed) // key_bytes} keys in one request; split it "
+            f"(at most {MAX_KEYS_PER_MESSAGE})"
         )
     if key_bytes == len(packed):
         return [packed]
