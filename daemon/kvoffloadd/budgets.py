@@ -11,9 +11,10 @@ connection take more.
 - Memory. Request bytes buffered for frames not yet complete, and reply bytes not yet
   sent, count per connection and for all together. A connection over its own limit,
   or the largest holder when the total is over ``buffer_budget_bytes``, is cut off.
-- Loop time. A connection gets at most ``FRAMES_PER_TURN`` requests dispatched per
-  loop turn, and none while it has more than ``PAUSE_OUTPUT_BYTES`` of replies unsent
-  (it must read first); so no client holds the loop for the others.
+- Loop time. A connection gets at most ``FRAMES_PER_TURN`` requests, or
+  ``SLICE_S`` of the loop's time, dispatched per loop turn, and none while it has
+  more than ``PAUSE_OUTPUT_BYTES`` of replies unsent (it must read first); so no
+  client holds the loop for the others.
 
 Pure bookkeeping on the loop thread; the server acts on its answers.
 """
@@ -22,12 +23,28 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 FDS_PER_CLIENT = 256  # AttachWorker of a rank with this many memfd caches at most
 FRAMES_PER_TURN = 64
+SLICE_S = 0.002
 PAUSE_OUTPUT_BYTES = 1 << 20
 MAX_OUTPUT_BYTES_PER_CLIENT = 32 << 20
 FD_RESERVE = 64  # for the region, tiers, metrics, logs and the shedding itself
+TRIM_AFTER_BYTES = 32 << 20
+
+
+def _libc_trim() -> object:
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_malloc_trim: Any = _libc_trim()
 
 
 @dataclass
@@ -53,6 +70,7 @@ class Budgets:
         self.parked_fds = 0
         self.shed_total = 0
         self.cut_off_total = 0
+        self.released_bytes = 0  # buffers given back since the last trim
         self._reserve = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
 
     def shed(self, accept_one: object) -> None:
@@ -72,6 +90,14 @@ class Budgets:
 
     def close(self) -> None:
         os.close(self._reserve)
+
+    def trim(self) -> None:
+        """After large buffers went away, hand the memory back to the system."""
+        if self.released_bytes < TRIM_AFTER_BYTES:
+            return
+        self.released_bytes = 0
+        if _malloc_trim is not None:
+            _malloc_trim(0)
 
     def fds_ok(self, client_fds: int) -> bool:
         return client_fds <= FDS_PER_CLIENT and self.parked_fds <= self.fd_budget

@@ -765,7 +765,7 @@ class NamespaceIndex:
         self.slots.free(slot)
 
     def statistics(self) -> NamespaceStatistics:
-        blocks = list(self._policy.items())
+        """O(1): counters kept as blocks change, never a walk over the blocks."""
         return NamespaceStatistics(
             name=self.name,
             fingerprint=self.fingerprint,
@@ -774,9 +774,9 @@ class NamespaceIndex:
             extents=len(self.slots.extents),
             capacity_blocks=self.slots.capacity,
             free_blocks=self.slots.num_free,
-            stored_blocks=sum(1 for _, b in blocks if b.ref >= 0),
+            stored_blocks=len(self._policy) - len(self._writers),
             writing_blocks=len(self._writers),
-            pinned_blocks=sum(1 for _, b in blocks if b.ref > 0),
+            pinned_blocks=self._num_pinned,
             leased_blocks=self.leases.total_unclaimed(),
             commits_waiting=len(self._waiting),
             held_evicted_blocks=len(self.graves),

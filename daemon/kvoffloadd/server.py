@@ -50,6 +50,7 @@ from .budgets import (
     FRAMES_PER_TURN,
     MAX_OUTPUT_BYTES_PER_CLIENT,
     PAUSE_OUTPUT_BYTES,
+    SLICE_S,
     Budgets,
 )
 from .metrics import MetricsEndpoint
@@ -177,6 +178,7 @@ class Server:
 
     def _cron(self) -> None:
         self.service.cron()
+        self.budgets.trim()
         now = time.monotonic()
         for c in [c for c in self.clients.values() if c.closing_by_s and now > c.closing_by_s]:
             self._drop(c, "did not read its replies after a protocol error")
@@ -297,6 +299,7 @@ class Server:
         if not self._account(c):
             return
         try:
+            end_s = time.perf_counter() + SLICE_S
             for _ in range(FRAMES_PER_TURN):
                 if len(c.outbuf) > PAUSE_OUTPUT_BYTES:
                     break  # paused: it is read again once it has read its replies
@@ -304,6 +307,9 @@ class Server:
                 if isinstance(req, NeedData):
                     break
                 self._dispatch(c, req)
+                if time.perf_counter() > end_s:
+                    self._backlog.add(c)  # its slice is used: the others go first
+                    break
             else:
                 self._backlog.add(c)  # more may be buffered: the next turn goes on
         except ProtocolError as exc:
@@ -447,6 +453,7 @@ class Server:
         b.input_bytes -= c.held_in
         b.output_bytes -= c.held_out
         b.parked_fds -= c.held_fds
+        b.released_bytes += c.held_in + c.held_out
         c.held_in = c.held_out = c.held_fds = 0
         for _, fds in c.fd_marks:
             close_fds(fds)

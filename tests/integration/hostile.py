@@ -26,8 +26,11 @@ def requires_root() -> None:
         pytest.skip("needs root, to act as a second uid")
 
 
-def as_uid(fn: Callable[[], Any], uid: int = NOBODY, timeout_s: float = 60.0) -> Any:
-    """Run ``fn`` in a child process as ``uid`` and return its result."""
+def as_uid(
+    fn: Callable[[], Any], uid: int = NOBODY, gid: int | None = None, timeout_s: float = 60.0
+) -> Any:
+    """Run ``fn`` in a child process as ``uid`` (group ``gid``, default the same number)
+    and return its result."""
     requires_root()
     r, w = os.pipe()
     pid = os.fork()
@@ -35,7 +38,7 @@ def as_uid(fn: Callable[[], Any], uid: int = NOBODY, timeout_s: float = 60.0) ->
         os.close(r)
         try:
             os.setgroups([])
-            os.setgid(uid)
+            os.setgid(uid if gid is None else gid)
             os.setuid(uid)
             result: Any = ("ok", fn())
         except BaseException:

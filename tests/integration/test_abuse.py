@@ -1,0 +1,270 @@
+"""Clients that try to exhaust what all clients share: descriptors, memory, the loop's
+time. Each scenario runs against a real daemon while a canary client pings it
+without pause; the daemon must stay alive and keep serving the canary, cut off the
+abuser, and come back to its descriptor count. Each prints one line of figures
+(``pytest -s``): the daemon's RSS and descriptors before, during and after the abuse,
+and the worst round trip the canary saw."""
+
+from __future__ import annotations
+
+import array
+import os
+import resource
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from helpers import poll
+from hostile import NOBODY, as_uid, fd_count, requires_root, rss_bytes
+
+import kvoffload
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.connection import encode_frame
+from kvoffloadctl.launch import DaemonProcess
+
+MIB = 1 << 20
+
+
+class Canary(threading.Thread):
+    """A client pinging without pause; remembers its worst round trip."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(daemon=True)
+        self.client = kvoffload.connect(path)
+        self.worst_s = 0.0
+        self.pings = 0
+        self._done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.worst_s = max(self.worst_s, self.client.ping())
+            self.pings += 1
+            time.sleep(0.001)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(30)
+        self.client.close()
+
+
+@pytest.fixture
+def limited_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A daemon at a 1,024-descriptor limit (the usual default)."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    d = DaemonProcess("64MiB", "--log-level", "error")
+    import subprocess
+
+    d.proc = subprocess.Popen(d.args, stdout=subprocess.PIPE, preexec_fn=limit)
+    assert d.proc.stdout is not None
+    d.banner = d.proc.stdout.readline().decode()
+    assert "listening" in d.banner
+    yield d
+    assert d.alive(), "the daemon died"
+    assert d.stop() == 0
+
+
+def abuse(name: str, d: DaemonProcess, attack: Callable[[], object], stall_limit_s: float) -> None:
+    """Run ``attack`` against ``d`` with a canary; check and print the figures."""
+    canary = Canary(d.socket_path)
+    time.sleep(0.05)
+    rss0, fds0 = rss_bytes(d.pid), fd_count(d.pid)
+    held = attack()
+    rss1, fds1 = rss_bytes(d.pid), fd_count(d.pid)
+    assert d.alive(), f"{name}: the daemon died"
+    pings = canary.pings
+    poll(lambda: canary.pings > pings + 10, f"{name}: the canary served during the abuse")
+    for s in held if isinstance(held, list) else [held]:  # the abuser goes away
+        s.close()
+    poll(lambda: fd_count(d.pid) <= fds0 + 2, f"{name}: descriptors back", deadline_s=20)
+    rss2, fds2 = rss_bytes(d.pid), fd_count(d.pid)
+    canary.stop()
+    print(
+        f"\n{name}: RSS {rss0 / MIB:.0f} -> {rss1 / MIB:.0f} -> {rss2 / MIB:.0f} MiB, fds "
+        f"{fds0} -> {fds1} -> {fds2}, worst canary round trip {canary.worst_s * 1e3:.1f} ms"
+    )
+    assert canary.worst_s < stall_limit_s, f"{name}: the canary stalled {canary.worst_s:.2f} s"
+    with kvoffload.connect(d.socket_path) as c:
+        assert c.ping() > 0
+
+
+def raw(path: str, hello: bool = True) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    if hello:
+        s.sendall(encode_frame(m.Hello(1, m.PROTOCOL_VERSION, "abuser", 0)))
+    return s
+
+
+def test_a_connection_flood_at_the_descriptor_limit_is_shed(limited_daemon: DaemonProcess) -> None:
+    """1,100 connections against a 1,024 limit: the daemon sheds what it cannot take."""
+    resource.setrlimit(
+        resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    )
+
+    def flood() -> list[socket.socket]:
+        socks = []
+        for _ in range(1100):
+            try:
+                socks.append(raw(limited_daemon.socket_path, hello=False))
+            except OSError:
+                pass
+        time.sleep(0.5)
+        return socks
+
+    abuse("1,100 connections at a 1,024 limit", limited_daemon, flood, 1.0)
+    with kvoffload.connect(limited_daemon.socket_path) as c:
+        assert c.stats()["budgets"]["clients_shed_total"] > 0
+
+
+def test_descriptors_parked_with_scm_rights_are_charged_and_cut_off(daemon: DaemonProcess) -> None:
+    """20 connections each parking 1,000 descriptors that no message claims."""
+
+    def park() -> list[socket.socket]:
+        socks, spare = [], os.open("/dev/null", os.O_RDONLY)
+        for _ in range(20):
+            s = raw(daemon.socket_path)
+            try:
+                for _ in range(4):
+                    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [spare] * 250))]
+                    s.sendmsg([b"\0"], anc)
+            except OSError:
+                pass
+            socks.append(s)
+        os.close(spare)
+        time.sleep(0.3)
+        return socks
+
+    abuse("20 x 1,000 parked descriptors", daemon, park, 1.0)
+
+
+def test_partial_frames_stay_within_the_buffer_budget(daemon: DaemonProcess) -> None:
+    """40 clients each start a 16 MiB frame and never finish it: 640 MiB if unbounded."""
+
+    def start_frames() -> list[socket.socket]:
+        socks = []
+        for _ in range(40):
+            s = raw(daemon.socket_path)
+            try:
+                s.sendall(struct.pack("<I", 16 * MIB - 64) + b"\x91" + b"\0" * (15 * MIB))
+            except OSError:
+                pass
+            socks.append(s)
+        time.sleep(0.3)
+        return socks
+
+    rss0 = rss_bytes(daemon.pid)
+    abuse("40 unfinished 16 MiB frames", daemon, start_frames, 2.0)
+    assert rss_bytes(daemon.pid) - rss0 < 400 * MIB
+
+
+def test_clients_that_never_read_are_paused_not_fed(daemon: DaemonProcess) -> None:
+    """30 clients pipeline requests with large replies and never read them; one writes
+    4,000 GetStats in one go. Nobody else may wait behind them."""
+    with kvoffload.connect(daemon.socket_path) as c:
+        for i in range(64):  # a stats reply of some size
+            c.namespace(f"ns-{i:03d}", kvoffload.KVLayout([4096]))
+        stats = encode_frame(m.GetStats(7))
+        reply_bytes = len(msgspec.msgpack.encode(m.StatsReply(7, c.stats())))
+
+        def pipeline() -> list[socket.socket]:
+            socks = []
+            for i in range(31):
+                s = raw(daemon.socket_path)
+                n = 4000 if i == 0 else 200
+                frames = b"".join(encode_frame(m.GetStats(rid)) for rid in range(2, n + 2))
+                s.setblocking(False)
+                try:
+                    s.send(frames)
+                except OSError:
+                    pass
+                socks.append(s)
+            time.sleep(1.0)
+            return socks
+
+        rss0 = rss_bytes(daemon.pid)
+        abuse(f"31 non-reading clients, {reply_bytes} B replies", daemon, pipeline, 0.5)
+        assert rss_bytes(daemon.pid) - rss0 < 200 * MIB
+        del stats
+
+
+def test_a_request_of_a_million_keys_is_refused_before_it_holds_the_loop(
+    daemon: DaemonProcess,
+) -> None:
+    def huge() -> socket.socket:
+        s = raw(daemon.socket_path)
+        s.sendall(encode_frame(m.OpenNamespace(2, "big", kvoffload.KVLayout([4096]))))
+        s.sendall(encode_frame(m.Lookup(3, 0, b"k" * 8 * 1_000_000, 8)))
+        time.sleep(0.3)
+        return s
+
+    abuse("a lookup of 1,000,000 keys", daemon, huge, 0.5)
+    with kvoffload.connect(daemon.socket_path) as c:
+        assert c.stats()["errors"].get("INVALID_ARGUMENT", 0) >= 1
+
+
+def test_a_refused_uid_is_disconnected_at_once(tmp_path: Path) -> None:
+    """A uid the config does not allow gets one PERMISSION_DENIED and is closed: it
+    holds no connection slot and can park nothing."""
+    requires_root()
+    cfg = tmp_path / "allow.toml"
+    cfg.write_text("allow_uids = [4243]\n")
+    run = Path(tempfile.mkdtemp(prefix="kvoffload-refuse-"))  # reachable by other uids
+    run.chmod(0o755)
+    sock = str(run / "k.sock")
+    with DaemonProcess("32MiB", "--config", str(cfg), socket_path=sock) as d:
+
+        def knock() -> tuple[bytes, float]:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(sock)
+            t0 = time.monotonic()
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+            return data, time.monotonic() - t0
+
+        data, took_s = as_uid(knock, NOBODY, gid=0)  # gid 0 reaches the 0660 socket
+        reply = msgspec.msgpack.decode(data[4:], type=m.Reply)
+        assert isinstance(reply, m.ErrorReply) and reply.code == 5 and took_s < 2
+        with kvoffload.connect(sock) as c:
+            assert c.stats()["clients"]["connected"] == 1  # only us
+        assert d.stop() == 0
+    shutil.rmtree(run, ignore_errors=True)
+
+
+def test_idle_connections_to_the_metrics_port_are_bounded() -> None:
+    """1,100 idle TCP connections to the metrics port: one thread, at most 64 held."""
+    from test_operations import free_port
+
+    port = free_port()
+    with DaemonProcess("64MiB", "--metrics-port", str(port), "--log-level", "error") as d:
+
+        def flood() -> list[socket.socket]:
+            socks = []
+            for _ in range(1100):
+                try:
+                    socks.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+                except OSError:
+                    pass
+            time.sleep(0.3)
+            assert fd_count(d.pid) < 13 + 64 + 16
+            assert len(os.listdir(f"/proc/{d.pid}/task")) < 16  # no thread per connection
+            return socks
+
+        abuse("1,100 idle metrics connections", d, flood, 0.5)
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+            assert r.status == 200
+        assert d.stop() == 0
