@@ -8,6 +8,7 @@ and the worst round trip the canary saw."""
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import resource
 import shutil
@@ -115,10 +116,8 @@ def test_a_connection_flood_at_the_descriptor_limit_is_shed(limited_daemon: Daem
     def flood() -> list[socket.socket]:
         socks = []
         for _ in range(1100):
-            try:
+            with contextlib.suppress(OSError):
                 socks.append(raw(limited_daemon.socket_path, hello=False))
-            except OSError:
-                pass
         time.sleep(0.5)
         return socks
 
@@ -155,10 +154,8 @@ def test_partial_frames_stay_within_the_buffer_budget(daemon: DaemonProcess) -> 
         socks = []
         for _ in range(40):
             s = raw(daemon.socket_path)
-            try:
+            with contextlib.suppress(OSError):
                 s.sendall(struct.pack("<I", 16 * MIB - 64) + b"\x91" + b"\0" * (15 * MIB))
-            except OSError:
-                pass
             socks.append(s)
         time.sleep(0.3)
         return socks
@@ -184,10 +181,8 @@ def test_clients_that_never_read_are_paused_not_fed(daemon: DaemonProcess) -> No
                 n = 4000 if i == 0 else 200
                 frames = b"".join(encode_frame(m.GetStats(rid)) for rid in range(2, n + 2))
                 s.setblocking(False)
-                try:
+                with contextlib.suppress(OSError):
                     s.send(frames)
-                except OSError:
-                    pass
                 socks.append(s)
             time.sleep(1.0)
             return socks
@@ -253,10 +248,8 @@ def test_idle_connections_to_the_metrics_port_are_bounded() -> None:
         def flood() -> list[socket.socket]:
             socks = []
             for _ in range(1100):
-                try:
+                with contextlib.suppress(OSError):
                     socks.append(socket.create_connection(("127.0.0.1", port), timeout=1))
-                except OSError:
-                    pass
             time.sleep(0.3)
             assert fd_count(d.pid) < 13 + 64 + 16
             assert len(os.listdir(f"/proc/{d.pid}/task")) < 16  # no thread per connection
