@@ -171,3 +171,53 @@ def test_redis_blocks_expire_after_their_ttl(redis_url: str, wake: WakeFd) -> No
         wait_for(tier, wake, lambda: tier.used_bytes == 0)  # and the shared byte total
     finally:
         tier.close()
+
+
+def test_a_fifo_planted_for_a_block_file_fails_that_block_without_blocking(
+    tmp_path: pathlib.Path, wake: WakeFd
+) -> None:
+    """Scenario: someone replaces a block file by a FIFO (or a link). Its read fails at
+    once, the other blocks of the job load, and the tier stops without waiting."""
+    tier = DiskTier("disk", str(tmp_path), 1 << 20, wake)
+    ks = keys(b"f", 3)
+    try:
+        assert run(tier, wake, True, ks, [block(1), block(2), block(3)]).ok == [True] * 3
+        fifo, link = tier._file((NS.tier_id, ks[0])), tier._file((NS.tier_id, ks[2]))
+        os.unlink(fifo)
+        os.mkfifo(fifo)
+        os.unlink(link)
+        os.symlink("/etc/hostname", link)
+        out = [b"", b"", b""]
+        t0 = time.monotonic()
+        assert run(tier, wake, False, ks, out).ok == [False, True, False]
+        assert time.monotonic() - t0 < 5 and out[1] == block(2)
+    finally:
+        t0 = time.monotonic()
+        tier.close()
+        assert time.monotonic() - t0 < 15
+
+
+def test_garbage_in_redis_stays_inside_its_key(redis_url: str, wake: WakeFd) -> None:
+    """Scenario: another Redis user writes a non-number into the shared byte total and a
+    string at one block's key. The poller survives, that key fails, others load."""
+    import redis
+
+    tier = RedisTier("redis", redis_url, 0, wake, refresh_s=0.02)
+    tier.open_namespace(NS)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        ks = keys(b"g", 2)
+        assert run(tier, wake, True, ks, [block(1), block(2)]).ok == [True, True]
+        r.set(tier._bytes_key, "not a number")
+        r.delete(tier._data_key((NS.tier_id, ks[0])))
+        r.set(tier._data_key((NS.tier_id, ks[0])), "a string, not a hash")
+        out = [b"", b""]
+        assert run(tier, wake, False, ks, out).ok == [False, True] and out[1] == block(2)
+        time.sleep(0.2)  # polls go on meanwhile
+        assert tier._poller.is_alive()
+        r.delete(tier._bytes_key)  # the garbage goes: the tier is healthy and stores again
+        wait_for(tier, wake, lambda: tier.statistics()["healthy"])
+        assert run(tier, wake, True, keys(b"h", 1), [block(3)]).ok == [True]
+    finally:
+        r.close()
+        tier.close()

@@ -18,10 +18,13 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import struct
 import threading
+import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -35,6 +38,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"KVOBLK01"
 _HEADER = struct.Struct("<8sIIQ")  # magic, crc32 of payload, key bytes, payload bytes
 _SUFFIX = ".kvb"
+CLOSE_TIMEOUT_S = 10.0
 
 Entry = tuple[str, bytes]  # (tier id, key)
 
@@ -203,9 +207,16 @@ class DiskTier(SecondaryTier):
         return out
 
     def close(self) -> None:
+        """Stop; a thread stuck in I/O (a hung filesystem) is left behind, never
+        waited for: the daemon's stop must finish."""
         self._stopping = True
-        self._scanner.join(timeout=30)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._scanner.join(timeout=CLOSE_TIMEOUT_S)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for t in list(getattr(self._pool, "_threads", ())):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.error("tier %s: an I/O thread is stuck; stopping without it", self.name)
 
     # ------------------------------------------------------------ worker threads
 
@@ -259,7 +270,20 @@ class DiskTier(SecondaryTier):
         self.finished.post("job", job.result(ok, nbytes))
 
     def _read_one(self, path: str, key: bytes, out: memoryview) -> bool:
-        with open(path, "rb", buffering=0) as f:
+        # A planted FIFO or device must not block the reader, nor a link lead elsewhere:
+        # open without following or waiting, then insist on a regular file.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return self._bad(path, "a symlink")
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return self._bad(path, "not a regular file")
+        os.set_blocking(fd, True)
+        with open(fd, "rb", buffering=0) as f:
             head = f.read(_HEADER.size + len(key))
             if len(head) != _HEADER.size + len(key):
                 return self._bad(path, "truncated header")

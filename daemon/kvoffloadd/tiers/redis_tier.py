@@ -100,6 +100,14 @@ def _zero_copy_packer() -> dict[str, Any]:
     return {"command_packer": PythonRespSerializer(6000, encode)}
 
 
+def _count(raw: Any) -> int:
+    """A byte count another writer may have garbled: what is not a number is 0."""
+    try:
+        return max(0, int(raw or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
 def member(e: Entry, nbytes: int) -> bytes:
     return f"{e[0]}:{nbytes}:".encode() + e[1]
 
@@ -272,17 +280,19 @@ class RedisTier(SecondaryTier):
                     pipe.pexpire(data, self._ttl_ms)
                 args: list[Any] = [member(e, nbytes), nbytes, self.capacity_bytes, self._prefix]
                 self._index_script(keys=[data, self._idx, self._bytes_key], args=args, client=pipe)
-            replies = pipe.execute()
-            ok = [True] * len(entries)
-            done = sum(len(b) for b in job.buffers)
+            # One bad key (a wrong type planted at its name) fails that key only.
+            replies = pipe.execute(raise_on_error=False)
             per_key = 4 if self._ttl_ms else 3  # delete, hset, [pexpire,] index script
-            for reply in replies[per_key - 1 :: per_key]:
-                for m in reply:
-                    parsed = parse_member(m)
-                    if parsed is not None:
-                        gone.append(parsed[0])
+            for i, buf in enumerate(job.buffers):
+                mine = replies[i * per_key : (i + 1) * per_key]
+                ok[i] = not any(isinstance(r, Exception) for r in mine)
+                done += len(buf) if ok[i] else 0
+                if ok[i]:
+                    gone.extend(p[0] for m in mine[-1] if (p := parse_member(m)) is not None)
         except self._errors as exc:
             self._failed(exc)
+        except Exception as exc:  # a tier fault stays inside the tier
+            log.warning("tier %s: a store failed: %r", self.name, exc)
         self.finished.post("job", (job.result(ok, done), gone))
 
     def _load(self, job: TierJob, entries: list[Entry]) -> None:
@@ -296,12 +306,14 @@ class RedisTier(SecondaryTier):
                 pipe.hgetall(data)
                 keys = [data, self._idx, self._bytes_key]
                 self._touch_script(keys=keys, args=[member(e, nbytes), nbytes], client=pipe)
-            replies = pipe.execute()
+            replies = pipe.execute(raise_on_error=False)
             for i, (fields, out) in enumerate(zip(replies[::2], job.buffers)):
-                ok[i] = self._unpack(fields, out)
+                ok[i] = isinstance(fields, dict) and self._unpack(fields, out)
                 done += len(out) if ok[i] else 0
         except self._errors as exc:
             self._failed(exc)
+        except Exception as exc:  # a tier fault stays inside the tier
+            log.warning("tier %s: a load failed: %r", self.name, exc)
         self.finished.post("job", (job.result(ok, done), []))
 
     def _unpack(self, fields: dict[bytes, bytes], out: memoryview) -> bool:
@@ -342,12 +354,12 @@ class RedisTier(SecondaryTier):
                     next_full = started + self._full_sync_s
                 else:
                     last_score = self._incremental(last_score)
-                used = int(self._r.get(self._bytes_key) or 0)
+                used = _count(self._r.get(self._bytes_key))
                 if not up:
                     up = True
                     self._want_full.set()
                 self.finished.post("health", (True, "", used))
-            except self._errors as exc:
+            except Exception as exc:  # never the end of the poller: retried, reported
                 up = False
                 self._failed(exc)
             self._want_full.wait(self._refresh_s if up else max(self._refresh_s, 1.0))
