@@ -320,8 +320,18 @@ class SharedOffloadRegion:
         )
 
     def open_fd(self) -> int:
-        """A new descriptor of the region, for a trusted client-copy worker to map."""
-        return os.dup(self._shm.fd)
+        """A new descriptor of the region, for a trusted client-copy worker to map.
+
+        A fresh open, never a ``dup``: a dup shares the open file description and
+        with it the region's lock, so a client's mapping would keep the region
+        locked after the daemon died and block the warm restart.
+        """
+        shm = posix_ipc.SharedMemory(self.name)
+        mine, theirs = os.fstat(self._shm.fd), os.fstat(shm.fd)
+        if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+            shm.close_fd()
+            raise RegionError(f"region {self.name} was replaced under the daemon")
+        return int(shm.fd)
 
     def close(self, unlink: bool = True) -> None:
         self._stop_prefault.set()

@@ -16,11 +16,15 @@ LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[8192, 4096], block_size_factor=2)
 DEADLINE_S = 20.0
 
 
-def random_caches(seed: int, blocks: int = 64) -> list[torch.Tensor]:
+def random_caches(seed: int, blocks: int = 64, shared: bool = True) -> list[torch.Tensor]:
     rng = np.random.default_rng(seed)
     out = []
     for page in LAYOUT.tensor_page_bytes:
-        t = kvoffload.shared_kv_cache(blocks, page)
+        t = (
+            kvoffload.shared_kv_cache(blocks, page)
+            if shared
+            else torch.empty(blocks, page, dtype=torch.int8)
+        )
         t.copy_(torch.from_numpy(rng.integers(-128, 128, t.shape, dtype=np.int8)))
         out.append(t)
     return out
@@ -44,14 +48,20 @@ def until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("how", ["sigkill", "keep_region"])
-def test_blocks_survive_a_daemon_restart(how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "copy_mode"),
+    [("sigkill", "daemon"), ("keep_region", "daemon"), ("sigkill", "client")],
+)
+def test_blocks_survive_a_daemon_restart(how: str, copy_mode: str) -> None:
+    """In client-copy mode the engine still maps the region when the next daemon
+    starts: that mapping must not hold the region's lock (one daemon per region)."""
     args = ["--log-level", "warning"] + (["--keep-region"] if how == "keep_region" else [])
     d1 = DaemonProcess("64MiB", *args).start()
     engine = kvoffload.connect(d1.socket_path, timeout_s=2.0)
     ns = engine.namespace("llama", LAYOUT)
-    src = random_caches(11)
-    w = ns.attach_worker(src)
+    src = random_caches(11, shared=copy_mode == "daemon")
+    w = ns.attach_worker(src, copy_mode=copy_mode)
+    assert w.copy_mode == copy_mode
     done = [b"done%04d" % i for i in range(10)]
     store(ns, w, done, 0, 1)
     pending = [b"pend%04d" % i for i in range(4)]
