@@ -124,6 +124,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: str = "info"
     max_frame_bytes: int = 16 * 1024 * 1024
     max_clients: int = 1024
+    max_namespaces_per_uid: int = 32  # 0: unlimited; root and the daemon's uid never are
+    # share of a namespace's largest size one client may have in flight (being
+    # written or leased empty); all clients together twice that; 1: no limit
+    max_writing_fraction: float = 0.25
     # requests not yet complete and replies not yet sent, all clients together; the
     # largest holder is cut off beyond it
     buffer_budget: int | str = "256MiB"
@@ -241,6 +245,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(
                 f"tier_max_inflight_blocks: {self.tier_max_inflight_blocks} is below 1"
             )
+        if not 0 < self.max_writing_fraction <= 1:
+            raise ConfigError(f"max_writing_fraction: {self.max_writing_fraction} is not in (0, 1]")
         if not 0 < self.commit_timeout_s <= 3600:
             raise ConfigError(f"commit_timeout_s: {self.commit_timeout_s} is not in (0, 3600]")
         if not 0 <= self.mirror_grace_s <= 60:

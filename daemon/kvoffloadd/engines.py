@@ -81,7 +81,7 @@ class EngineChannel:
             return
         want = min(s.want_leases.get(index.ns_id, 0), self.lease_cap(index))
         short = want - index.leases.unclaimed(token)
-        if short > 0 and (slots := index.lease(token, short)):
+        if short > 0 and (slots := index.lease(token, short, s.session_id)):
             s.pushes.append(m.LeaseGrant(0, index.ns_id, pack_ids(slots)))
         # Evicted blocks stay in graves until every engine has seen the eviction, a
         # step or more: evict for the next refill now, so it finds the space free.

@@ -146,8 +146,14 @@ class NamespaceIndex:
         self._void: set[int] = set()  # slots whose copy failed: their store never commits
         self._waiting: dict[int, float] = {}  # committed slot -> deadline for its copies
         self._writers: dict[bytes, int] = {}
+        self._writing_by: Counter[int] = Counter()  # client -> blocks it is writing
+        # blocks in flight (being written, or leased empty): per client and in total;
+        # None: no limit (set from max_writing_fraction)
+        self.max_writing_per_client: int | None = None
+        self.max_writing: int | None = None
         self._pins: dict[int, Counter[bytes]] = {}
         self.leases = LeaseBook()
+        self.creator_uid = 0  # who created the namespace (per-uid limits)
         self.events = EventFeed()
         # called with the keys of every successful store (the tiers cascade them)
         self.on_stored: Callable[[NamespaceIndex, list[bytes]], None] | None = None
@@ -175,6 +181,11 @@ class NamespaceIndex:
         if not to_store:
             return StorePlan([], [], [])
         need = len(to_store)
+        if need > self.writing_room(client, token):
+            raise QuotaExceededError(
+                f"namespace {self.name!r}: {need} more blocks in flight would pass the "
+                "limit of blocks being written (max_writing_fraction); complete some first"
+            )
         self._reclaim_for(need)
         evicted: list[bytes] = []
         n = need - self._free_within_quota() - len(self.graves)  # graves: space to come
@@ -216,6 +227,7 @@ class NamespaceIndex:
         self._policy.insert(key, Block(slot))
         self._slot_key[slot] = key
         self._writers[key] = client
+        self._writing_by[client] += 1
         if token:
             self.leases.token_of[slot] = token
         self._journal.writing(slot, key, token)
@@ -287,8 +299,12 @@ class NamespaceIndex:
     def _finish_stores(self, blocks: list[tuple[bytes, Block]], success: bool) -> None:
         stored: list[bytes] = []
         stored_slots: list[int] = []
+        writing_by = self._writing_by
         for key, block in blocks:
-            del self._writers[key]
+            client = self._writers.pop(key)
+            writing_by[client] -= 1
+            if not writing_by[client]:
+                del writing_by[client]
             slot = block.slot
             self._waiting.pop(slot, None)
             self.leases.forget(slot)
@@ -312,13 +328,25 @@ class NamespaceIndex:
 
     # ------------------------------------------------------------ engine batches
 
-    def lease(self, token: int, n: int) -> list[int]:
+    def writing_room(self, client: int, token: int) -> int:
+        """How many more blocks ``client`` may have in flight (written or leased)."""
+        room = 1 << 62
+        if self.max_writing_per_client is not None:
+            mine = self._writing_by[client] + self.leases.unclaimed(token)
+            room = self.max_writing_per_client - mine
+        if self.max_writing is not None:
+            total = len(self._writers) + self.leases.total_unclaimed()
+            room = min(room, self.max_writing - total)
+        return max(0, room)
+
+    def lease(self, token: int, n: int, client: int = 0) -> list[int]:
         """Grant up to ``n`` empty slots to ``token``, evicting to make room if needed.
 
         Eviction here is not all-or-nothing: it runs outside any engine request, to
         keep the engines' pools filled. Space held in graves counts as coming, so a
         grant may be smaller now and complete at a later refill.
         """
+        n = min(n, self.writing_room(client, token))
         if n <= 0:
             return []
         self.reserve(n)
@@ -653,11 +681,15 @@ class NamespaceIndex:
         self.free_graves()
         return len(writes), dropped
 
+    def is_idle(self) -> bool:
+        """Nothing pinned, written or leased: the namespace may be dropped."""
+        return not (self._writers or self._num_pinned or self.leases.token_of or self.graves)
+
     def pinned_by(self, client: int) -> int:
         return sum(self._pins.get(client, Counter()).values())
 
     def writing_by(self, client: int) -> int:
-        return sum(1 for c in self._writers.values() if c == client)
+        return self._writing_by[client]
 
     def evict(self, keys: Sequence[bytes] | None = None, prefix: bytes | None = None) -> int:
         """Admin eviction of ready, unpinned blocks (all, given keys, or a key prefix)."""

@@ -46,6 +46,7 @@ class RecoveredNamespace:
     slot_bytes: int
     extents: list[int]  # in slot-id order
     blocks: list[tuple[int, bytes]]  # (slot, key) in completion order
+    creator_uid: int = 0
 
 
 def read_namespaces(region: SharedOffloadRegion) -> list[RecoveredNamespace]:
@@ -58,7 +59,7 @@ def read_namespaces(region: SharedOffloadRegion) -> list[RecoveredNamespace]:
         record = region.namespace_record(ns_id)
         if record is None:
             continue
-        name, fingerprint, raw_layout = record
+        name, fingerprint, raw_layout, creator_uid = record
         try:
             layout = msgspec.msgpack.decode(raw_layout, type=KVLayout)
         except msgspec.DecodeError:
@@ -89,6 +90,7 @@ def read_namespaces(region: SharedOffloadRegion) -> list[RecoveredNamespace]:
                 slot_bytes,
                 mine,
                 [(slot, key) for _, slot, key in blocks],
+                creator_uid,
             )
         )
     return out

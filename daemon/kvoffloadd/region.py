@@ -351,7 +351,9 @@ class SharedOffloadRegion:
 
     # ------------------------------------------------------------ tables
 
-    def register_namespace(self, ns_id: int, name: str, fingerprint: str, layout: bytes) -> None:
+    def register_namespace(
+        self, ns_id: int, name: str, fingerprint: str, layout: bytes, uid: int = 0
+    ) -> None:
         if ns_id >= MAX_NAMESPACES:
             raise RegionError(f"more than {MAX_NAMESPACES} namespaces")
         if len(layout) > NAMESPACE_RECORD_BYTES - NAMESPACE_LAYOUT_OFFSET:
@@ -360,21 +362,25 @@ class SharedOffloadRegion:
         record = (
             name.encode()[:256].ljust(256, b"\0")
             + fingerprint.encode()[:64].ljust(64, b"\0")
-            + struct.pack("<I", len(layout))
+            + struct.pack("<II", len(layout), uid)
             + layout
         )
         self._mm[off : off + len(record)] = record
 
-    def namespace_record(self, ns_id: int) -> tuple[str, str, bytes] | None:
-        """(name, fingerprint, msgpack layout) of a namespace table entry, or None."""
+    def unregister_namespace(self, ns_id: int) -> None:
+        off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
+        self._mm[off : off + NAMESPACE_RECORD_BYTES] = bytes(NAMESPACE_RECORD_BYTES)
+
+    def namespace_record(self, ns_id: int) -> tuple[str, str, bytes, int] | None:
+        """(name, fingerprint, msgpack layout, creator uid) of a namespace table entry."""
         off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
         raw = self._mm[off : off + NAMESPACE_RECORD_BYTES]
-        name = raw[:256].rstrip(b"\0").decode(errors="replace")
+        name = raw[:256].split(b"\0", 1)[0].decode(errors="replace")
         if not name:
             return None
-        (n,) = struct.unpack_from("<I", raw, 320)
+        n, uid = struct.unpack_from("<II", raw, 320)
         layout = raw[NAMESPACE_LAYOUT_OFFSET : NAMESPACE_LAYOUT_OFFSET + n]
-        return name, raw[256:320].rstrip(b"\0").decode(), layout
+        return name, raw[256:320].rstrip(b"\0").decode(), layout, uid
 
     def extent_records(self) -> npt.NDArray[np.uint32]:
         """(owner, slot_bytes, chunk index, 0) per extent (a copy)."""
@@ -382,6 +388,9 @@ class SharedOffloadRegion:
         return table
 
     def record_extent(self, ext: int, owner: int | None, slot_bytes: int, chunk: int) -> None:
+        if owner is None:  # a freed extent keeps no record a later owner could inherit
+            per = self.geometry.slots_per_extent_max
+            self.slot_table[ext * per : (ext + 1) * per] = np.zeros(per, SLOT_DTYPE)
         self._extent_table[ext, 0] = FREE_OWNER if owner is None else owner
         self._extent_table[ext, 1] = slot_bytes
         self._extent_table[ext, 2] = chunk

@@ -23,12 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
-    LayoutMismatchError,
     NoSpaceError,
     PermissionDeniedError,
     ShuttingDownError,
@@ -38,7 +35,6 @@ from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_
 
 from . import __version__
 from .access import Peer, peer_groups
-from .allocator import SlotPool
 from .budgets import Budgets
 from .config import DaemonConfig
 from .copier import Completion, CpuCopier
@@ -46,7 +42,7 @@ from .engines import EngineChannel
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .leases import new_token
-from .recovery import read_namespaces
+from .namespaces import NamespaceTable
 from .region import SharedOffloadRegion
 from .session import Session
 from .stats import LoopTurns, client_infos, render_stats
@@ -77,8 +73,8 @@ class Service:
         self.gpu_unavailable = gpu_unavailable
         self.tiering = tiering
         self.access = config.access_policy()
-        self.namespaces: dict[int, NamespaceIndex] = {}
-        self._ns_by_name: dict[str, NamespaceIndex] = {}
+        self.table = NamespaceTable(config, region, self._namespace_new, self._namespace_dropped)
+        self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
         self.sessions: dict[int, Session] = {}
         self.errors_by_code: dict[str, int] = {}
         self.transfers = Transfers(
@@ -100,7 +96,7 @@ class Service:
         self.requests_total = 0
         self._handlers = self._make_handlers()
         if region.recovered:
-            self._recover()
+            self.table.recover()
 
     # ------------------------------------------------------------ dispatch
 
@@ -276,6 +272,14 @@ class Service:
 
     # ------------------------------------------------------------ namespaces
 
+    def _namespace_new(self, index: NamespaceIndex) -> None:
+        if self.tiering is not None:
+            self.tiering.namespace_opened(index)
+
+    def _namespace_dropped(self, index: NamespaceIndex) -> None:
+        if self.tiering is not None:
+            self.tiering.namespace_dropped(index)
+
     def _ns(self, s: Session, ns_id: int) -> NamespaceIndex:
         if ns_id not in s.namespaces:
             raise InvalidArgumentError(f"namespace id {ns_id} was not opened on this connection")
@@ -284,36 +288,10 @@ class Service:
     def _open_namespace(
         self, s: Session, rid: int, name: str, layout: m.KVLayout, subscribe: bool = True
     ) -> m.Reply:
-        if not name or len(name) > 200:
-            raise InvalidArgumentError("namespace name must be 1..200 characters")
         if not self.access.may_open(s.peer, name):
             raise self._deny(s, f"open namespace {name!r}", "add a namespace_access rule for it")
-        pages = layout.tensor_page_bytes
-        if not pages or any(p <= 0 for p in pages) or layout.world_size < 1:
-            raise InvalidArgumentError(
-                "layout needs at least one positive tensor_page_bytes and world_size >= 1"
-            )
-        if not 1 <= layout.block_size_factor <= 1024:
-            raise InvalidArgumentError("block_size_factor must be in 1..1024")
-        fp = layout.fingerprint()
-        index = self._ns_by_name.get(name)
-        if index is not None:
-            if index.fingerprint != fp:
-                raise LayoutMismatchError(
-                    f"namespace {name!r} exists with another layout "
-                    f"({index.layout}); this client sent {layout}"
-                )
-        else:
-            slot_bytes = self._slot_bytes(layout)
-            if slot_bytes > self.region.geometry.extent_bytes:
-                raise InvalidArgumentError(
-                    f"one offloaded block is {slot_bytes} bytes, larger than an extent "
-                    f"({self.region.geometry.extent_bytes} bytes); raise extent_size"
-                )
-            ns_id = max(self.namespaces, default=-1) + 1
-            self.region.register_namespace(ns_id, name, fp, msgspec.msgpack.encode(layout))
-            index = self._new_index(ns_id, name, layout, fp, slot_bytes)
-            log.info("namespace %s opened: %d-byte slots, fingerprint %s", name, slot_bytes, fp)
+        in_use = set().union(*(x.namespaces for x in self.sessions.values()))
+        index = self.table.open(name, layout, s.uid, in_use)
         if index.ns_id not in s.namespaces:
             s.namespaces.add(index.ns_id)
             s.leases[index.ns_id] = new_token()
@@ -321,50 +299,8 @@ class Service:
                 index.events.subscribe(s.session_id)
         tiers = self.tiering.count if self.tiering is not None else 0
         lease = s.leases[index.ns_id]
-        return m.NamespaceOpened(rid, index.ns_id, index.slots.slot_bytes, fp, tiers, lease)
-
-    def _new_index(
-        self, ns_id: int, name: str, layout: m.KVLayout, fp: str, slot_bytes: int
-    ) -> NamespaceIndex:
-        slots = SlotPool(self.region.pool, ns_id, slot_bytes)
-        index = NamespaceIndex(
-            ns_id,
-            name,
-            layout,
-            fp,
-            slots,
-            policy=self.config.policy,
-            journal=self.region.journal_for(ns_id, slots),
-            reclaim=self._reclaim,
-            mirror_grace_s=self.config.mirror_grace_s,
-            commit_timeout_s=self.config.commit_timeout_s,
-        )
-        quota = self.config.quota_for(name)
-        if quota is not None:
-            if quota.max_region_bytes:
-                index.max_blocks = quota.max_region_bytes // slot_bytes
-            if quota.max_pinned_blocks:
-                index.max_pinned_blocks = quota.max_pinned_blocks
-        self.namespaces[ns_id] = index
-        self._ns_by_name[name] = index
-        if self.tiering is not None:
-            self.tiering.namespace_opened(index)
-        return index
-
-    def _recover(self) -> None:
-        """Warm restart: namespaces and completed blocks from the kept region."""
-        for rec in read_namespaces(self.region):
-            if rec.layout.fingerprint() != rec.fingerprint:
-                log.warning("namespace %s: layout does not match its fingerprint", rec.name)
-                continue
-            slot_bytes = rec.slot_bytes or self._slot_bytes(rec.layout)
-            index = self._new_index(rec.ns_id, rec.name, rec.layout, rec.fingerprint, slot_bytes)
-            index.slots.adopt(rec.extents, {slot for slot, _ in rec.blocks})
-            index.restore(rec.blocks)
-            log.info("recovered namespace %s: %d blocks", rec.name, len(rec.blocks))
-
-    def _slot_bytes(self, layout: m.KVLayout) -> int:
-        return max(-(-layout.block_bytes // PAGE_BYTES) * PAGE_BYTES, self.config.min_slot_bytes)
+        fp, slot_bytes = index.fingerprint, index.slots.slot_bytes
+        return m.NamespaceOpened(rid, index.ns_id, slot_bytes, fp, tiers, lease)
 
     def _prepare_store(
         self, s: Session, rid: int, index: NamespaceIndex, keys: list[bytes]
@@ -380,19 +316,6 @@ class Service:
         evicted = pack_keys(plan.evicted_keys)[0]
         return m.StorePlanReply(rid, kp, kb, pack_ids(plan.slots), evicted, token)
 
-    def _reclaim(self, needy: NamespaceIndex, need: int) -> None:
-        """Move extents to a namespace below its fair share from the fattest one above it."""
-        active = [ns for ns in self.namespaces.values() if ns.slots.extents] + [needy]
-        fair = self.region.pool.num_extents // len({ns.ns_id for ns in active})
-        while need > needy.slots.num_free and len(needy.slots.extents) < fair:
-            donors = sorted(
-                (ns for ns in self.namespaces.values() if len(ns.slots.extents) > fair),
-                key=lambda ns: len(ns.slots.extents),
-                reverse=True,
-            )
-            if not any(d.evict_top_extent() for d in donors):
-                return
-
     def evict(
         self,
         namespace: str | None,
@@ -400,9 +323,10 @@ class Service:
         key_bytes: int = 0,
         prefix: bytes | None = None,
     ) -> int:
-        if namespace is not None and namespace not in self._ns_by_name:
+        by_name = self.table.by_name
+        if namespace is not None and namespace not in by_name:
             raise InvalidArgumentError(f"no namespace named {namespace!r}")
-        targets = [self._ns_by_name[namespace]] if namespace else list(self.namespaces.values())
+        targets = [by_name[namespace]] if namespace else list(self.namespaces.values())
         key_list = unpack_keys(keys, key_bytes) if keys is not None else None
         n = sum(ns.evict(key_list, prefix) for ns in targets)
         log.info("admin evicted %d blocks from %s", n, namespace or "all namespaces")

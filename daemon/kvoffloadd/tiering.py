@@ -90,6 +90,12 @@ class Tiering:
     def count(self) -> int:
         return len(self._tiers)
 
+    def namespace_dropped(self, index: NamespaceIndex) -> None:
+        """An idle namespace left the table: its queued cascades go with it."""
+        self._ns.pop(index.ns_id, None)
+        for st in self._tiers:
+            st.backlog = deque(x for x in st.backlog if x[0] != index.ns_id)
+
     def namespace_opened(self, index: NamespaceIndex) -> None:
         tns = TierNamespace.of(index.name, index.fingerprint, index.layout.block_bytes)
         self._ns[index.ns_id] = (index, tns)

@@ -9,7 +9,8 @@ its key says (``SlotCheck``). Layout, all little-endian::
     0                 header (4 KiB): magic, version, geometry, owner pid
     extent_table      num_extents x 16 B: owning namespace (u32, FREE=0xffffffff),
                       slot_bytes (u32), index among the owner's extents (u32), 0 (u32)
-    namespace_table   max_namespaces x 2 KiB: name, fingerprint, layout
+    namespace_table   max_namespaces x 2 KiB: name (256 B), fingerprint (64 B), layout
+                      length (u32), creator uid (u32), layout (msgpack KVLayout)
     slot_table        num_extents * slots_per_extent_max x 96 B records
     data              num_extents x extent_bytes, 2 MiB aligned
 
@@ -40,7 +41,7 @@ FORMAT_VERSION = 2
 HEADER_BYTES = 4096
 EXTENT_RECORD_BYTES = 16
 NAMESPACE_RECORD_BYTES = 2048
-NAMESPACE_LAYOUT_OFFSET = 324
+NAMESPACE_LAYOUT_OFFSET = 328
 SLOT_RECORD_BYTES = 96
 MAX_NAMESPACES = 256
 DATA_ALIGN_BYTES = 2 * 1024 * 1024

@@ -188,7 +188,24 @@ class Transport:
             else:
                 self.sock.sendall(frame)
         except OSError as exc:
+            self._last_word()
             raise self._lost(exc) from exc
+
+    def _last_word(self) -> None:
+        """A send failed: if the daemon said why before closing (a refusal), raise that."""
+        if self.sock is None:
+            return
+        try:
+            data = self.sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
+            self.conn.receive_data(data)
+            while not isinstance(event := self.conn.next_event(), NeedData):
+                self._route(event)
+        except KVOffloadError as exc:
+            if not isinstance(exc, ProtocolError):
+                self.close()
+                raise
+        except OSError:
+            pass
 
     def send_nowait(self, req: m.Request) -> None:
         self._send(req, None)

@@ -202,3 +202,38 @@ def test_protocol_version_mismatch_is_refused_clearly(daemon: DaemonProcess) -> 
     reply = msgspec.msgpack.decode(data[4:], type=m.Reply)
     assert isinstance(reply, m.ErrorReply)
     assert reply.code == ErrorCode.VERSION_MISMATCH and "protocol 99" in reply.message
+
+
+def test_another_client_cannot_write_through_a_lease_of_the_same_namespace(
+    daemon: DaemonProcess,
+) -> None:
+    """Invariant 9: a lease is checked per client, not per namespace. B, in A's
+    namespace, names A's prepared slots: refused, and A's key loads A's bytes."""
+    a, b = kvoffload.connect(daemon.socket_path), kvoffload.connect(daemon.socket_path)
+    ns_a, ns_b = a.namespace("shared", LAYOUT), b.namespace("shared", LAYOUT)
+    cache_a, cache_b = kvoffload.shared_kv_cache(8, 4096), kvoffload.shared_kv_cache(8, 4096)
+    cache_a.fill_(0x11)
+    cache_b.fill_(0x66)
+    wa, wb = ns_a.attach_worker([cache_a]), ns_b.attach_worker([cache_b])
+    keys = [b"mine0001"]
+    plan = ns_a.prepare_store(keys)
+    assert plan is not None
+    assert not wb.submit_store(1, [0, 1], plan.slots)
+    assert isinstance(wb.last_error, kvoffload.NotLeasedError), wb.last_error
+    assert "not leased" in str(wb.last_error)
+    with pytest.raises(kvoffload.NotLeasedError):  # nor may B complete A's store
+        ns_b.complete_store(keys)
+    assert wa.submit_store(1, [0, 1], plan.slots), wa.last_error
+    wa.wait([1])
+    assert [r.success for r in wa.get_finished()] == [True]
+    ns_a.complete_store(keys)
+    out = kvoffload.shared_kv_cache(8, 4096)
+    wo = ns_b.attach_worker([out])
+    lp = ns_b.prepare_load(keys)
+    assert wo.submit_load(2, lp.slots, [4, 5]), wo.last_error
+    wo.wait([2])
+    assert [r.success for r in wo.get_finished()] == [True]
+    ns_b.complete_load(keys)
+    assert bool((out[4:6] == 0x11).all()) and not out[:4].any()
+    a.close()
+    b.close()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from test_index_story import ks
 
+from kvoffload.plans import OffloadEvent
 from kvoffload.protocol.errors import NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.allocator import ExtentPool, SlotPool
@@ -200,3 +201,22 @@ def test_pins_and_unpins_of_unknown_keys_are_counted_not_raised() -> None:
     idx.pin(ks(9), A)
     idx.unpin(ks(9), A)
     assert idx.statistics().pins_missed_total == 1
+
+
+def test_a_subscriber_that_never_takes_holds_a_bounded_number_of_bytes() -> None:
+    """Issue scenario: a client opens the namespace and never takes its events while
+    stores and evictions go on; its queue stays within its byte budget, marked lost."""
+    from kvoffloadd.events import EventFeed
+
+    feed = EventFeed(max_bytes=64 << 10)
+    feed.subscribe(A)
+    feed.subscribe(B)
+    keys = [b"k" * 40] * 100  # 100 keys of 40 bytes per event
+    for i in range(1000):
+        feed.emit(OffloadEvent(keys, removed=bool(i % 2)))
+        if i % 10 == 0:
+            feed.take(B)  # B keeps up
+    assert feed.pending_bytes() <= 2 * (64 << 10)
+    events, lost = feed.take(A)
+    assert lost and 0 < len(events) < 1000
+    assert feed.take(B)[1] is False  # the one that keeps up never loses any

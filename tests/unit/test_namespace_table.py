@@ -1,0 +1,212 @@
+"""The namespace table and the region's share-out under a hostile local user: names
+that cannot alias after a restart, a table nobody can fill for good, stores nobody can
+hold open for good, and a crash that leaves nothing behind (invariants 10 and 11)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import (
+    InvalidArgumentError,
+    NoSpaceError,
+    QuotaExceededError,
+)
+from kvoffload.protocol.messages import pack_keys, unpack_ids
+from kvoffload.regionfmt import MAX_NAMESPACES, SLOT_GRAVE, SLOT_READY
+from kvoffloadd.config import DaemonConfig
+from kvoffloadd.copier import CpuCopier
+from kvoffloadd.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service import Service
+from kvoffloadd.session import Session
+
+MIB = 1 << 20
+OTHER = 4242  # neither root nor the daemon's uid
+LAYOUT = m.KVLayout([64 * 1024])
+
+
+def config(**fields: object) -> DaemonConfig:
+    base = {"instance": f"n{uuid.uuid4().hex[:8]}", "region_size": "16MiB", "extent_size": "1MiB"}
+    return msgspec.convert(base | fields, DaemonConfig).validate()
+
+
+def geometry(cfg: DaemonConfig) -> Geometry:
+    return Geometry.plan(cfg.region_bytes, MIB, 4096)
+
+
+@contextlib.contextmanager
+def service(cfg: DaemonConfig, *, unlink: bool = True) -> Iterator[Service]:
+    region = SharedOffloadRegion(cfg.region_name, geometry(cfg))
+    copier = CpuCopier(1)
+    try:
+        yield Service(cfg, region, copier)
+    finally:
+        copier.close()
+        region.close(unlink=unlink)
+
+
+def session(svc: Service, sid: int, uid: int = 0) -> Session:
+    return svc.sessions.get(sid) or svc.open_session(sid, os.getpid(), uid, uid)
+
+
+def open_ns(svc: Service, s: Session, name: str) -> int:
+    r = svc.handle(s, m.OpenNamespace(1, name, LAYOUT))
+    assert isinstance(r, m.NamespaceOpened)
+    return r.ns
+
+
+def prepare(svc: Service, s: Session, ns: int, keys: list[bytes]) -> list[int]:
+    kp, kb = pack_keys(keys)
+    r = svc.handle(s, m.PrepareStore(2, ns, kp, kb))
+    assert isinstance(r, m.StorePlanReply)
+    slots: list[int] = unpack_ids(r.slots).tolist()
+    return slots
+
+
+def complete(svc: Service, s: Session, ns: int, keys: list[bytes], slots: list[int]) -> None:
+    svc.namespaces[ns].mark_written(slots, 0)
+    kp, kb = pack_keys(keys)
+    svc.handle(s, m.CompleteStore(3, ns, kp, kb, True))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["victim\0", "\0" * 8, "a\nb", "esc\x1b[2J", "tab\tname", "", "x" * 201, "é" * 128],
+    ids=["nul-suffix", "all-nul", "newline", "escape", "tab", "empty", "201-chars", "256-bytes"],
+)
+def test_a_name_that_could_alias_or_not_fit_is_refused(name: str) -> None:
+    """Item 7: "victim\\0" became "victim" after a warm restart (the record is
+    NUL-terminated), and a name of NULs was never recovered."""
+    with service(config()) as svc:
+        s = session(svc, 1, OTHER)
+        with pytest.raises(InvalidArgumentError, match="namespace name"):
+            svc.handle(s, m.OpenNamespace(1, name, LAYOUT))
+        assert not svc.namespaces and svc.region.namespace_record(0) is None
+        assert open_ns(svc, s, "é" * 120 + "-名前") == 0  # printable UTF-8 that fits
+
+
+def test_bad_records_and_their_extents_do_not_survive_a_restart() -> None:
+    """A record whose name is unreadable or not allowed (an older daemon wrote it, or
+    the region was edited) is dropped at recovery, and the extents it owned are free."""
+    cfg = config()
+    with service(cfg, unlink=False) as svc:
+        s = session(svc, 1)
+        good, bad = open_ns(svc, s, "good"), open_ns(svc, s, "bad")
+        for ns in (good, bad):
+            keys = [b"%d-key-%02d" % (ns, i) for i in range(20)]
+            complete(svc, s, ns, keys, prepare(svc, s, ns, keys))
+        pool = svc.region.pool
+        used = pool.num_extents - pool.num_free
+        fp, raw = svc.namespaces[bad].fingerprint, msgspec.msgpack.encode(LAYOUT)
+        svc.region.register_namespace(bad, "\0" * 8, fp, raw)  # an unreadable name
+        svc.region.register_namespace(2, "evil\x1b", fp, raw)  # a name not allowed
+        assert pool.take(2, 65536, 0) is not None
+        svc.namespaces.clear()
+    with service(cfg) as svc:
+        assert svc.region.recovered and set(svc.table.by_name) == {"good"}
+        assert svc.region.namespace_record(2) is None
+        pool = svc.region.pool
+        assert pool.num_extents - pool.num_free == used // 2  # good's extents only
+        assert svc.namespaces[good].lookup([b"%d-key-%02d" % (good, i) for i in range(20)])
+        table = svc.region.slot_table
+        assert set(table["ns"][table["state"] != 0].tolist()) == {good}
+
+
+def test_a_uid_may_create_a_bounded_number_of_namespaces() -> None:
+    """Item 8: one client filled the 256-entry table for good."""
+    with service(config(max_namespaces_per_uid=3)) as svc:
+        s = session(svc, 1, OTHER)
+        for i in range(3):
+            open_ns(svc, s, f"mine-{i}")
+        with pytest.raises(QuotaExceededError, match="max_namespaces_per_uid"):
+            svc.handle(s, m.OpenNamespace(1, "mine-3", LAYOUT))
+        assert open_ns(svc, s, "mine-0") == 0  # reopening is not creating
+        open_ns(svc, session(svc, 2, 0), "root-0")  # root and the daemon's uid: unlimited
+        assert len(svc.namespaces) == 4
+
+
+def test_a_full_table_drops_an_idle_namespace_and_refuses_only_when_all_are_busy() -> None:
+    with service(config(max_namespaces_per_uid=0)) as svc:
+        holder, idle = session(svc, 1), session(svc, 2)
+        for i in range(MAX_NAMESPACES):
+            open_ns(svc, holder if i % 2 else idle, f"ns-{i:03d}")
+        used = open_ns(svc, idle, "ns-000")
+        keys = [b"used-key"]
+        complete(svc, idle, used, keys, prepare(svc, idle, used, keys))
+        kp, kb = pack_keys(keys)
+        svc.handle(idle, m.Lookup(4, used, kp, kb))
+        svc.close_session(idle)  # the even namespaces: open by nobody, nothing in flight
+        new = open_ns(svc, session(svc, 3), "newcomer")
+        assert new % 2 == 0 and new != used, "the least used idle namespace goes first"
+        assert svc.region.namespace_record(new) is not None
+        assert svc.region.namespace_record(new)[0] == "newcomer"  # type: ignore[index]
+        assert svc.table.dropped_total == 1 and "ns-000" in svc.table.by_name
+        # every namespace is now held open: the table refuses, and says why
+        s4 = session(svc, 4)
+        for name in list(svc.table.by_name):
+            open_ns(svc, s4, name)
+        with pytest.raises(NoSpaceError, match="table is full"):
+            svc.handle(s4, m.OpenNamespace(1, "one-too-many", LAYOUT))
+
+
+def test_no_client_holds_the_region_with_stores_it_never_completes() -> None:
+    """Item 10: one namespace leased the whole region with prepare_store."""
+    with service(config(max_writing_fraction=0.25)) as svc:
+        index = svc.namespaces[open_ns(svc, session(svc, 1), "w")]
+        per_client, total = index.max_writing_per_client, index.max_writing
+        assert per_client is not None and total is not None and per_client < total
+        hog, second, third = session(svc, 1), session(svc, 2), session(svc, 3)
+        for s in (second, third):
+            open_ns(svc, s, "w")
+        held = prepare(svc, hog, index.ns_id, [b"hog-%04d" % i for i in range(per_client)])
+        with pytest.raises(QuotaExceededError, match="max_writing_fraction"):
+            prepare(svc, hog, index.ns_id, [b"hog-more"])
+        rest = total - per_client
+        prepare(svc, second, index.ns_id, [b"two-%04d" % i for i in range(rest)])
+        with pytest.raises(QuotaExceededError):  # the namespace's total is spent too
+            prepare(svc, third, index.ns_id, [b"three-01"])
+        assert index.lease(token=77, n=8, client=3) == []
+        complete(svc, hog, index.ns_id, [b"hog-0000"], held[:1])  # one done: room for one
+        assert len(prepare(svc, third, index.ns_id, [b"three-01"])) == 1
+        svc.close_session(hog)  # a gone client's stores fail and give their room back
+        assert len(index.lease(token=77, n=8, client=3)) == 8
+
+
+def test_a_crash_while_graves_are_held_restores_each_key_once() -> None:
+    """Item 14: an evicted block kept for a key mirror (GRAVE) whose key was stored
+    again elsewhere came back twice after a warm restart, and its slot leaked."""
+    cfg = config()
+    keys = [b"k-%04d" % i for i in range(21)]  # one slot of 22 left free
+    pid = os.fork()
+    if pid == 0:  # the daemon that crashes: it leaves by _exit, closing nothing
+        code = 1
+        try:
+            region = SharedOffloadRegion(cfg.region_name, geometry(cfg))
+            svc = Service(cfg, region, CpuCopier(1))
+            s = session(svc, 1)
+            ns = svc.handle(s, m.OpenNamespace(1, "g", m.KVLayout([MIB // 2])))
+            assert isinstance(ns, m.NamespaceOpened)
+            complete(svc, s, ns.ns, keys, prepare(svc, s, ns.ns, keys))
+            index = svc.namespaces[ns.ns]
+            index.events.subscribe(99)  # an engine whose key mirror lags behind
+            index.add_mirror(99)
+            assert index.evict([keys[0]]) == 1 and len(index.graves.by_slot) == 1
+            complete(svc, s, ns.ns, keys[:1], prepare(svc, s, ns.ns, keys[:1]))
+            states = region.slot_table["state"]
+            code = (
+                0 if ((states == SLOT_GRAVE).sum(), (states == SLOT_READY).sum()) == (1, 21) else 2
+            )
+        finally:
+            os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    with service(cfg) as svc:
+        index = svc.table.by_name["g"]
+        assert svc.region.recovered and index.lookup(keys) == len(keys)
+        assert index.slots.num_used == len(keys) and index.slots.num_free == 1
+        assert not (svc.region.slot_table["state"] == SLOT_GRAVE).any()
