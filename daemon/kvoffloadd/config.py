@@ -160,6 +160,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # secondary tiers, fastest first; blocks cascade down and are promoted back
     tiers: list[TierConfig] = msgspec.field(default_factory=list)
     tier_max_inflight_blocks: int = 256  # per tier: region blocks pinned for cascades
+    tier_job_timeout_s: float = 30.0  # a tier with a job older than this is stalled
 
     @property
     def socket_path(self) -> str:
@@ -241,6 +242,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ConfigError(f"tiers: names must be unique, got {names}")
+        if not 0 < self.tier_job_timeout_s <= 3600:
+            raise ConfigError(f"tier_job_timeout_s: {self.tier_job_timeout_s} is not in (0, 3600]")
         if self.tier_max_inflight_blocks < 1:
             raise ConfigError(
                 f"tier_max_inflight_blocks: {self.tier_max_inflight_blocks} is below 1"

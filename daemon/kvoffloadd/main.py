@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def config_of(args: argparse.Namespace) -> DaemonConfig:
+    """Defaults, then the config file, then the flags."""
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "config"}
+    return load_config(args.config, overrides)
+
+
 def activated_listener() -> socket.socket | None:
     """The unix stream socket systemd passed (socket activation), if any."""
     for sock, _name in listen_fds():
@@ -142,7 +148,13 @@ def build_tiering(cfg: DaemonConfig, region: SharedOffloadRegion) -> Tiering | N
             wake.close()
             raise ConfigError(str(exc)) from exc
         log.info("secondary tier %s (%s) below the region", tc.name, tc.type)
-    return Tiering(tiers, wake, region.buffer, max_inflight_blocks=cfg.tier_max_inflight_blocks)
+    return Tiering(
+        tiers,
+        wake,
+        region.buffer,
+        max_inflight_blocks=cfg.tier_max_inflight_blocks,
+        job_timeout_s=cfg.tier_job_timeout_s,
+    )
 
 
 NT_THRESHOLD_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
@@ -173,9 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         reexec_with_copy_tunables()
     args = parse_args(argv)
-    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "config"}
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = config_of(args)
     except ConfigError as exc:
         print(f"kvoffloadd: {exc}", file=sys.stderr)
         return 2

@@ -376,6 +376,8 @@ class Service:
                     "namespace %s: %d committed stores never got their copies", ns.name, late
                 )
             ns.slots.release_free_tail()
+        if self.tiering is not None:
+            self.tiering.check_stalls(now)
 
     @property
     def inflight_jobs(self) -> int:

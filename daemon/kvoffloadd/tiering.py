@@ -18,6 +18,10 @@ section 8):
   the key misses. Stores that complete while a tier is unhealthy (unreachable) are not
   queued for it: they would only pin region slots until their copies time out.
   Region eviction never removes a block from a tier.
+- A tier with a job older than ``job_timeout_s`` (a hung disk, a stuck server) is
+  *stalled*: it gets no new promotions or cascades and its keys miss, until its late
+  jobs finish. Their region slots stay pinned meanwhile, since a tier thread may still
+  touch them; at most ``max_inflight_blocks`` per tier, so the fault stays in its tier.
 
 Everything here runs on the loop thread; the tiers' threads only move bytes.
 """
@@ -25,6 +29,7 @@ Everything here runs on the loop thread; the tiers' threads only move bytes.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +60,12 @@ class _TierState:
     promoted_blocks_total: int = 0
     promotion_failures_total: int = 0
     cascade_dropped_total: int = 0  # backlog full, tier unhealthy, or evicted first
+    stalled: bool = False  # a job ran past job_timeout_s and has not finished
+    stalls_total: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.tier.healthy and not self.stalled
 
 
 @dataclass
@@ -64,6 +75,7 @@ class _Job:
     keys: list[bytes]
     buffers: list[memoryview]
     promotion: bool
+    started_s: float
 
 
 class Tiering:
@@ -75,7 +87,9 @@ class Tiering:
         max_inflight_blocks: int = 256,
         max_backlog_blocks: int = 65_536,
         batch_blocks: int = 8,
+        job_timeout_s: float = 30.0,
     ) -> None:
+        self.job_timeout_s = job_timeout_s
         self.wake = wake
         self._tiers = [_TierState(t) for t in tiers]
         self._mem = memoryview(region_buffer.data)
@@ -129,7 +143,10 @@ class Tiering:
                 continue
             src = None
             if writer is None:  # else an engine's store is in flight: not ours
-                src = next((st for st in self._tiers if st.tier.lookup(tns, [key])[0]), None)
+                src = next(
+                    (st for st in self._tiers if st.usable and st.tier.lookup(tns, [key])[0]),
+                    None,
+                )
             if src is None:
                 states.append(ABSENT)
                 break
@@ -169,7 +186,7 @@ class Tiering:
             for key, have in zip(keys, st.tier.lookup(tns, keys)):
                 if have:
                     continue
-                if len(st.backlog) >= self._max_backlog or not st.tier.healthy:
+                if len(st.backlog) >= self._max_backlog or not st.usable:
                     st.cascade_dropped_total += 1
                     continue
                 st.backlog.append((index.ns_id, key))
@@ -178,7 +195,7 @@ class Tiering:
     def dispatch(self) -> None:
         """Start cascades while each tier has room for more blocks in flight."""
         for st in self._tiers:
-            while st.backlog and st.inflight_blocks < self._max_inflight:
+            while st.backlog and st.inflight_blocks < self._max_inflight and not st.stalled:
                 ns_id = st.backlog[0][0]
                 keys: list[bytes] = []
                 while st.backlog and st.backlog[0][0] == ns_id and len(keys) < self._batch:
@@ -205,7 +222,7 @@ class Tiering:
         n = tns.block_bytes
         buffers = [self._mem[off : off + n] for off in offsets]
         job_id, self._next_job = self._next_job, self._next_job + 1
-        self._jobs[job_id] = _Job(st, index, keys, buffers, promotion)
+        self._jobs[job_id] = _Job(st, index, keys, buffers, promotion, time.monotonic())
         st.inflight_blocks += len(keys)
         return TierJob(job_id, tns, keys, buffers)
 
@@ -224,6 +241,24 @@ class Tiering:
                 else:
                     job.index.complete_load(job.keys, TIER_CLIENT)  # unpin
         self.dispatch()
+
+    def check_stalls(self, now_s: float) -> None:
+        """Stall a tier whose oldest job is overdue; resume it once none is (cron)."""
+        for st in self._tiers:
+            oldest = min((j.started_s for j in self._jobs.values() if j.state is st), default=now_s)
+            overdue = now_s - oldest > self.job_timeout_s
+            if overdue and not st.stalled:
+                st.stalls_total += 1
+                log.warning(
+                    "tier %s: a job has run for %.0f s (over %.0f s); the tier is stalled "
+                    "(its keys miss, nothing new is sent to it) until its jobs finish",
+                    st.tier.name,
+                    now_s - oldest,
+                    self.job_timeout_s,
+                )
+            elif st.stalled and not overdue:
+                log.warning("tier %s: its late jobs finished; it is used again", st.tier.name)
+            st.stalled = overdue
 
     def _promoted(self, job: _Job, ok: list[bool]) -> None:
         index = job.index
@@ -264,7 +299,10 @@ class Tiering:
                     len(j.keys) for j in self._jobs.values() if j.state is st and not j.promotion
                 ),
                 cascade_dropped_total=st.cascade_dropped_total,
+                stalled=st.stalled,
+                stalls_total=st.stalls_total,
             )
+            s["healthy"] = s["healthy"] and not st.stalled
             out[st.tier.name] = s
         return out
 

@@ -3,9 +3,12 @@
 Anything that was there before the daemon (another daemon, another uid, a crash, an
 attacker planting files in /tmp or /dev/shm) is checked before use:
 
-- A directory the daemon creates or uses for its socket and lock must be a real
+- A directory the daemon creates or uses (socket and lock, disk tier) must be a real
   directory (never a symlink), owned by the daemon's uid (or root, for system
-  directories like /run), and writable by nobody else; a missing one is created 0750.
+  directories like /run), and writable by nobody else; a missing one is created 0750
+  (0700 for tier data). Its ancestors too must be owned by the daemon's uid or root
+  and writable by nobody else, unless root-owned and sticky (/tmp): nobody else can
+  rename a checked directory away and put their own in its place.
 - Files are opened with ``O_NOFOLLOW`` and checked with ``fstat`` on the descriptor
   (type, owner, mode), never by path, so nothing can be swapped between check and use.
 - A shared-memory region is adopted only if it is a regular file owned by the
@@ -60,12 +63,28 @@ def secure_dir(path: str, mode: int = 0o750) -> None:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (me, 0):
         raise UntrustedError(
             f"{path} is {_describe(st)}; kvoffloadd (uid {me}) needs its own directory "
-            "there: remove it, or point --socket elsewhere"
+            "there: remove it, or choose another path"
         )
+    _not_writable_by_others(path, st)
+    parent = os.path.dirname(os.path.realpath(path))
+    while True:
+        pst = os.stat(parent)
+        if pst.st_uid not in (me, 0):
+            raise UntrustedError(
+                f"{parent}, above {path}, is {_describe(pst)}: its owner could replace "
+                f"{path}; choose a path under directories of root or uid {me}"
+            )
+        _not_writable_by_others(parent, pst)
+        if parent == "/":
+            return
+        parent = os.path.dirname(parent)
+
+
+def _not_writable_by_others(path: str, st: os.stat_result) -> None:
     if st.st_mode & 0o022 and not (st.st_uid == 0 and st.st_mode & stat.S_ISVTX):
         raise UntrustedError(
-            f"{path} is writable by others ({_describe(st)}), who could replace the socket; "
-            "chmod go-w it, or point --socket elsewhere"
+            f"{path} is writable by others ({_describe(st)}), who could replace what "
+            "kvoffloadd keeps there; chmod go-w it, or choose another path"
         )
 
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from hostile import requires_root
 from test_tiers import keys
 
 from kvoffloadctl.redis_server import RedisServer
@@ -220,4 +221,39 @@ def test_garbage_in_redis_stays_inside_its_key(redis_url: str, wake: WakeFd) -> 
         assert run(tier, wake, True, keys(b"h", 1), [block(3)]).ok == [True]
     finally:
         r.close()
+        tier.close()
+
+
+def test_a_disk_tier_directory_someone_else_could_change_is_refused(
+    tmp_path: pathlib.Path, wake: WakeFd
+) -> None:
+    """Scenario: the configured path is a planted symlink, another uid's directory, a
+    world-writable one, or sits under a directory another uid owns (who could rename
+    the checked directory away and put theirs in its place)."""
+    from kvoffloadd.tiers.base import TierError
+
+    requires_root()  # to make a directory of another uid
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(elsewhere)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    os.chmod(open_to_all, 0o777)
+    cases = {
+        "link": "symlink",
+        "theirs": "owned by uid 65534",
+        "open": "writable by others",
+        "theirs/blocks": "above",
+    }
+    for sub, needle in cases.items():
+        with pytest.raises(TierError, match=needle):
+            DiskTier("disk", str(tmp_path / sub), 1 << 20, wake)
+    assert list(elsewhere.iterdir()) == []  # nothing was written through the link
+    tier = DiskTier("disk", str(tmp_path / "mine" / "blocks"), 1 << 20, wake)  # created 0700
+    try:
+        assert os.stat(tmp_path / "mine" / "blocks").st_mode & 0o777 == 0o700
+    finally:
         tier.close()

@@ -206,3 +206,31 @@ def test_an_unhealthy_tier_gets_no_cascades(world: Any) -> None:
     assert slow.jobs_seen == [] and fast.jobs_seen == [(True, ks(1))]
     assert tiering.statistics()["slow"]["cascade_dropped_total"] == 1
     assert index.pinned_by(TIER_CLIENT) == 1  # only the fast tier's copy pins it
+
+
+def test_a_tier_whose_job_hangs_is_stalled_until_it_finishes(world: Any) -> None:
+    """A hung tier (a dead disk, a stuck server) stays inside its tier: after
+    job_timeout_s its keys miss and it gets no new work; its slots stay pinned (a tier
+    thread may still touch them) and it is used again once its late jobs finish."""
+    index, tiering, fast, slow, buf = world
+    fast.blocks[(tiering._ns[0][1].tier_id, ks(9)[0])] = bytes(PAGE)
+    write(index, buf, 1)  # cascades to both tiers; slow never finishes
+    fast.finish()
+    tiering.on_wake()
+    start = min(j.started_s for j in tiering._jobs.values())
+    tiering.check_stalls(start + tiering.job_timeout_s / 2)
+    assert not tiering.statistics()["slow"]["stalled"]
+    tiering.check_stalls(start + tiering.job_timeout_s + 1)
+    stats = tiering.statistics()["slow"]
+    assert stats["stalled"] and not stats["healthy"] and stats["stalls_total"] == 1
+    assert index.pinned_by(TIER_CLIENT) == 1  # the hung copy's slot stays pinned
+    write(index, buf, 2)  # no new cascade for the stalled tier
+    assert slow.jobs_seen == [(True, ks(1))]
+    slow.blocks[(tiering._ns[0][1].tier_id, ks(8)[0])] = bytes(PAGE)
+    assert tiering.probe(index, ks(8)) == [KEY_ABSENT]  # its keys miss
+    assert tiering.probe(index, ks(9)) == [KEY_PROMOTING]  # other tiers still serve
+    slow.finish()
+    tiering.on_wake()
+    tiering.check_stalls(start + tiering.job_timeout_s + 2)
+    assert not tiering.statistics()["slow"]["stalled"]
+    assert tiering.probe(index, ks(8)) == [KEY_PROMOTING]

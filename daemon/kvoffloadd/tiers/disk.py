@@ -13,6 +13,9 @@ Rules:
 - Space is reserved on the loop thread before a write is queued: the least recently
   used files leave the view and are unlinked by a worker. A file being read is never
   chosen; a key whose unlink is still queued is not written again until it has run.
+- The directory is trusted only if it is the daemon's own (``trust.secure_dir``: a
+  real directory, not writable by others, under directories nobody else can change);
+  block files are opened with ``O_NOFOLLOW`` and read only if regular.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..trust import UntrustedError, secure_dir
 from .base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
 
 log = logging.getLogger(__name__)
@@ -63,7 +67,9 @@ class DiskTier(SecondaryTier):
         super().__init__(name, capacity_bytes, wake)
         self.path = os.path.abspath(path)
         try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            secure_dir(self.path, 0o700)
+        except UntrustedError as exc:
+            raise TierError(f"tier {name}: {exc}") from None
         except OSError as exc:
             raise TierError(f"tier {name}: cannot create {self.path}: {exc.strerror}") from exc
         if not os.access(self.path, os.W_OK | os.X_OK):

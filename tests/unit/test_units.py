@@ -1,0 +1,94 @@
+"""The systemd units do what the README says, with the config keys they rely on."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections import defaultdict
+from pathlib import Path
+
+import tomllib
+
+from kvoffloadd.budgets import FD_RESERVE
+from kvoffloadd.config import DaemonConfig
+from kvoffloadd.main import config_of, parse_args
+
+ROOT = Path(__file__).parents[2]
+UNITS = ROOT / "systemd"
+
+
+def unit(name: str) -> dict[str, dict[str, list[str]]]:
+    """A unit file as section -> key -> values (keys may repeat)."""
+    out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    section = ""
+    for line in (UNITS / name).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if m := re.fullmatch(r"\[(\w+)\]", line):
+            section = m.group(1)
+            continue
+        key, _, value = line.partition("=")
+        assert section and _, f"{name}: not a key=value line: {line!r}"
+        out[section][key.strip()].append(value.strip())
+    return out
+
+
+def one(section: dict[str, list[str]], key: str) -> str:
+    values = section.get(key, [])
+    assert len(values) == 1, f"{key}: {values}"
+    return values[0]
+
+
+def test_the_service_keeps_the_region_across_stops_and_removes_nothing() -> None:
+    """The README: a stop keeps the region for a warm restart (keep_region)."""
+    svc = unit("kvoffloadd.service")["Service"]
+    assert "ExecStopPost" not in svc and "ExecStop" not in svc
+    assert "ExecStartPre" not in svc and one(svc, "RemoveIPC") == "no"
+    argv = shlex.split(one(svc, "ExecStart"))
+    assert argv[0].endswith("/kvoffloadd")
+    args = parse_args(argv[1:])
+    assert args.config == "/etc/kvoffload/kvoffloadd.toml"
+    tmpfiles = (UNITS / "kvoffload.tmpfiles.conf").read_text()
+    assert re.search(r"^d /etc/kvoffload ", tmpfiles, re.M), "the config directory exists"
+    args.config = str(UNITS / "kvoffloadd.toml.example")  # what the README installs there
+    cfg = config_of(args)
+    assert cfg.keep_region and not cfg.discard_region
+    assert cfg.region_name == "/kvoffload-default"
+    readme = (ROOT / "README.md").read_text()
+    assert "`--keep-region`" in readme and "/dev/shm/kvoffload-default" in readme
+
+
+def test_a_disk_tier_has_a_writable_home_under_the_sandbox() -> None:
+    """ProtectSystem=strict leaves only the StateDirectory writable: the example's disk
+    tier path lies inside it, and the daemon's own uid owns it, 0700."""
+    svc = unit("kvoffloadd.service")["Service"]
+    assert one(svc, "ProtectSystem") == "strict"
+    state = f"/var/lib/{one(svc, 'StateDirectory')}"
+    assert one(svc, "StateDirectoryMode") == "0700"
+    example = (UNITS / "kvoffloadd.toml.example").read_text()
+    disk = re.search(r'^# path = "([^"]+)"', example, re.M)
+    assert disk is not None and disk.group(1).startswith(state + "/")
+    readme = tomllib.loads(
+        re.search(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)  # type: ignore[union-attr]
+    )
+    disk_tiers = [t for t in readme["tiers"] if t["type"] == "disk"]
+    assert disk_tiers and all(t["path"].startswith(state + "/") for t in disk_tiers)
+    assert not any(k in svc for k in ("ReadOnlyPaths", "InaccessiblePaths"))
+
+
+def test_the_service_and_socket_agree_with_each_other_and_the_readme() -> None:
+    svc, sock = unit("kvoffloadd.service")["Service"], unit("kvoffloadd.socket")["Socket"]
+    sysusers = (UNITS / "kvoffload.sysusers.conf").read_text()
+    user = one(svc, "User")
+    assert re.search(rf"^u {user} ", sysusers, re.M)
+    assert one(svc, "Group") == one(sock, "SocketGroup") == user == one(sock, "SocketUser")
+    path = one(sock, "ListenStream")
+    assert path.startswith(f"/run/{one(svc, 'RuntimeDirectory')}/")  # the lock file's home
+    assert (one(sock, "SocketMode"), one(sock, "DirectoryMode")) == ("0660", "0750")
+    readme = (ROOT / "README.md").read_text()
+    assert f"KVOFFLOAD_SOCKET={path}" in readme
+    # descriptors: every client the daemon admits by default, twice over, plus the reserve
+    assert int(one(svc, "LimitNOFILE")) >= 2 * DaemonConfig().max_clients + FD_RESERVE
+    assert one(svc, "LimitMEMLOCK") == "infinity"
+    assert one(svc, "Type") == "notify" and one(svc, "Restart") == "on-failure"
