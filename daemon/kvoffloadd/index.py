@@ -1,18 +1,4 @@
-"""Per-namespace block index: the offloading-manager contract of vLLM, with owners.
-
-Semantics follow vLLM's CPU offloading manager (research/vllm_kv_offload.md section 3)
-so that engines see exactly the behaviour of the built-in offloader:
-
-- ``ref`` is -1 while a block is being written, 0 when ready and evictable, N > 0 while
-  N loads are in flight. ``lookup`` counts the leading keys that are present *and*
-  ready (invariant 1: a block is visible only after its store completed).
-- ``prepare_store`` skips keys already present; when only such keys are given it
-  returns an empty plan, not None. It evicts atomically, never its own input keys and
-  never a block with ``ref != 0`` (invariant 2); ``None`` means no space.
-- Events are emitted only when a store completes and when blocks are evicted; stored
-  events carry the blocks' slots, so an engine can plan loads without asking.
-- A store can only complete successfully once every rank's copy into its slot has
-  finished (``mark_written``): a key never becomes visible over bytes nobody wrote.
+"""Per-namespace block index: the engine-facing operations over a StoreIndex.
 
 Engines' schedulers never wait for the daemon (kvoffload.view): they store into
 *leased* slots (leases.py) and send claims, commits, pins and unpins one-way, once
@@ -28,10 +14,10 @@ slots until those mirrors have seen the eviction (graves.py). An engine acks its
 only after the pins it took before reading it, so a block an engine pinned locally is
 never reused before the daemon has seen the pin.
 
-Owners: every block being written belongs to the client that prepared or claimed it,
-every pin to the client that took it. Completing someone else's store or load through
-the blocking API is ``NOT_LEASED``; ``release_client`` fails a dead client's stores,
-frees its leases and drops its pins at once (invariant 5).
+Owners: every pin belongs to the client that took it. Completing someone else's store
+or load through the blocking API is ``NOT_LEASED``, and so is copying through a slot
+leased or prepared for another client (invariant 9); ``release_client`` fails a dead
+client's stores, frees its leases and drops its pins at once (invariant 5).
 
 Everything here runs on the daemon's loop thread only: no locks.
 """
@@ -40,304 +26,24 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from itertools import takewhile
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.plans import OffloadEvent, StorePlan
-from kvoffload.protocol.errors import (
-    InvalidArgumentError,
-    NotFoundError,
-    NotLeasedError,
-    QuotaExceededError,
-)
-from kvoffload.protocol.messages import KVLayout
+from kvoffload.plans import OffloadEvent
+from kvoffload.protocol.errors import NotFoundError, NotLeasedError, QuotaExceededError
 
-from .allocator import SlotPool
-from .checksums import BlockChecksums
-from .events import EventFeed
-from .graves import Graveyard
-from .leases import LeaseBook
-from .policies import Block, make_policy
+from .policies import Block
+from .storeindex import NamespaceStatistics, SlotJournal, StoreIndex
+
+__all__ = ["NamespaceIndex", "NamespaceStatistics", "OffloadEvent", "SlotJournal"]
 
 
-@dataclass(frozen=True)
-class NamespaceStatistics:
-    name: str
-    fingerprint: str
-    policy: str
-    slot_bytes: int
-    extents: int
-    capacity_blocks: int
-    free_blocks: int
-    stored_blocks: int
-    writing_blocks: int
-    pinned_blocks: int
-    leased_blocks: int  # granted to engines ahead of their stores
-    commits_waiting: int  # committed, waiting for a rank's copy
-    held_evicted_blocks: int  # evicted, kept loadable for other engines' mirrors
-    quota_blocks: int  # 0: no quota
-    quota_pinned_blocks: int  # 0: no quota
-    lookups_total: int
-    lookup_keys_total: int
-    hit_keys_total: int
-    miss_keys_total: int
-    lookup_misses_total: int
-    stores_prepared_total: int
-    stored_blocks_total: int
-    store_failures_total: int
-    duplicate_stores_total: int  # two engines stored one key at once: one copy kept
-    loads_prepared_total: int
-    pins_missed_total: int  # engine pins of keys already gone (their loads resolve by key)
-    evicted_blocks_total: int
-    events_dropped_total: int
-
-
-class SlotJournal:
-    """Receives every slot state change (the region's slot table implements it)."""
-
-    def leased(self, slot: int, lease: int) -> None: ...
-    def writing(self, slot: int, key: bytes, lease: int = 0) -> None: ...
-    def ready(self, slot: int, key: bytes) -> None: ...
-    def buried(self, slot: int) -> None: ...
-    def freed(self, slot: int) -> None: ...
-
-
-class NamespaceIndex:
-    def __init__(
-        self,
-        ns_id: int,
-        name: str,
-        layout: KVLayout,
-        fingerprint: str,
-        slots: SlotPool,
-        policy: str = "lru",
-        journal: SlotJournal | None = None,
-        reclaim: Callable[[NamespaceIndex, int], None] | None = None,
-        mirror_grace_s: float = 1.0,
-        commit_timeout_s: float = 30.0,
-    ) -> None:
-        self.ns_id = ns_id
-        self.name = name
-        self.layout = layout
-        self.fingerprint = fingerprint
-        self.slots = slots
-        self.policy_name = policy
-        ghost_capacity = slots.pool.num_extents * slots.slots_per_extent
-        self._policy = make_policy(policy, ghost_capacity)
-        self._journal = journal or SlotJournal()
-        self._reclaim = reclaim
-        self.commit_timeout_s = commit_timeout_s
-        self._num_evictable = 0
-        self._num_pinned = 0  # blocks with ref > 0
-        self.sums = BlockChecksums(layout.world_size)  # verify_checksums
-        # quotas (None: unlimited): slots this namespace may hold, blocks it may pin
-        self.max_blocks: int | None = None
-        self.max_pinned_blocks: int | None = None
-        # slot -> key of the block in it (None: free, leased or a shadow copy)
-        self._slot_key: list[bytes | None] = []
-        # keys whose store completed (ref >= 0): lookup runs on this set in C
-        self._ready: set[bytes] = set()
-        self._written: dict[int, int] = {}  # slot being written -> bit mask of ranks done
-        self._all_ranks = (1 << layout.world_size) - 1
-        self._void: set[int] = set()  # slots whose copy failed: their store never commits
-        self._waiting: dict[int, float] = {}  # committed slot -> deadline for its copies
-        self._writers: dict[bytes, int] = {}
-        self._writing_by: Counter[int] = Counter()  # client -> blocks it is writing
-        # blocks in flight (being written, or leased empty): per client and in total;
-        # None: no limit (set from max_writing_fraction)
-        self.max_writing_per_client: int | None = None
-        self.max_writing: int | None = None
-        self._pins: dict[int, Counter[bytes]] = {}
-        self.leases = LeaseBook()
-        self.creator_uid = 0  # who created the namespace (per-uid limits)
-        self.events = EventFeed()
-        # called with the keys of every successful store (the tiers cascade them)
-        self.on_stored: Callable[[NamespaceIndex, list[bytes]], None] | None = None
-        # evicted blocks other engines' key mirrors may still hit (graves.py)
-        self.graves = Graveyard(mirror_grace_s)
-        # statistics
-        self._lookups = self._lookup_keys = self._hit_keys = self._lookup_misses = 0
-        self._stores_prepared = self._stored = self._store_failures = self._duplicates = 0
-        self._loads_prepared = self._evicted = self._pins_missed = 0
-
-    # ------------------------------------------------------------ scheduler side
-
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        hits = len(list(takewhile(self._ready.__contains__, keys)))
-        self._lookups += 1
-        self._lookup_keys += len(keys)
-        self._hit_keys += hits
-        if hits < len(keys):
-            self._lookup_misses += 1
-        return hits
-
-    def prepare_store(self, keys: Sequence[bytes], client: int, token: int = 0) -> StorePlan | None:
-        get = self._policy.get
-        to_store = [k for k in dict.fromkeys(keys) if get(k) is None]
-        if not to_store:
-            return StorePlan([], [], [])
-        need = len(to_store)
-        if need > self.writing_room(client, token):
-            raise QuotaExceededError(
-                f"namespace {self.name!r}: {need} more blocks in flight would pass the "
-                "limit of blocks being written (max_writing_fraction); complete some first"
-            )
-        self._reclaim_for(need)
-        evicted: list[bytes] = []
-        n = need - self._free_within_quota() - len(self.graves)  # graves: space to come
-        if n > 0:
-            victims = self._policy.evict(n, set(keys)) if n <= self._num_evictable else None
-            if victims is None:
-                if self._quota_binds():
-                    raise QuotaExceededError(
-                        f"namespace {self.name!r} holds {self.slots.num_used} of the "
-                        f"{self.max_blocks} blocks its quota allows, and not enough of them "
-                        f"can be evicted for {need} more"
-                    )
-                return None
-            evicted = self._drop(victims, exempt=client)
-        if need > self._free_within_quota():
-            # The space is evicted but still readable by other engines' mirrors: it
-            # frees once they have seen the evictions (their next step) or after the
-            # grace period. Not now: vLLM retries the store later.
-            gone = set(evicted)
-            self.graves.unexempt([s for s, g in self.graves.by_slot.items() if g.key in gone])
-            return None
-        slots = self._allocate(need)
-        for key, slot in zip(to_store, slots):
-            self._insert_writing(key, slot, client, token)
-        return StorePlan(to_store, slots, evicted)
-
-    def _reclaim_for(self, need: int) -> None:
-        self.free_graves()
-        if need > self.slots.num_free and not self._quota_binds() and self._reclaim is not None:
-            self._reclaim(self, need)  # more region space; useless when the quota binds
-
-    def _allocate(self, n: int) -> list[int]:
-        slots = self.slots.allocate(n)
-        if len(self._slot_key) < self.slots.capacity:
-            self._slot_key.extend([None] * (self.slots.capacity - len(self._slot_key)))
-        return slots
-
-    def _insert_writing(self, key: bytes, slot: int, client: int, token: int) -> None:
-        self._policy.insert(key, Block(slot))
-        self._slot_key[slot] = key
-        self._writers[key] = client
-        self._writing_by[client] += 1
-        if token:
-            self.leases.token_of[slot] = token
-        self._journal.writing(slot, key, token)
-        self._stores_prepared += 1
-
-    def _free_within_quota(self) -> int:
-        """Free slots this namespace may still take (region space and its quota)."""
-        free = self.slots.num_free
-        if self.max_blocks is not None:
-            free = min(free, max(0, self.max_blocks - self.slots.num_used))
-        return free
-
-    def _quota_binds(self) -> bool:
-        return self._free_within_quota() < self.slots.num_free
-
-    def complete_store(self, keys: Sequence[bytes], success: bool, client: int) -> None:
-        """The blocking API's completion: strict about owners and unwritten blocks."""
-        get = self._policy.get
-        mine: list[tuple[bytes, Block]] = []
-        for key in dict.fromkeys(keys):
-            block = get(key)
-            if block is None or block.ref != -1:
-                continue  # unknown or already complete: ignored, as in vLLM
-            if self._writers.get(key) != client:
-                raise NotLeasedError(f"key {key.hex()} is being stored by another client")
-            mine.append((key, block))
-        if success:
-            unwritten = [k for k, b in mine if self._written.get(b.slot) != self._all_ranks]
-            if unwritten:
-                raise InvalidArgumentError(
-                    f"{len(unwritten)} of the keys (first {unwritten[0].hex()}) have not been "
-                    f"copied by all {self.layout.world_size} ranks yet; complete them after "
-                    "their store jobs finished, or with success=False"
-                )
-        self._finish_stores(mine, success)
-
-    def mark_written(self, slots: Sequence[int], rank: int) -> None:
-        """A store copy of ``rank`` into these slots finished successfully."""
-        bit = 1 << rank
-        slot_key, token_of, written = self._slot_key, self.leases.token_of, self._written
-        done: list[tuple[bytes, Block]] = []
-        for slot in slots:
-            key = slot_key[slot] if slot < len(slot_key) else None
-            if key is None and slot not in token_of:
-                continue  # freed meanwhile
-            bits = written[slot] = written.get(slot, 0) | bit
-            if bits == self._all_ranks and slot in self._waiting and key is not None:
-                block = self._policy.get(key)
-                if block is not None and block.slot == slot and block.ref == -1:
-                    done.append((key, block))
-        if done:
-            self._finish_stores(done, True)
-
-    def void(self, slots: Sequence[int]) -> None:
-        """A store copy into these slots failed or came too late: never commit them."""
-        failed: list[tuple[bytes, Block]] = []
-        for slot in slots:
-            key = self._slot_key[slot] if slot < len(self._slot_key) else None
-            if key is None and slot not in self.leases.token_of:
-                continue
-            self._void.add(slot)
-            if slot in self._waiting and key is not None:
-                block = self._policy.get(key)
-                if block is not None and block.slot == slot and block.ref == -1:
-                    failed.append((key, block))
-        if failed:
-            self._finish_stores(failed, False)
-
-    def _finish_stores(self, blocks: list[tuple[bytes, Block]], success: bool) -> None:
-        stored: list[bytes] = []
-        stored_slots: list[int] = []
-        writing_by = self._writing_by
-        for key, block in blocks:
-            client = self._writers.pop(key)
-            writing_by[client] -= 1
-            if not writing_by[client]:
-                del writing_by[client]
-            slot = block.slot
-            self._waiting.pop(slot, None)
-            self.leases.forget(slot)
-            if success:
-                block.ref = 0
-                self._num_evictable += 1
-                self._written.pop(slot, None)
-                self._ready.add(key)
-                stored.append(key)
-                stored_slots.append(slot)
-                self._journal.ready(slot, key)
-            else:
-                self._policy.remove(key)
-                self._free_slot(slot)
-                self._store_failures += 1
-        if stored:
-            self._stored += len(stored)
-            self.events.emit(OffloadEvent(stored, removed=False, slots=stored_slots))
-            if self.on_stored is not None:
-                self.on_stored(self, stored)
+class NamespaceIndex(StoreIndex):
+    """A namespace's index as the service uses it (see the module docstring)."""
 
     # ------------------------------------------------------------ engine batches
-
-    def writing_room(self, client: int, token: int) -> int:
-        """How many more blocks ``client`` may have in flight (written or leased)."""
-        room = 1 << 62
-        if self.max_writing_per_client is not None:
-            mine = self._writing_by[client] + self.leases.unclaimed(token)
-            room = self.max_writing_per_client - mine
-        if self.max_writing is not None:
-            total = len(self._writers) + self.leases.total_unclaimed()
-            room = min(room, self.max_writing - total)
-        return max(0, room)
 
     def lease(self, token: int, n: int, client: int = 0) -> list[int]:
         """Grant up to ``n`` empty slots to ``token``, evicting to make room if needed.
@@ -681,16 +387,6 @@ class NamespaceIndex:
         self.free_graves()
         return len(writes), dropped
 
-    def is_idle(self) -> bool:
-        """Nothing pinned, written or leased: the namespace may be dropped."""
-        return not (self._writers or self._num_pinned or self.leases.token_of or self.graves)
-
-    def pinned_by(self, client: int) -> int:
-        return sum(self._pins.get(client, Counter()).values())
-
-    def writing_by(self, client: int) -> int:
-        return self._writing_by[client]
-
     def evict(self, keys: Sequence[bytes] | None = None, prefix: bytes | None = None) -> int:
         """Admin eviction of ready, unpinned blocks (all, given keys, or a key prefix)."""
         if keys is None:
@@ -738,34 +434,6 @@ class NamespaceIndex:
         self._drop(victims, bury=False)  # the extent goes elsewhere: nothing to keep
         return self.slots.release_free_tail() > 0
 
-    def _drop(
-        self, victims: list[tuple[bytes, Block]], exempt: int | None = None, bury: bool = True
-    ) -> list[bytes]:
-        """Evict blocks (already out of the policy): announce them, then free their
-        slots, or bury them while other engines' mirrors may still hit them."""
-        keys = [key for key, _ in victims]
-        if not keys:
-            return keys
-        self._num_evictable -= len(keys)
-        self._evicted += len(keys)
-        self.events.emit(OffloadEvent(keys, removed=True))
-        if bury and self.graves.needed(exempt):
-            now = time.monotonic()
-            for key, block in victims:
-                self._ready.discard(key)
-                self.graves.bury(key, block, self.events.seq, exempt, now)
-                self._journal.buried(block.slot)
-        else:
-            for _, block in victims:
-                self._free_slot(block.slot)
-        return keys
-
-    def free_graves(self) -> None:
-        """Free the slots of graves every mirror has seen (or whose grace is over)."""
-        if self.graves.by_slot:
-            for grave in self.graves.free_now(time.monotonic()):
-                self._free_slot(grave.block.slot)
-
     def add_mirror(self, client: int) -> None:
         """A client took a key snapshot: from now on its mirror can hit evicted keys."""
         self.graves.add_mirror(client, self.events.seq)
@@ -780,51 +448,3 @@ class NamespaceIndex:
         events, lost = self.events.take(client)
         self.ack(client, self.events.seq)
         return events, lost
-
-    def _free_slot(self, slot: int) -> None:
-        key = self._slot_key[slot]
-        if key is not None:
-            self._slot_key[slot] = None
-            block = self._policy.get(key)
-            if block is None or block.slot == slot:  # not a grave of a key stored again
-                self._ready.discard(key)
-        self._written.pop(slot, None)
-        self._void.discard(slot)
-        self._waiting.pop(slot, None)
-        self.leases.forget(slot)
-        self.sums.forget(slot)
-        self._journal.freed(slot)
-        self.slots.free(slot)
-
-    def statistics(self) -> NamespaceStatistics:
-        """O(1): counters kept as blocks change, never a walk over the blocks."""
-        return NamespaceStatistics(
-            name=self.name,
-            fingerprint=self.fingerprint,
-            policy=self.policy_name,
-            slot_bytes=self.slots.slot_bytes,
-            extents=len(self.slots.extents),
-            capacity_blocks=self.slots.capacity,
-            free_blocks=self.slots.num_free,
-            stored_blocks=len(self._policy) - len(self._writers),
-            writing_blocks=len(self._writers),
-            pinned_blocks=self._num_pinned,
-            leased_blocks=self.leases.total_unclaimed(),
-            commits_waiting=len(self._waiting),
-            held_evicted_blocks=len(self.graves),
-            quota_blocks=self.max_blocks or 0,
-            quota_pinned_blocks=self.max_pinned_blocks or 0,
-            lookups_total=self._lookups,
-            lookup_keys_total=self._lookup_keys,
-            hit_keys_total=self._hit_keys,
-            miss_keys_total=self._lookup_keys - self._hit_keys,
-            lookup_misses_total=self._lookup_misses,
-            stores_prepared_total=self._stores_prepared,
-            stored_blocks_total=self._stored,
-            store_failures_total=self._store_failures,
-            duplicate_stores_total=self._duplicates,
-            loads_prepared_total=self._loads_prepared,
-            pins_missed_total=self._pins_missed,
-            evicted_blocks_total=self._evicted,
-            events_dropped_total=self.events.dropped_total,
-        )

@@ -204,8 +204,9 @@ class NamespaceTable:
     def slot_bytes(self, layout: m.KVLayout) -> int:
         return max(-(-layout.block_bytes // PAGE_BYTES) * PAGE_BYTES, self.config.min_slot_bytes)
 
-    def _reclaim(self, needy: NamespaceIndex, need: int) -> None:
+    def _reclaim(self, ns_id: int, need: int) -> None:
         """Move extents to a namespace below its fair share from the fattest one above it."""
+        needy = self.by_id[ns_id]
         active = [ns for ns in self.by_id.values() if ns.slots.extents] + [needy]
         fair = self.region.pool.num_extents // len({ns.ns_id for ns in active})
         while need > needy.slots.num_free and len(needy.slots.extents) < fair:

@@ -28,6 +28,7 @@ Everything here runs on the loop thread; the tiers' threads only move bytes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -113,7 +114,7 @@ class Tiering:
     def namespace_opened(self, index: NamespaceIndex) -> None:
         tns = TierNamespace.of(index.name, index.fingerprint, index.layout.block_bytes)
         self._ns[index.ns_id] = (index, tns)
-        index.on_stored = self._on_stored
+        index.on_stored = functools.partial(self._on_stored, index)
         for st in self._tiers:
             st.tier.open_namespace(tns)
 
