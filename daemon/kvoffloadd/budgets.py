@@ -11,10 +11,12 @@ connection take more.
 - Memory. Request bytes buffered for frames not yet complete, and reply bytes not yet
   sent, count per connection and for all together. A connection over its own limit,
   or the largest holder when the total is over ``buffer_budget_bytes``, is cut off.
-- Loop time. A connection gets at most ``FRAMES_PER_TURN`` requests, or
-  ``SLICE_S`` of the loop's time, dispatched per loop turn, and none while it has
-  more than ``PAUSE_OUTPUT_BYTES`` of replies unsent (it must read first); so no
-  client holds the loop for the others.
+- Loop time. A connection gets at most ``FRAMES_PER_TURN`` requests, or its slice
+  of the loop's time, dispatched per loop turn, and none while it has more than
+  ``PAUSE_OUTPUT_BYTES`` of replies unsent (it must read first). The slice is
+  ``TURN_S`` shared among the connections with work this turn (never below
+  ``MIN_SLICE_S``; the first frame always goes), so a turn stays near ``TURN_S``
+  however many clients are busy, and no client holds the loop for the others.
 
 Pure bookkeeping on the loop thread; the server acts on its answers.
 """
@@ -27,7 +29,15 @@ from typing import Any
 
 FDS_PER_CLIENT = 256  # AttachWorker of a rank with this many memfd caches at most
 FRAMES_PER_TURN = 64
-SLICE_S = 0.002
+TURN_S = 0.010  # loop time shared by the connections with work, per turn
+MIN_SLICE_S = 0.0002
+
+
+def slice_s(busy_connections: int) -> float:
+    """One connection's share of a loop turn."""
+    return max(MIN_SLICE_S, TURN_S / max(1, busy_connections))
+
+
 PAUSE_OUTPUT_BYTES = 1 << 20
 MAX_OUTPUT_BYTES_PER_CLIENT = 32 << 20
 FD_RESERVE = 64  # for the region, tiers, metrics, logs and the shedding itself

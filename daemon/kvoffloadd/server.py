@@ -12,8 +12,9 @@ Rules:
 - Budgets (budgets.py): descriptors (a reserve for shedding at EMFILE, a cap on
   clients and on descriptors parked with SCM_RIGHTS), buffered bytes per connection
   and in total (the largest holder is cut off), and loop time: at most
-  ``FRAMES_PER_TURN`` requests of one connection per turn, none while it has more than
-  ``PAUSE_OUTPUT_BYTES`` of replies unsent (it is not read until it reads).
+  ``FRAMES_PER_TURN`` requests or a fair share of ``TURN_S`` per connection per turn,
+  none while it has more than ``PAUSE_OUTPUT_BYTES`` of replies unsent (it is not read
+  until it reads).
 - A peer the access rules refuse gets one ``ErrorReply(rid=0, PERMISSION_DENIED)`` and
   is disconnected at once: it holds no slot and parks nothing.
 - One-way requests (rid 0) get no reply; a refused one becomes a push. Pushes the
@@ -50,8 +51,8 @@ from .budgets import (
     FRAMES_PER_TURN,
     MAX_OUTPUT_BYTES_PER_CLIENT,
     PAUSE_OUTPUT_BYTES,
-    SLICE_S,
     Budgets,
+    slice_s,
 )
 from .metrics import MetricsEndpoint
 from .service import Service
@@ -122,6 +123,7 @@ class Server:
         self.sel.register(self._sig_r, selectors.EVENT_READ, self._signalled)
         self.clients: dict[int, _Client] = {}
         self._backlog: set[_Client] = set()  # frames left undispatched by a turn's limit
+        self._slice_s = slice_s(1)  # one connection's share of this turn
         cfg = service.config
         self.budgets = Budgets(cfg.max_clients, cfg.buffer_budget_bytes, raise_fd_limit())
         service.budgets = self.budgets
@@ -152,6 +154,7 @@ class Server:
                 timeout = 0.0 if self._backlog else max(0.0, next_cron - time.monotonic())
                 ready = self.sel.select(timeout)
                 t0 = time.perf_counter()
+                self._slice_s = slice_s(len(ready) + len(self._backlog))
                 for key, mask in ready:
                     key.data(key.fileobj, mask)
                 for c in list(self._backlog):
@@ -299,7 +302,7 @@ class Server:
         if not self._account(c):
             return
         try:
-            end_s = time.perf_counter() + SLICE_S
+            end_s = time.perf_counter() + self._slice_s
             for _ in range(FRAMES_PER_TURN):
                 if len(c.outbuf) > PAUSE_OUTPUT_BYTES:
                     break  # paused: it is read again once it has read its replies

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
@@ -141,9 +143,30 @@ class Service:
             m.Hello: self._on_hello,
             m.Evict: self._on_evict,
             m.GetConfig: self._on_get_config,
-            m.GetStats: lambda s, r: m.StatsReply(r.rid, render_stats(self)),
-            m.ListClients: lambda s, r: m.ClientsReply(r.rid, client_infos(self)),
+            m.GetStats: lambda s, r: m.StatsReply(r.rid, self._stats_for(s)),
+            m.ListClients: lambda s, r: m.ClientsReply(r.rid, self._clients_for(s)),
         }
+
+    def _stats_for(self, s: Session) -> dict[str, Any]:
+        """Every figure; per-namespace sections only of namespaces the peer may open
+        (all of them for admins): a name tells whose model runs on the node."""
+        stats = render_stats(self)
+        if not self.access.may_administer(s.peer):
+            named = stats["namespaces"]
+            stats["namespaces"] = {
+                k: v for k, v in named.items() if self.access.may_open(s.peer, k)
+            }
+        return stats
+
+    def _clients_for(self, s: Session) -> list[m.ClientInfo]:
+        infos = client_infos(self)
+        if self.access.may_administer(s.peer):
+            return infos
+        mine = self.access.may_open
+        return [
+            msgspec.structs.replace(c, namespaces=[n for n in c.namespaces if mine(s.peer, n)])
+            for c in infos
+        ]
 
     def _on_lookup(self, s: Session, r: m.Lookup) -> m.Reply:
         index, keys = self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes)

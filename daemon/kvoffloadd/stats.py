@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 def render_stats(svc: Service) -> dict[str, Any]:
     g = svc.region.geometry
     pool = svc.region.pool
-    namespaces = {ns.name: dataclasses.asdict(ns.statistics()) for ns in svc.namespaces.values()}
+    # vars(), not dataclasses.asdict: that deep-copies every field (7 ms for 64 namespaces)
+    namespaces = {ns.name: dict(vars(ns.statistics())) for ns in svc.namespaces.values()}
     used_blocks = sum(n["stored_blocks"] + n["writing_blocks"] for n in namespaces.values())
 
     def total(field: str) -> int:

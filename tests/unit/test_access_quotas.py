@@ -187,3 +187,21 @@ def test_empty_complete_load_without_pins_is_harmless() -> None:
         s = session(svc, 1)
         ns = open_ns(svc, s, "e")
         assert isinstance(svc.handle(s, m.CompleteLoad(2, ns, b"", 8)), m.OkReply)
+
+
+def test_stats_and_client_lists_name_only_namespaces_the_peer_may_open() -> None:
+    """A namespace name tells whose model runs on the node: a peer the namespace rules
+    refuse does not learn it from stats or the client list (admins see everything)."""
+    rules = [{"pattern": "mine-*", "uids": [OTHER]}, {"pattern": "*", "uids": [0]}]
+    for svc in make_service(namespace_access=rules):
+        other, root = session(svc, 1, uid=OTHER), session(svc, 2, uid=0)
+        open_ns(svc, other, "mine-1")
+        open_ns(svc, root, "secret-model")
+        for s, seen in ((other, {"mine-1"}), (root, {"mine-1", "secret-model"})):
+            stats = svc.handle(s, m.GetStats(3))
+            assert isinstance(stats, m.StatsReply)
+            assert set(stats.sections["namespaces"]) == seen
+            assert stats.sections["blocks"]["namespaces"] == 2  # totals stay whole
+            clients = svc.handle(s, m.ListClients(4))
+            assert isinstance(clients, m.ClientsReply)
+            assert {n for c in clients.clients for n in c.namespaces} == seen
