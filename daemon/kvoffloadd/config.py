@@ -126,8 +126,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_clients: int = 1024
     max_namespaces_per_uid: int = 32  # 0: unlimited; root and the daemon's uid never are
     # share of a namespace's largest size one client may have in flight (being
-    # written or leased empty); all clients together twice that; 1: no limit
-    max_writing_fraction: float = 0.25
+    # written or leased empty); all clients together 1.5 times that; 1: no limit
+    max_writing_fraction: float = 0.5
     # requests not yet complete and replies not yet sent, all clients together; the
     # largest holder is cut off beyond it
     buffer_budget: int | str = "256MiB"

@@ -164,7 +164,7 @@ class NamespaceTable:
         if fraction < 1:  # no client holds the pool hostage with stores it never ends
             # small namespaces (a quota) hold only their own space: a floor of 64
             index.max_writing_per_client = max(MIN_WRITING_CAP, int(largest * fraction))
-            index.max_writing = max(MIN_WRITING_CAP, int(largest * min(1.0, 2 * fraction)))
+            index.max_writing = max(MIN_WRITING_CAP, int(largest * min(1.0, 1.5 * fraction)))
         if quota is not None:
             if quota.max_region_bytes:
                 index.max_blocks = quota.max_region_bytes // slot_bytes

@@ -187,8 +187,17 @@ class StoreIndex:
             self.graves.unexempt([s for s, g in self.graves.by_slot.items() if g.key in gone])
             return None
         slots = self._allocate(need)
-        for key, slot in zip(to_store, slots):
-            self._insert_writing(key, slot, client, token)
+        insert, slot_key, writers = self._policy.insert, self._slot_key, self._writers
+        journal_writing, token_of = self._journal.writing, self.leases.token_of
+        for key, slot in zip(to_store, slots):  # _insert_writing, inlined: a hot loop
+            insert(key, Block(slot))
+            slot_key[slot] = key
+            writers[key] = client
+            if token:
+                token_of[slot] = token
+            journal_writing(slot, key, token)
+        self._writing_by[client] += need
+        self._stores_prepared += need
         return StorePlan(to_store, slots, evicted)
 
     def _reclaim_for(self, need: int) -> None:
@@ -203,6 +212,7 @@ class StoreIndex:
         return slots
 
     def _insert_writing(self, key: bytes, slot: int, client: int, token: int) -> None:
+        """One block being written by ``client`` (prepare_store inlines this)."""
         self._policy.insert(key, Block(slot))
         self._slot_key[slot] = key
         self._writers[key] = client
@@ -289,27 +299,36 @@ class StoreIndex:
     def _finish_stores(self, blocks: list[tuple[bytes, Block]], success: bool) -> None:
         stored: list[bytes] = []
         stored_slots: list[int] = []
-        writing_by = self._writing_by
-        for key, block in blocks:
-            client = self._writers.pop(key)
-            writing_by[client] -= 1
-            if not writing_by[client]:
-                del writing_by[client]
-            slot = block.slot
-            self._waiting.pop(slot, None)
-            self.leases.forget(slot)
-            if success:
-                block.ref = 0
-                self._num_evictable += 1
-                self._written.pop(slot, None)
-                self._ready.add(key)
-                stored.append(key)
-                stored_slots.append(slot)
-                self._journal.ready(slot, key)
+        writing_by, writers_pop = self._writing_by, self._writers.pop
+        for key, _ in blocks:
+            client = writers_pop(key)
+            left = writing_by[client] - 1
+            if left:
+                writing_by[client] = left
             else:
-                self._policy.remove(key)
-                self._free_slot(slot)
-                self._store_failures += 1
+                del writing_by[client]
+        if not success:
+            remove, free = self._policy.remove, self._free_slot
+            for key, block in blocks:
+                remove(key)
+                free(block.slot)
+            self._store_failures += len(blocks)
+            return
+        waiting_pop, written_pop, ready = self._waiting.pop, self._written.pop, self._ready
+        forget = self.leases.forget if self.leases.token_of else None
+        journal_ready = self._journal.ready
+        for key, block in blocks:
+            slot = block.slot
+            waiting_pop(slot, None)
+            if forget is not None:
+                forget(slot)
+            block.ref = 0
+            written_pop(slot, None)
+            ready.add(key)
+            stored.append(key)
+            stored_slots.append(slot)
+            journal_ready(slot, key)
+        self._num_evictable += len(stored)
         if stored:
             self._stored += len(stored)
             self.events.emit(OffloadEvent(stored, removed=False, slots=stored_slots))
@@ -352,9 +371,12 @@ class StoreIndex:
             if block is None or block.slot == slot:  # not a grave of a key stored again
                 self._ready.discard(key)
         self._written.pop(slot, None)
-        self._void.discard(slot)
-        self._waiting.pop(slot, None)
-        self.leases.forget(slot)
+        if self._void:
+            self._void.discard(slot)
+        if self._waiting:
+            self._waiting.pop(slot, None)
+        if self.leases.token_of:
+            self.leases.forget(slot)
         self.sums.forget(slot)
         self._journal.freed(slot)
         self.slots.free(slot)
