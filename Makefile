@@ -48,9 +48,10 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENTS)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
-# vLLM's real scheduler step with kvoffload vs vLLM's own CPU offloading, same run.
+# vLLM's real scheduler step with kvoffload vs vLLM's own CPU offloading, same run, and
+# 8 engines on one daemon; saved for `make bench-report` in docs/bench-engine.json.
 bench-engine: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m kvoffloadbench.bench_engine $(ARGS)
+	$(VLLM_VENV)/bin/python -m kvoffloadbench.bench_engine --json docs/bench-engine.json $(ARGS)
 
 bench: $(STAMP)
 	@tools/ensure-redis-server

@@ -10,15 +10,18 @@ decoding requests with block_size 16. Engine-side step time is ``schedule()`` +
 3. ``KVOffloadSpec`` against a kvoffloadd with a real worker (client copies), while a
    second engine process runs the same workload in the same namespace.
 
-The three are measured in interleaved rounds, so machine drift hits all alike, and the
-second engine runs during all three. Stores happen every step with
-``offload_prompt_only=False`` (a block fills every 16 steps per request) and only for
-prompts with vLLM's default ``True``. Per step it counts the blocking round trips of
-the scheduler and of the worker (the target is zero) and the one-way frames sent; the
-daemon's CPU per engine step and its loop turns come from the daemon itself.
+The three are interleaved step by step (one step of each, the first rotating), so
+machine noise and drift hit all alike, and the second engine runs during all three.
+Stores happen every step with ``offload_prompt_only=False`` (a block fills every 16
+steps per request) and only for prompts with vLLM's default ``True``. Per step it
+counts the blocking round trips of the scheduler and of the worker (the target is
+zero) and the one-way frames sent; the daemon's CPU per engine step and its loop turns
+come from the daemon itself.
 
-``--scale K`` instead runs K engine processes of N=256 at full step rate on one
-daemon and reports each engine's step rate and the daemon's CPU and loop turns.
+``--scale K`` (8 by default) then runs K engine processes of N=256 at full step rate on
+a daemon of their own and reports each engine's step rate and the daemon's CPU and
+loop turns. ``make bench-engine`` saves the figures in docs/bench-engine.json, which
+``make bench-report`` puts in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -103,11 +106,12 @@ def measure_point(
     times: dict[str, list[float]] = {s: [] for s in SPECS}
     before = _counters(engines["kvoffload"])
     cpu0, bg0 = _cpu_s(d.pid), bg_steps.value
-    for _ in range(rounds):
-        for spec, e in engines.items():
-            for _ in range(steps):
-                a, b = e.step()
-                times[spec].append((a + b) * 1e3)
+    order = list(engines.items())
+    for i in range(rounds * steps):  # step by step, first engine rotating: same noise
+        k = i % len(order)
+        for spec, e in order[k:] + order[:k]:
+            a, b = e.step()
+            times[spec].append((a + b) * 1e3)
     cpu1, bg1 = _cpu_s(d.pid), bg_steps.value
     after = _counters(engines["kvoffload"])
     view = engines["kvoffload"].manager.view
@@ -189,26 +193,36 @@ def _loop(d: DaemonProcess) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench-engine", description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="16,64,256", help="running requests per point")
+    p.add_argument("--sizes", default="16,64,256", help="running requests per point ('': none)")
     p.add_argument("--steps", type=int, default=200, help="measured steps per round")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--scale", type=int, default=0, help="engines for the scale run (0: off)")
+    p.add_argument("--scale", type=int, default=8, help="engines for the scale run (0: off)")
     p.add_argument("--seconds", type=float, default=20.0, help="scale run length")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
-    report: dict[str, Any] = {"points": []}
-    with DaemonProcess("1GiB", "--log-level", "warning") as d:
-        if args.scale:
-            report["scale"] = measure_scale(d, args.scale, 256, args.seconds)
-            report["scale"]["daemon_loop"] = _loop(d)
-        else:
+    from kvoffloadctl.bench_report import machine
+
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "points": [],
+    }
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    if sizes:
+        with DaemonProcess("1GiB", "--log-level", "warning") as d:
             for prompt_only in (False, True):
-                for n in (int(x) for x in args.sizes.split(",")):
+                for n in sizes:
                     report["points"].append(
                         measure_point(d, n, prompt_only, args.steps, args.rounds)
                     )
             report["daemon_loop"] = _loop(d)
-        d.stop()
+            d.stop()
+    if args.scale:  # on a daemon of its own
+        with DaemonProcess("1GiB", "--log-level", "warning") as d:
+            report["scale"] = measure_scale(d, args.scale, 256, args.seconds)
+            report["scale"]["daemon_loop"] = _loop(d)
+            d.stop()
     print(render(report))
     if args.json:
         with open(args.json, "w") as f:
