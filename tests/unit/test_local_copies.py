@@ -49,6 +49,15 @@ def make(region: SharedOffloadRegion) -> tuple[NamespaceIndex, LocalCopies, torc
     return index, local, cache
 
 
+def store_k(index: NamespaceIndex, token: int) -> list[int]:
+    """The key ``k`` stored by an engine into a slot leased to ``token``; its slot."""
+    slots = index.lease(token, 1)
+    index.claim(token, 1, [b"k"], slots)
+    index.mark_written(slots, 0)
+    index.commit(token, 1, [b"k"], True)
+    return slots
+
+
 def ids(*xs: int) -> np.ndarray:
     return np.asarray(xs, dtype=np.int64)
 
@@ -81,10 +90,7 @@ def test_a_store_writes_its_leased_slots_and_nothing_else(region: SharedOffloadR
 def test_a_load_checks_its_keys_before_and_the_slot_after(region: SharedOffloadRegion) -> None:
     index, local, _cache = make(region)
     token = new_token()
-    slots = index.lease(token, 1)
-    index.claim(token, 1, [b"k"], slots)
-    index.mark_written(slots, 0)
-    index.commit(token, 1, [b"k"], True)
+    slots = store_k(index, token)
     with pytest.raises(SlotChanged, match="no longer holds the key"):
         local.load(ids(*slots), ids(0), 0, [], [b"other"])
     assert local.load(ids(*slots), ids(0), 0, [], [b"k"]) == PAGE
@@ -96,18 +102,12 @@ def test_a_load_checks_its_keys_before_and_the_slot_after(region: SharedOffloadR
 def test_a_slot_rewritten_during_a_read_is_detected(region: SharedOffloadRegion) -> None:
     index, local, _cache = make(region)
     token = new_token()
-    slots = index.lease(token, 1)
-    index.claim(token, 1, [b"k"], slots)
-    index.mark_written(slots, 0)
-    index.commit(token, 1, [b"k"], True)
+    slots = store_k(index, token)
 
     def copy_while_the_daemon_restores(dst: np.ndarray, src: np.ndarray, n: np.ndarray) -> None:
         # mid-copy: evicted, leased again, stored again under the same key
         index.evict([b"k"])
-        again = index.lease(token, 1)
-        index.claim(token, 1, [b"k"], again)
-        index.mark_written(again, 0)
-        index.commit(token, 1, [b"k"], True)
+        store_k(index, token)
 
     local._copy = copy_while_the_daemon_restores
     with pytest.raises(SlotChanged, match="rewritten"):

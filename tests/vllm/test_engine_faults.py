@@ -124,16 +124,24 @@ def step_until(e: EngineProc, what: str) -> dict[str, Any]:
     raise AssertionError(f"no step planned {what}")
 
 
+def plan_a_load(
+    storer: EngineProc, loader: EngineProc, live: DaemonProcess, tag: str, tokens: int = 4
+) -> None:
+    """``storer`` stores a prompt; ``loader`` schedules it up to the step that plans its
+    load (not executed)."""
+    p = prompt()
+    storer.add((f"{tag}-s", p, tokens))
+    finish(storer)
+    loader.sees(stored(live))
+    loader.add((f"{tag}-l", p, tokens))
+    step_until(loader, "loads")
+
+
 def test_engines_share_the_pool_byte_identical(
     engines: tuple[EngineProc, EngineProc], live: DaemonProcess
 ) -> None:
     a, b = engines
-    p = prompt()
-    a.add(("s-a", p, 8))
-    finish(a)
-    b.sees(stored(live))
-    b.add(("s-b", p, 8))
-    step_until(b, "loads")
+    plan_a_load(a, b, live, "s", tokens=8)
     b.execute()
     st = finish(b)
     assert st["loads"] >= 1 and st["blocking_calls"] == 0
@@ -176,12 +184,7 @@ def test_killed_after_a_load_was_planned_before_its_submit(
 ) -> None:
     a, b = engines
     storer, e = (b, a) if loader == "a" else (a, b)
-    p = prompt()
-    storer.add(("ls-s", p, 4))
-    finish(storer)
-    e.sees(stored(live))
-    e.add(("ls-l", p, 4))
-    step_until(e, "loads")
+    plan_a_load(storer, e, live, "ls")
     live.kill()
     e.execute()
     st = finish(e)
@@ -192,12 +195,7 @@ def test_killed_during_a_daemon_copy_of_a_load(
     engines: tuple[EngineProc, EngineProc], live: DaemonProcess
 ) -> None:
     a, b = engines
-    p = prompt()
-    a.add(("lc-s", p, 4))
-    finish(a)
-    b.sees(stored(live))
-    b.add(("lc-l", p, 4))
-    step_until(b, "loads")
+    plan_a_load(a, b, live, "lc")
     os.kill(live.pid, signal.SIGSTOP)
     b.execute()  # the load is submitted to a daemon that will never copy it
     live.kill()
