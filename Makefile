@@ -22,15 +22,6 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/kvoffloadd $(ARGS)
 
-# Everything, the vLLM suite included (its tests skip in .venv, which has no vLLM).
-test: $(STAMP) $(VLLM_STAMP)
-	@tools/ensure-redis-server
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
-
-test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -q tests/gpu $(PYTEST_ARGS)
-
 # The vLLM plug-in against vLLM 0.33's real Scheduler and OffloadingConnector, in a
 # separate virtualenv: vllm with --no-deps plus only what its scheduler imports
 # (tests/vllm/requirements.txt, --no-deps too: never a CUDA torch, nvidia-* or triton).
@@ -44,6 +35,15 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENTS)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
 		vllm==0.33.0 -r $(VLLM_REQUIREMENTS)
 	touch $(VLLM_STAMP)
+
+# Everything, the vLLM suite included (its tests skip in .venv, which has no vLLM).
+test: $(STAMP) $(VLLM_STAMP)
+	@tools/ensure-redis-server
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q tests/gpu $(PYTEST_ARGS)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
