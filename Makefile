@@ -55,7 +55,7 @@ bench-engine: $(VLLM_STAMP)
 
 bench: $(STAMP)
 	@tools/ensure-redis-server
-	$(BIN)/python -m kvoffloadctl.bench $(ARGS)
+	$(BIN)/python -m kvoffloadbench.bench $(ARGS)
 
 # Every benchmark, written to docs/benchmarks.md with plots (matplotlib: the bench extra).
 BENCH_STAMP := $(VENV)/.kvoffload-bench-installed
@@ -65,11 +65,11 @@ $(BENCH_STAMP): $(STAMP)
 
 bench-report: $(BENCH_STAMP)
 	@tools/ensure-redis-server
-	$(BIN)/python -m kvoffloadctl.bench_report $(ARGS)
+	$(BIN)/python -m kvoffloadbench.bench_report $(ARGS)
 
 # Long random load from several engines with every loaded byte verified (not in test).
 soak: $(STAMP)
-	$(BIN)/python -m kvoffloadctl.soak $(ARGS)
+	$(BIN)/python -m kvoffloadbench.soak $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check daemon libclient tools tests

@@ -16,7 +16,7 @@ import gpu_engines as eng
 import pytest
 
 import kvoffload
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

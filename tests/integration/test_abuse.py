@@ -28,7 +28,7 @@ from hostile import NOBODY, as_uid, fd_count, requires_root, rss_bytes
 import kvoffload
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 MIB = 1 << 20
 RSS_SLACK_BYTES = 32 * MIB  # what a daemon may keep after the abuser left

@@ -13,7 +13,7 @@ import kvoffload
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
 from kvoffload.protocol.errors import ErrorCode
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[4096], block_size_factor=2)
 

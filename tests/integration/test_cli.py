@@ -7,7 +7,7 @@ import json
 from helpers import ctl, store_blocks
 
 import kvoffload
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 
 def test_stats_clients_evict(daemon: DaemonProcess) -> None:

@@ -18,7 +18,7 @@ import kvoffload
 from kvoffload.streaming import StreamingWorker
 from kvoffload.view import EngineView, KeyState
 from kvoffload.vllm.identity import VllmIdentity
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 HIT, MISS, PENDING = KeyState.HIT, KeyState.MISS, KeyState.HIT_PENDING
 

@@ -13,7 +13,7 @@ import pytest
 from helpers import poll
 
 import kvoffload
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 CTX = mp.get_context("spawn")
 DEADLINE_S = 20.0

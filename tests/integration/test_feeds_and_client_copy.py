@@ -8,7 +8,7 @@ import torch
 from engines import FACTOR, PAGES, keys, layout, wait_done
 
 import kvoffload
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 
 def _store(ns: kvoffload.Namespace, w: kvoffload.Worker, ks: list[bytes], job: int) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import kvoffload
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 FRAMES = 100_000
 BATCH = 1000

@@ -23,7 +23,7 @@ from helpers import ctl, store_blocks
 
 import kvoffload
 from kvoffload.protocol import messages as m
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 

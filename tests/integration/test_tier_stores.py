@@ -14,7 +14,7 @@ import pytest
 from hostile import requires_root
 from test_tiers import keys
 
-from kvoffloadctl.redis_server import RedisServer
+from kvoffloadbench.redis_server import RedisServer
 from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
 from kvoffloadd.tiers.disk import DiskTier, file_bytes
 from kvoffloadd.tiers.redis_tier import RedisTier

@@ -18,8 +18,8 @@ import torch
 from helpers import ctl, poll
 
 import kvoffload
-from kvoffloadctl.launch import DaemonProcess
-from kvoffloadctl.redis_server import RedisServer, free_port, restart_on_same_port
+from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.redis_server import RedisServer, free_port, restart_on_same_port
 
 PAGE = 4096
 LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[PAGE])

@@ -19,7 +19,7 @@ from hostile import NOBODY, as_uid, requires_root
 
 import kvoffload
 from kvoffload.peer import UntrustedDaemonError
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 from kvoffloadd.region import Geometry, SharedOffloadRegion
 
 

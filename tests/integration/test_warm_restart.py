@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvoffload
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[8192, 4096], block_size_factor=2)
 DEADLINE_S = 20.0
@@ -137,7 +137,7 @@ def test_daemon_killed_under_load_engines_carry_on_without_wrong_bytes() -> None
     byte, and all of them work against the new daemon."""
     import threading
 
-    from kvoffloadctl.soak import soak
+    from kvoffloadbench.soak import soak
 
     d1 = DaemonProcess("64MiB", "--log-level", "error").start()
     result: dict[str, object] = {}

@@ -6,7 +6,7 @@ import json
 import pathlib
 from typing import Any
 
-from kvoffloadctl import bench_report
+from kvoffloadbench import bench_report
 
 
 def figures() -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The benchmark trace generator (kvoffloadctl.trace): deterministic for a seed, with
+"""The benchmark trace generator (kvoffloadbench.trace): deterministic for a seed, with
 shared system-prompt prefixes, growing conversations and Zipf popularity."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 
-from kvoffloadctl.trace import TraceConfig, generate, route, unique_blocks, zipf_choice
+from kvoffloadbench.trace import TraceConfig, generate, route, unique_blocks, zipf_choice
 
 CFG = TraceConfig(conversations=120, system_prompts=8)
 

@@ -30,7 +30,7 @@ import pytest
 from engine_proc import STEP_LIMIT_S, EngineProc
 
 import kvoffload
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ import pytest
 from engine_proc import EngineError, EngineProc
 
 import kvoffload
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 pytestmark = pytest.mark.integration
 

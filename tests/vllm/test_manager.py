@@ -24,7 +24,7 @@ from vllm_config import offloading_config
 
 import kvoffload
 from kvoffload.vllm import KVOffloadSpec
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 CTX = ReqContext(req_id="r")

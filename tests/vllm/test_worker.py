@@ -23,7 +23,7 @@ from vllm_config import offloading_config
 import kvoffload
 from kvoffload.protocol.errors import LoadLostError
 from kvoffload.vllm import KVOffloadSpec
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 PAGES = [512, 1024, 256]  # bytes per engine block of each canonical tensor
 BLOCKS = 48

@@ -1,1 +1,2 @@
-"""kvoffload benchmarks that need more than the daemon: vLLM's real engine-side path."""
+"""kvoffload benchmarks, soak test, trace generator, and the harness that starts a daemon
+or a redis-server for them and for the tests."""

@@ -35,7 +35,7 @@ import sys
 import time
 from typing import Any
 
-from kvoffloadctl.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess
 
 PROMPT_TOKENS = 40
 WARMUP_STEPS = 30
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="scale run length")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
-    from kvoffloadctl.bench_report import machine
+    from kvoffloadbench.bench_report import machine
 
     report: dict[str, Any] = {
         "machine": machine(),

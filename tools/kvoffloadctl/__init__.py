@@ -1,1 +1,1 @@
-"""kvoffloadctl: admin CLI and benchmark harness for kvoffloadd."""
+"""kvoffloadctl: the admin CLI of kvoffloadd (stats, clients, evict, top, config)."""

@@ -1,6 +1,6 @@
 """``make bench-report``: run every benchmark and write docs/benchmarks.md with plots.
 
-    python -m kvoffloadctl.bench_report [--quick] [--out docs] [--from-json FILE]
+    python -m kvoffloadbench.bench_report [--quick] [--out docs] [--from-json FILE]
 
 The report holds the machine, the commit, the exact commands, one table per benchmark
 and PNG plots (matplotlib, the ``bench`` extra). The raw figures go to
@@ -187,7 +187,7 @@ def render(r: dict[str, Any], images: list[str]) -> str:
     out = [
         "# kvoffload benchmarks",
         "",
-        "Written by `make bench-report` (`python -m kvoffloadctl.bench_report`); every figure "
+        "Written by `make bench-report` (`python -m kvoffloadbench.bench_report`); every figure "
         "below comes from that one run. Raw figures: `benchmarks.json`. Regenerate on your "
         "machine with `make bench-report`; `make bench` runs the short DESIGN.md target check.",
         "",
@@ -211,7 +211,7 @@ def render(r: dict[str, Any], images: list[str]) -> str:
     out += [
         "## Shared pool against private pools",
         "",
-        f"A synthetic chat trace (`kvoffloadctl/trace.py`, seed {t['seed']}): "
+        f"A synthetic chat trace (`kvoffloadbench/trace.py`, seed {t['seed']}): "
         f"{t['conversations']} conversations over {t['system_prompts']} system prompts "
         "(Zipf popularity, s = 1.1), Zipf-distributed turns (s = 1.2, up to 12), each turn "
         f"resending its whole history: {t['requests']} requests, {t['unique_blocks']} distinct "
@@ -426,7 +426,7 @@ def _img(images: list[str], name: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvoffloadctl.bench_report")
+    p = argparse.ArgumentParser(prog="kvoffloadbench.bench_report")
     p.add_argument("--quick", action="store_true", help="fewer requests and repeats")
     p.add_argument("--out", default="docs", help="directory for benchmarks.md and img/")
     p.add_argument("--from-json", help="render from saved figures instead of measuring")

@@ -7,7 +7,7 @@ any block it loads against what must have been stored: every loaded block is com
 errors by code and the number of wrong bytes, which must be 0 (exit status 1 if not,
 or if the daemon died).
 
-    python -m kvoffloadctl.soak [--clients 8] [--minutes 10] [--region-size 64MiB]
+    python -m kvoffloadbench.soak [--clients 8] [--minutes 10] [--region-size 64MiB]
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def soak(sock: str, clients: int, seconds: float) -> Counter[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvoffloadctl.soak")
+    p = argparse.ArgumentParser(prog="kvoffloadbench.soak")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--region-size", default="64MiB")

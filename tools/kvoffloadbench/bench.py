@@ -4,7 +4,7 @@ Everything is measured in one run on one machine: a plain memcpy baseline first,
 then the same bytes moved through a real kvoffloadd subprocess, so the ratios hold
 whatever the machine. Targets are DESIGN.md section 6.
 
-    python -m kvoffloadctl.bench [--quick] [--json FILE]
+    python -m kvoffloadbench.bench [--quick] [--json FILE]
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvoffloadctl.bench")
+    p = argparse.ArgumentParser(prog="kvoffloadbench.bench")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--json", help="also write the raw figures to this file")
     p.add_argument("--gpu-only", action="store_true", help="only the GPU data path")
