@@ -23,8 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
@@ -47,7 +45,7 @@ from .leases import new_token
 from .namespaces import NamespaceTable
 from .region import SharedOffloadRegion
 from .session import Session
-from .stats import LoopTurns, client_infos, render_stats
+from .stats import LoopTurns, clients_for, stats_for
 from .tiering import Tiering
 from .transfers import Transfers
 from .workers import AttachedWorker, close_fds
@@ -143,30 +141,9 @@ class Service:
             m.Hello: self._on_hello,
             m.Evict: self._on_evict,
             m.GetConfig: self._on_get_config,
-            m.GetStats: lambda s, r: m.StatsReply(r.rid, self._stats_for(s)),
-            m.ListClients: lambda s, r: m.ClientsReply(r.rid, self._clients_for(s)),
+            m.GetStats: lambda s, r: m.StatsReply(r.rid, stats_for(self, s.peer)),
+            m.ListClients: lambda s, r: m.ClientsReply(r.rid, clients_for(self, s.peer)),
         }
-
-    def _stats_for(self, s: Session) -> dict[str, Any]:
-        """Every figure; per-namespace sections only of namespaces the peer may open
-        (all of them for admins): a name tells whose model runs on the node."""
-        stats = render_stats(self)
-        if not self.access.may_administer(s.peer):
-            named = stats["namespaces"]
-            stats["namespaces"] = {
-                k: v for k, v in named.items() if self.access.may_open(s.peer, k)
-            }
-        return stats
-
-    def _clients_for(self, s: Session) -> list[m.ClientInfo]:
-        infos = client_infos(self)
-        if self.access.may_administer(s.peer):
-            return infos
-        mine = self.access.may_open
-        return [
-            msgspec.structs.replace(c, namespaces=[n for n in c.namespaces if mine(s.peer, n)])
-            for c in infos
-        ]
 
     def _on_lookup(self, s: Session, r: m.Lookup) -> m.Reply:
         index, keys = self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes)

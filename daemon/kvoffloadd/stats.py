@@ -1,8 +1,10 @@
 """Stats: one pure function turns the daemon's state into named sections.
 
-The admin ``stats`` reply, the fatal-error log and (later) the metrics endpoint all
-use ``render_stats``, so they can never disagree. Field names are snake_case with
-their unit (``_bytes``, ``_s``, ``_total`` for counters).
+The admin ``stats`` reply, the metrics endpoint and the fatal-error log all use
+``render_stats``, so they can never disagree. Field names are snake_case with their
+unit (``_bytes``, ``_s``, ``_total`` for counters). Over the socket a peer sees the
+sections of the namespaces it may open only (``stats_for``, ``clients_for``); admins
+see all.
 """
 
 from __future__ import annotations
@@ -10,12 +12,51 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 
 from kvoffload.protocol.messages import ClientInfo
 
-if TYPE_CHECKING:
-    from .service import Service
+if TYPE_CHECKING:  # types only; none of these imports this module
+    from .access import AccessPolicy, Peer
+    from .budgets import Budgets
+    from .config import DaemonConfig
+    from .engines import EngineChannel
+    from .gpu import GpuRuntime
+    from .index import NamespaceIndex
+    from .region import SharedOffloadRegion
+    from .session import Session
+    from .tiering import Tiering
+    from .transfers import Transfers
+    from .workers import AttachedWorker
+
+
+class Service(Protocol):
+    """What the stats read of the service (service.py implements it)."""
+
+    config: DaemonConfig
+    access: AccessPolicy
+    region: SharedOffloadRegion
+    namespaces: dict[int, NamespaceIndex]
+    sessions: dict[int, Session]
+    transfers: Transfers
+    engines: EngineChannel
+    tiering: Tiering | None
+    gpu: GpuRuntime | None
+    gpu_unavailable: str
+    budgets: Budgets | None
+    loop: LoopTurns
+    errors_by_code: dict[str, int]
+    requests_total: int
+    shutting_down: bool
+    started_s: float
+
+    @property
+    def inflight_jobs(self) -> int: ...
+
+    @property
+    def workers(self) -> dict[int, AttachedWorker]: ...
 
 
 def render_stats(svc: Service) -> dict[str, Any]:
@@ -143,6 +184,28 @@ def gpu_stats(svc: Service) -> dict[str, Any]:
         "batched_jobs_total": batched,
         "looped_jobs_total": looped,
     }
+
+
+def stats_for(svc: Service, peer: Peer) -> dict[str, Any]:
+    """Every figure; per-namespace sections only of namespaces the peer may open (all
+    of them for admins): a name tells whose model runs on the node."""
+    stats = render_stats(svc)
+    if not svc.access.may_administer(peer):
+        mine = svc.access.may_open
+        stats["namespaces"] = {k: v for k, v in stats["namespaces"].items() if mine(peer, k)}
+    return stats
+
+
+def clients_for(svc: Service, peer: Peer) -> list[ClientInfo]:
+    """The client list, naming only namespaces the peer may open (admins: all)."""
+    infos = client_infos(svc)
+    if svc.access.may_administer(peer):
+        return infos
+    mine = svc.access.may_open
+    return [
+        msgspec.structs.replace(c, namespaces=[n for n in c.namespaces if mine(peer, n)])
+        for c in infos
+    ]
 
 
 def client_infos(svc: Service) -> list[ClientInfo]:

@@ -28,8 +28,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
+from .channel import Registration
 from .namespace import Namespace, pack_checked
 from .paths import default_socket_path
 from .protocol import messages as m
@@ -40,15 +42,7 @@ from .transport import Transport
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=m.Reply)
-
-
-class Registration(Protocol):
-    """A namespace or worker the client re-establishes on every connection."""
-
-    def _handshake(self, t: Transport, ns_ids: dict[int, int]) -> Any: ...
-    def _adopt(self, state: Any) -> None: ...
-    def _lost(self) -> None: ...
-    def _on_push(self, msg: m.Reply) -> None: ...
+T = TypeVar("T")
 
 
 class _Link:
@@ -93,14 +87,20 @@ class Client:
     def connected(self) -> bool:
         return self._transport is not None or self._pending is not None
 
-    def _rid(self) -> int:
+    def next_rid(self) -> int:
         return next(self._rids)
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        return self._lock
 
     def _handshake(self) -> _Link:
         """Connect and replay every registration on a new socket (any thread)."""
         t = Transport(self.socket_path, self.timeout_s)
         try:
-            welcome = t.request(m.Hello(self._rid(), m.PROTOCOL_VERSION, self.name, os.getpid()))
+            welcome = t.request(
+                m.Hello(self.next_rid(), m.PROTOCOL_VERSION, self.name, os.getpid())
+            )
             assert isinstance(welcome, m.Welcome)
             link = _Link(t, welcome)
             with self._lock:
@@ -229,7 +229,7 @@ class Client:
             t = self._ensure()
             self.round_trips_total += 1
             try:
-                reply = t.request(make(self._rid()), fds, timeout_s)
+                reply = t.request(make(self.next_rid()), fds, timeout_s)
             except DaemonUnavailableError as exc:
                 self._lost(exc)
                 raise
@@ -244,7 +244,7 @@ class Client:
     def send_nowait(self, make: Callable[[int], m.Request]) -> None:
         with self._lock:
             try:
-                self._ensure().send_nowait(make(self._rid()))
+                self._ensure().send_nowait(make(self.next_rid()))
             except DaemonUnavailableError as exc:
                 self._lost(exc)
 
@@ -297,9 +297,28 @@ class Client:
         """Deliver pushes of ``kind`` for ``ident`` (namespace or worker id) to owner."""
         self._routes[(kind, ident)] = owner
 
+    def route_if_connected(self, kind: type, ident: int, owner: Registration) -> bool:
+        """``route`` now if connected with ``ident`` known (>= 0); False otherwise."""
+        with self._lock:
+            if self._transport is None or ident < 0:
+                return False
+            self.route(kind, ident, owner)
+            return True
+
+    def exchange(self, fn: Callable[[Transport], T]) -> T:
+        """Run the caller's own requests on the connection (one round trip counted);
+        a lost daemon is noted, then raised as DaemonUnavailableError."""
+        with self._lock:
+            self.round_trips_total += 1
+            try:
+                return fn(self._ensure())
+            except DaemonUnavailableError as exc:
+                self._lost(exc)
+                raise
+
     # ------------------------------------------------------------ registrations
 
-    def _register(self, reg: Registration) -> None:
+    def register(self, reg: Registration) -> None:
         """Set a registration up now (if connected) and replay it on reconnects.
 
         A daemon that is down, or lost during the registration, is no error: it runs
@@ -318,7 +337,7 @@ class Client:
             self._registrations.append(reg)
             reg._adopt(state)
 
-    def _unregister(self, reg: Registration) -> None:
+    def unregister(self, reg: Registration) -> None:
         with self._lock:
             if reg in self._registrations:
                 self._registrations.remove(reg)
@@ -331,7 +350,7 @@ class Client:
         """Open (or join) a namespace; LayoutMismatchError if it exists with another
         layout. ``subscribe=False``: this connection takes no events of it."""
         ns = Namespace(self, name, layout, subscribe)
-        self._register(ns)
+        self.register(ns)
         return ns
 
     def ping(self) -> float:

@@ -32,10 +32,10 @@ from .protocol.errors import (
 )
 from .protocol.messages import KVLayout, pack_keys, unpack_ids, unpack_keys
 from .transport import Transport
+from .worker import Worker
 
 if TYPE_CHECKING:
-    from .client import Client
-    from .worker import Worker
+    from .channel import Channel
 
 R = TypeVar("R", bound=m.Reply)
 
@@ -60,7 +60,9 @@ class View(Protocol):
 class Namespace:
     """Scheduler-side view of one namespace: vLLM's OffloadingManager contract."""
 
-    def __init__(self, client: Client, name: str, layout: KVLayout, subscribe: bool = True) -> None:
+    def __init__(
+        self, client: Channel, name: str, layout: KVLayout, subscribe: bool = True
+    ) -> None:
         self.client = client
         self.name = name
         self.layout = layout
@@ -76,11 +78,11 @@ class Namespace:
     # ------------------------------------------------------------ connection
 
     def _handshake(self, t: Transport, ns_ids: dict[int, int]) -> tuple[Any, ...]:
-        req = m.OpenNamespace(self.client._rid(), self.name, self.layout, self.subscribe)
+        req = m.OpenNamespace(self.client.next_rid(), self.name, self.layout, self.subscribe)
         reply = t.request(req)
         assert isinstance(reply, m.NamespaceOpened)
         ns_ids[id(self)] = reply.ns
-        snapshot = fetch_snapshot(t, self.client._rid, reply.ns) if self.view else None
+        snapshot = fetch_snapshot(t, self.client.next_rid, reply.ns) if self.view else None
         return reply, snapshot
 
     def _adopt(self, state: tuple[Any, ...]) -> None:
@@ -110,11 +112,7 @@ class Namespace:
         """Route this namespace's pushes to ``view``; True when already connected (the
         view then takes a snapshot), False when it gets one on connecting."""
         self.view = view
-        with self.client._lock:
-            if self.client._transport is None or self.ns_id < 0:
-                return False
-            self.client.route(Namespace, self.ns_id, self)
-            return True
+        return self.client.route_if_connected(Namespace, self.ns_id, self)
 
     def poll(self) -> None:
         """Deliver what the daemon pushed (to the view) without blocking."""
@@ -139,14 +137,8 @@ class Namespace:
     def snapshot(self) -> Snapshot:
         """Every ready key with its slot, restarting the pushed feed there (blocking).
         Raises DaemonUnavailableError."""
-        client = self.client
-        with client._lock:
-            client.round_trips_total += 1
-            try:
-                return fetch_snapshot(client._ensure(), client._rid, self.ns_id)
-            except DaemonUnavailableError as exc:
-                client._lost(exc)
-                raise
+        rid = self.client.next_rid
+        return self.client.exchange(lambda t: fetch_snapshot(t, rid, self.ns_id))
 
     def _keys_call(
         self, cls: Callable[..., m.Request], keys: Sequence[bytes], expect: type[R], *extra: Any
@@ -235,13 +227,8 @@ class Namespace:
         """Every key ready in the namespace now, and the event feed restarted at that
         instant: keys + later ``read_feed`` events are exact. Raises
         DaemonUnavailableError."""
-        with self.client._lock:
-            t = self.client._ensure()
-            try:
-                return fetch_snapshot(t, self.client._rid, self.ns_id, push=False).keys
-            except DaemonUnavailableError as exc:
-                self.client._lost(exc)
-                raise
+        rid = self.client.next_rid
+        return self.client.exchange(lambda t: fetch_snapshot(t, rid, self.ns_id, push=False).keys)
 
     def attach_worker(
         self,
@@ -259,8 +246,6 @@ class Namespace:
         the daemon allows only for trusted uids. For CUDA, stores wait on work queued on
         ``stream`` (a raw ``cudaStream_t``; default: PyTorch's current stream).
         """
-        from .worker import Worker
-
         return Worker(self, caches, rank, stream, copy_mode)
 
 

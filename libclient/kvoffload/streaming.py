@@ -71,6 +71,7 @@ class StreamResult(TransferResult):
 class StreamingWorker(Worker):
     push = True
     want_region = True
+    ns: Namespace  # loads by key use the namespace's own calls
 
     def __init__(
         self,

@@ -45,7 +45,7 @@ from .protocol.messages import pack_ids
 from .transport import Transport
 
 if TYPE_CHECKING:
-    from .namespace import Namespace
+    from .channel import NamespaceHandle
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Worker:
 
     def __init__(
         self,
-        ns: Namespace,
+        ns: NamespaceHandle,
         caches: Sequence[Any],
         rank: int,
         stream: int | None = None,
@@ -114,7 +114,7 @@ class Worker:
         self.last_error: KVOffloadError | None = None
         self._inflight: set[int] = set()
         self._failed_locally: list[TransferResult] = []
-        ns.client._register(self)
+        ns.client.register(self)
 
     @property
     def geometries(self) -> list[CacheGeometry]:
@@ -134,7 +134,7 @@ class Worker:
         fence = self._fence.handle if self._fence is not None else b""
         client_copy = self.copy_mode == "client"
         req = m.AttachWorker(
-            self.ns.client._rid(),
+            self.ns.client.next_rid(),
             ns_ids.get(id(self.ns), self.ns.ns_id),
             self.rank,
             self._descs,
@@ -177,7 +177,7 @@ class Worker:
     def _submit(self, job_id: int, make: Any, is_store: bool) -> bool:
         client = self.ns.client
         try:
-            with client._lock:  # the copy and its report stay with this connection
+            with client.lock:  # the copy and its report stay with this connection
                 if self.copy_mode == "daemon":
                     client.call(make, m.OkReply)
                 else:
@@ -266,7 +266,7 @@ class Worker:
 
     def close(self) -> None:
         client = self.ns.client
-        client._unregister(self)
+        client.unregister(self)
         if client.connected:
             try:
                 client.call(lambda rid: m.DetachWorker(rid, self.worker_id), m.OkReply)

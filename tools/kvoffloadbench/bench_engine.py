@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="scale run length")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
-    from kvoffloadbench.bench_report import machine
+    from .machine import machine
 
     report: dict[str, Any] = {
         "machine": machine(),

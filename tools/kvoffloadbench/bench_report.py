@@ -11,11 +11,8 @@ without measuring again. Every figure is taken in this one run on this one machi
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,36 +23,9 @@ from .bench import run as run_targets
 from .bench_gpu import cuda_available, gpu_sweep
 from .bench_sweep import BATCHES, CLIENTS, PAGES, control_path, datapath_sweep, index_scale, startup
 from .bench_trace import run_trace
+from .machine import machine
 
 GIB, MIB, KIB = 1 << 30, 1 << 20, 1 << 10
-
-
-def machine() -> dict[str, str]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    out = {
-        "cpu": f"{cpu}, {os.cpu_count()} logical CPUs",
-        "memory": f"{mem / GIB:.1f} GiB",
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-    try:
-        out["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        out["commit"] = "unknown"
-    if cuda_available():
-        import torch
-
-        out["gpu"] = torch.cuda.get_device_name(0)
-    return out
 
 
 def measure(quick: bool) -> dict[str, Any]:
