@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from helpers import ctl, store_blocks
 
@@ -39,7 +41,7 @@ def test_stats_clients_evict(daemon: DaemonProcess) -> None:
     r = ctl(daemon.socket_path, "--json", "evict")
     assert json.loads(r.stdout)["evicted_blocks"] == 3
     r = ctl(daemon.socket_path, "evict", "--namespace", "nope")
-    assert r.returncode == 2 and "no namespace" in r.stderr
+    assert r.returncode == 3 and "no namespace" in r.stderr
     c.close()
 
 
@@ -47,3 +49,53 @@ def test_unreachable_daemon_is_one_line_and_exit_1(tmp_path: object) -> None:
     r = ctl("/nonexistent/kvoffloadd.sock", "stats")
     assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and "cannot connect" in r.stderr
+
+
+def test_global_options_go_before_or_after_the_subcommand(daemon: DaemonProcess) -> None:
+    """As with kubectl or systemctl: ``stats --json`` and ``--json stats`` are one."""
+    sock = daemon.socket_path
+    for args in (
+        ("--socket", sock, "--json", "stats"),
+        ("--socket", sock, "stats", "--json"),
+        ("stats", "--socket", sock, "--json", "--timeout", "3"),
+        ("--json", "stats", "--socket", sock),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "kvoffloadctl", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0, (args, r.stderr)
+        assert "region" in json.loads(r.stdout), args
+
+
+def test_every_subcommand_speaks_json(daemon: DaemonProcess) -> None:
+    c = kvoffload.connect(daemon.socket_path)
+    store_blocks(c, "j", [b"j%07d" % i for i in range(2)])
+    outputs = {
+        "stats": lambda o: "region" in o,
+        "clients": lambda o: isinstance(o, list) and o,
+        "config": lambda o: "region_size" in o,
+        "ping": lambda o: o["rtt_s"] > 0,
+        "evict": lambda o: o["evicted_blocks"] == 2,
+    }
+    for command, check in outputs.items():
+        r = ctl(daemon.socket_path, command, "--json")
+        assert r.returncode == 0, (command, r.stderr)
+        assert check(json.loads(r.stdout)), (command, r.stdout)
+    r = ctl(daemon.socket_path, "top", "--json", "--interval", "0.05", "--count", "2")
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 0 and len(rows) == 2 and "hit_rate" in rows[0]
+    c.close()
+
+
+def test_exit_status_says_what_went_wrong(daemon: DaemonProcess) -> None:
+    """0 done, 1 daemon unreachable, 2 usage error, 3 refused by the daemon."""
+    assert ctl(daemon.socket_path, "ping").returncode == 0
+    assert ctl("/nonexistent/kvoffloadd.sock", "ping").returncode == 1
+    r = ctl(daemon.socket_path, "no-such-command")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = ctl(daemon.socket_path, "evict", "--namespace", "nope", "--json")
+    assert r.returncode == 3 and "no namespace" in r.stderr
+    assert "exit status: 0 done, 1 daemon unreachable" in ctl(daemon.socket_path, "--help").stdout

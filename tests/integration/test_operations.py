@@ -205,10 +205,10 @@ def test_evict_and_config_refused_for_non_admin_uid(tmp_path: Path) -> None:
     cfg.write_text(f"admin_uids = [{os.getuid() + 4242}]\n")
     with DaemonProcess("32MiB", "--config", str(cfg), "--log-level", "error") as d:
         r = ctl(d.socket_path, "evict")
-        assert r.returncode == 2, r
+        assert r.returncode == 3, r  # refused by the daemon
         assert "PERMISSION_DENIED" in r.stderr and "admin_uids" in r.stderr
         r = ctl(d.socket_path, "config")
-        assert r.returncode == 2 and "PERMISSION_DENIED" in r.stderr
+        assert r.returncode == 3 and "PERMISSION_DENIED" in r.stderr
         r = ctl(d.socket_path, "--json", "stats")
         assert r.returncode == 0  # reading stats is open to every client
         assert json.loads(r.stdout)["errors"]["PERMISSION_DENIED"] == 2

@@ -1,7 +1,10 @@
-"""``kvoffloadctl``: admin CLI for a running kvoffloadd (stats, clients, evict, top, config).
+"""``kvoffloadctl``: admin CLI for a running kvoffloadd (stats, clients, evict, top,
+config, ping).
 
-Human tables on a terminal, ``--json`` for scripts. An unreachable daemon is one
-line on stderr and exit status 1; a refused request is exit status 2.
+Human tables on a terminal, ``--json`` for scripts. The global options (``--socket``,
+``--json``, ``--timeout``) go before or after the subcommand, as with kubectl or
+systemctl. Exit status: 0 done, 1 the daemon is unreachable (one line on stderr), 2 a
+usage error, 3 the daemon refused the request (not an admin, bad arguments).
 """
 
 from __future__ import annotations
@@ -106,40 +109,77 @@ def run_top(client: kvoffload.Client, interval_s: float, count: int, as_json: bo
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvoffloadctl", description="Administer kvoffloadd.")
-    p.add_argument(
-        "--socket", help="daemon socket (default: $KVOFFLOAD_SOCKET or the default path)"
+EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+GLOBAL_DEFAULTS: dict[str, Any] = {"socket": None, "json": False, "timeout": 5.0}
+
+
+def parser() -> argparse.ArgumentParser:
+    # The global options live in a parent parser shared by every subcommand, with
+    # SUPPRESS as default so that one given after the subcommand is not overwritten.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--socket",
+        default=argparse.SUPPRESS,
+        help="daemon socket (default: $KVOFFLOAD_SOCKET or the default path)",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
+    common.add_argument(
+        "--timeout",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="seconds to wait for the daemon (default 5)",
+    )
+    p = argparse.ArgumentParser(
+        prog="kvoffloadctl",
+        description="Administer kvoffloadd.",
+        parents=[common],
+        epilog="exit status: 0 done, 1 daemon unreachable, 2 usage error, 3 request refused",
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("stats", help="daemon statistics in named sections")
-    sub.add_parser("clients", help="connected clients")
-    ev = sub.add_parser("evict", help="evict unpinned blocks")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, parents=[common])
+
+    command("stats", "daemon statistics in named sections")
+    command("clients", "connected clients")
+    ev = command("evict", "evict unpinned blocks")
     ev.add_argument("--namespace", help="only this namespace (default: all)")
     ev.add_argument("--key", action="append", default=None, help="hex key (repeatable)")
     ev.add_argument("--prefix", help="only keys starting with these hex bytes")
-    top = sub.add_parser("top", help="live view of throughput, hit rate and occupancy")
+    top = command("top", "live view of throughput, hit rate and occupancy")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
-    sub.add_parser("config", help="the daemon's effective configuration")
-    sub.add_parser("ping", help="round trip to the daemon")
-    args = p.parse_args(argv)
+    command("config", "the daemon's effective configuration")
+    command("ping", "round trip to the daemon")
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
+    for key, value in GLOBAL_DEFAULTS.items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
 
     try:
         client = kvoffload.connect(args.socket, timeout_s=args.timeout, name="kvoffloadctl")
     except DaemonUnavailableError as exc:
         print(f"kvoffloadctl: {exc.args[0]}", file=sys.stderr)
-        return 1
+        return EXIT_UNAVAILABLE
     try:
         return _run(client, args)
     except DaemonUnavailableError as exc:
         print(f"kvoffloadctl: {exc.args[0]}", file=sys.stderr)
-        return 1
+        return EXIT_UNAVAILABLE
     except KVOffloadError as exc:
         print(f"kvoffloadctl: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     finally:
         client.close()
 
@@ -193,7 +233,7 @@ def _run(client: kvoffload.Client, args: argparse.Namespace) -> int:
     elif args.command == "ping":
         rtt_s = client.ping()
         print(json.dumps({"rtt_s": rtt_s}) if args.json else f"pong in {rtt_s * 1e6:.0f} us")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":
