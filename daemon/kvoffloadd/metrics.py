@@ -28,6 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from kvoffload.protocol.errors import ErrorCode
+
 from .httpd import HttpServer
 
 log = logging.getLogger(__name__)
@@ -123,8 +125,8 @@ class StatsCollector(Collector):
         )
         yield from _tier_metrics(s["tiers"])
         errors = CounterMetricFamily("kvoffload_errors", "Error replies by code.", labels=["code"])
-        for code, n in s["errors"].items():
-            errors.add_metric([code], n)
+        for code in ErrorCode:  # every code from the first scrape, most at 0
+            errors.add_metric([code.name], s["errors"].get(code.name, 0))
         yield errors
 
 

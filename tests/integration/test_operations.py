@@ -139,6 +139,7 @@ def test_prometheus_endpoint_scrapes_live_counters_and_hides_namespace_names() -
         status, first = scrape(port)  # every series, with its value, from the first scrape
         assert status == 200 and "kvoffload_region_bytes 6" in first
         assert "kvoffload_clients 0.0" in first and 'namespace="all"' in first
+        assert 'kvoffload_errors_total{code="NO_SPACE"} 0.0' in first  # every code, at 0
         c = kvoffload.connect(d.socket_path)
         keys = [b"m%07d" % i for i in range(4)]
         ns, _ = store_blocks(c, "llama-secret-project", keys)
