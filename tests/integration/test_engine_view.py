@@ -98,7 +98,9 @@ def test_an_outage_costs_hits_never_latency_and_the_view_comes_back() -> None:
     assert view.prepare_store([b"y"]) == ([], [])  # nothing to do: vLLM neither waits nor warns
     assert time.perf_counter() - t0 < 0.5
     assert c.outages_total == 1
-    d2 = DaemonProcess("64MiB", "--log-level", "warning", socket_path=d.socket_path).start()
+    d2 = DaemonProcess(  # the same instance: it adopts, then removes, the killed one's region
+        "64MiB", "--log-level", "warning", socket_path=d.socket_path, instance=d.instance
+    ).start()
     t1 = time.monotonic()
     settle(view, lambda: view.connected and view.leases, "the view after the restart")
     assert time.monotonic() - t1 < 2.0  # no backoff: found within a few retries
