@@ -27,7 +27,7 @@ from kvoffload.view import EngineView
 
 from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .bench_tiers import run_tiers, tier_rows
-from .launch import DaemonProcess
+from .launch import BULK_STORES, DaemonProcess
 
 MIB = 1 << 20
 
@@ -212,7 +212,9 @@ def run(quick: bool) -> dict[str, Any]:
     nblocks = 64 if quick else 192
     repeats = 2 if quick else 4
     r["memcpy_gbps"] = memcpy_gbps(nblocks * big, repeats + 2)
-    with DaemonProcess("1GiB", "--log-level", "warning", start_timeout_s=60) as d:
+    with DaemonProcess(
+        "1GiB", "--log-level", "warning", start_timeout_s=60, settings=BULK_STORES
+    ) as d:
         client = kvoffload.connect(d.socket_path)
         wait_prefault(client)
         st, ld = data_path(client, "b2m", [big], nblocks, 16, repeats)

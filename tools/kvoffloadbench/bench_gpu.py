@@ -17,7 +17,7 @@ import numpy as np
 import kvoffload
 from kvoffload.cuda_driver import load_driver
 
-from .launch import DaemonProcess
+from .launch import BULK_STORES, DaemonProcess
 
 MIB = 1 << 20
 JOB_BLOCKS = 64
@@ -189,7 +189,7 @@ def run_gpu(quick: bool, daemon_args: list[str] | None = None) -> dict[str, Any]
     region = f"{(4 * job_bytes + 256 * MIB) >> 20}MiB"
     args = ["--log-level", "warning", *(daemon_args or [])]
     r["daemon_args"] = " ".join(daemon_args or [])
-    with DaemonProcess(region, *args, start_timeout_s=120) as d:
+    with DaemonProcess(region, *args, start_timeout_s=120, settings=BULK_STORES) as d:
         client = kvoffload.connect(d.socket_path)
         gpu = wait_pinned(client)
         r["pin_seconds"], r["pin_error"] = gpu["pin_seconds"], gpu["pin_error"]
@@ -243,7 +243,8 @@ def gpu_sweep(
     repeats = 2 if quick else 4
     h2d, d2h = pinned_baseline_gbps(total, repeats)
     rows = []
-    with DaemonProcess(f"{(2 * total + 256 * MIB) >> 20}MiB", "--log-level", "warning") as d:
+    region = f"{(2 * total + 256 * MIB) >> 20}MiB"
+    with DaemonProcess(region, "--log-level", "warning", settings=BULK_STORES) as d:
         client = kvoffload.connect(d.socket_path)
         wait_pinned(client)
         for page in pages:

@@ -20,7 +20,7 @@ from typing import Any
 import kvoffload
 
 from .bench import data_path, filled_index, index_bytes_per_block, memcpy_gbps, pct, wait_prefault
-from .launch import DaemonProcess
+from .launch import BULK_STORES, DaemonProcess
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 PAGES = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)
@@ -36,7 +36,9 @@ def datapath_sweep(quick: bool) -> list[dict[str, Any]]:
     # baseline is the best of the sweep's size and a large one
     base = max(memcpy_gbps(total, repeats + 2), memcpy_gbps(384 * MIB, repeats))
     rows = []
-    with DaemonProcess("1GiB", "--log-level", "warning", start_timeout_s=60) as d:
+    with DaemonProcess(
+        "1GiB", "--log-level", "warning", start_timeout_s=60, settings=BULK_STORES
+    ) as d:
         client = kvoffload.connect(d.socket_path)
         for page in PAGES:
             for batch in BATCHES:

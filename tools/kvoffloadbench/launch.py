@@ -7,6 +7,7 @@ could exist before the daemon binds it).
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import signal
@@ -16,6 +17,11 @@ import tempfile
 import time
 import uuid
 from types import TracebackType
+from typing import Any
+
+# Benchmarks store most of the region in one prepare_store from one client, which the
+# daemon's default max_writing_fraction refuses (a client may have half in flight).
+BULK_STORES = {"max_writing_fraction": 1.0}
 
 
 class DaemonProcess:
@@ -26,10 +32,17 @@ class DaemonProcess:
         instance: str | None = None,
         socket_path: str | None = None,
         start_timeout_s: float = 20.0,
+        settings: dict[str, Any] | None = None,
     ) -> None:
+        """``settings``: config keys with scalar values, written to a config file."""
         self.instance = instance or f"t{uuid.uuid4().hex[:10]}"
         self._tmp = tempfile.mkdtemp(prefix="kvoffload-")
         self.socket_path = socket_path or os.path.join(self._tmp, "kvoffloadd.sock")
+        if settings:
+            config = os.path.join(self._tmp, "kvoffloadd.toml")
+            with open(config, "w") as f:  # JSON scalars are TOML scalars
+                f.writelines(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+            extra_args = ("--config", config, *extra_args)
         self.args = [
             sys.executable,
             "-m",
