@@ -15,7 +15,10 @@ extent at ``(s % slots_per_extent) * slot_bytes``.
 
 Rules:
 - Allocation order (vLLM's CPU manager): fresh ids of the extents already owned first,
-  then the most recently freed id (LIFO), then a new extent from the shared pool.
+  then the most recently freed ids (LIFO), then a new extent from the shared pool; the
+  ids of one allocation are handed out ascending. Blocks stored together are evicted
+  together, so the most recent frees are mostly whole runs: sorted, one store's slots
+  are contiguous where the free list allows and the copy planner merges them.
 - ``num_free`` counts what allocation could hand out now, shared pool included.
 - A freed slot whose copy is still running (``busy``) is not reusable until the copy
   drains; it is parked in ``deferred`` (invariant 3: no two copies share a slot).
@@ -95,7 +98,7 @@ class SlotPool:
         self._fresh = 0  # ids below this have been handed out at least once
         self._free: list[int] = []
         self._used_per_extent: list[int] = []
-        self.busy: dict[int, int] = {}
+        self._busy: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # copies per slot
         self.deferred: set[int] = set()
         self._extent_array: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 
@@ -119,19 +122,23 @@ class SlotPool:
         out: list[int] = []
         while len(out) < n:
             if self._fresh < self.capacity:
-                slot = self._fresh
-                self._fresh += 1
+                take = min(n - len(out), self.capacity - self._fresh)
+                out.extend(range(self._fresh, self._fresh + take))
+                self._fresh += take
             elif self._free:
-                slot = self._free.pop()
+                take = min(n - len(out), len(self._free))
+                out.extend(self._free[-take:])
+                del self._free[-take:]
             else:
                 self._grow()
-                continue
-            self._used_per_extent[slot // self.slots_per_extent] += 1
-            out.append(slot)
+        out.sort()
+        used, spe = self._used_per_extent, self.slots_per_extent
+        for slot in out:
+            used[slot // spe] += 1
         return out
 
     def free(self, slot: int) -> None:
-        if self.busy.get(slot, 0) > 0:
+        if self._busy[slot] > 0:
             self.deferred.add(slot)
             return
         self._release(slot)
@@ -140,22 +147,21 @@ class SlotPool:
         self._used_per_extent[slot // self.slots_per_extent] -= 1
         self._free.append(slot)
 
+    def is_busy(self, slot: int) -> bool:
+        return bool(self._busy[slot]) if 0 <= slot < self._busy.size else False
+
     def mark_busy(self, slots: npt.NDArray[np.int64]) -> None:
-        busy = self.busy
-        for s in slots.tolist():
-            busy[s] = busy.get(s, 0) + 1
+        """A copy starts on ``slots`` (distinct, valid: the submit checked)."""
+        self._busy[slots] += 1
 
     def unmark_busy(self, slots: npt.NDArray[np.int64]) -> None:
-        busy = self.busy
-        for s in slots.tolist():
-            left = busy[s] - 1
-            if left:
-                busy[s] = left
-            else:
-                del busy[s]
-                if s in self.deferred:
-                    self.deferred.discard(s)
-                    self._release(s)
+        busy = self._busy
+        busy[slots] -= 1
+        if self.deferred:
+            idle = slots[busy[slots] == 0].tolist()
+            for s in self.deferred.intersection(idle):
+                self.deferred.discard(s)
+                self._release(s)
 
     def _grow(self) -> None:
         ext = self.pool.take(self.owner, self.slot_bytes, len(self.extents))
@@ -163,7 +169,14 @@ class SlotPool:
             raise AssertionError("extent pool exhausted during allocate")
         self.extents.append(ext)
         self._used_per_extent.append(0)
+        self._extents_changed()
+
+    def _extents_changed(self) -> None:
         self._extent_array = np.asarray(self.extents, dtype=np.int64)
+        busy = np.zeros(self.capacity, dtype=np.int32)
+        keep = min(busy.size, self._busy.size)
+        busy[:keep] = self._busy[:keep]
+        self._busy = busy
 
     def adopt(self, extents: list[int], used: set[int]) -> None:
         """Take over extents a previous daemon gave this namespace (warm restart)."""
@@ -174,7 +187,7 @@ class SlotPool:
             self._used_per_extent[slot // spe] += 1
         self._fresh = self.capacity
         self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
-        self._extent_array = np.asarray(self.extents, dtype=np.int64)
+        self._extents_changed()
 
     def top_extent_slots(self) -> range:
         """Slot ids of the namespace's last extent (empty when it owns none)."""
@@ -194,7 +207,7 @@ class SlotPool:
             self._used_per_extent.pop()
             released += 1
         if released:
-            self._extent_array = np.asarray(self.extents, dtype=np.int64)
+            self._extents_changed()
         return released
 
     def region_offsets(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
+from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +39,9 @@ from .policies import Block
 from .storeindex import NamespaceStatistics, SlotJournal, StoreIndex
 
 __all__ = ["NamespaceIndex", "NamespaceStatistics", "OffloadEvent", "SlotJournal"]
+
+_slot_of = attrgetter("slot")
+_ref_of = attrgetter("ref")
 
 
 class NamespaceIndex(StoreIndex):
@@ -229,6 +233,14 @@ class NamespaceIndex(StoreIndex):
         (ready or a grave), else wherever the key's block is; NotFoundError if the key
         is gone. A load that names its keys therefore reads exactly their bytes."""
         get, slot_key, graves = self._policy.get, self._slot_key, self.graves.by_slot
+        blocks = list(map(get, keys))
+        if (  # every key ready where the engine planned it: C-level loops only
+            None not in blocks
+            and list(map(_slot_of, blocks)) == slots
+            and min(map(_ref_of, blocks), default=0) >= 0
+            and self.sums.corrupt.isdisjoint(keys)
+        ):
+            return list(slots)
         out: list[int] = []
         for key, slot in zip(keys, slots):
             block = get(key)
@@ -333,6 +345,8 @@ class NamespaceIndex(StoreIndex):
         """Every slot must be this writer's: leased to ``token`` (granted, claimed or a
         shadow copy), or, without a token, prepared by ``client`` and still being
         written (invariants 4 and 9)."""
+        if token and self.leases.all_writable(token, slots):
+            return  # the engine path: one vectorised check of the lease mirror
         slot_key, get, may_write = self._slot_key, self._policy.get, self.leases.may_write
         for slot in slots.tolist():
             if token:
@@ -355,7 +369,16 @@ class NamespaceIndex(StoreIndex):
         """Every slot must hold a block pinned by an outstanding prepare_load."""
         get = self._policy.get
         slot_key = self._slot_key
-        for slot in slots.tolist():
+        wanted = slots.tolist()
+        if wanted and min(wanted) >= 0 and max(wanted) < len(slot_key):
+            blocks = list(map(get, map(slot_key.__getitem__, wanted)))  # type: ignore[arg-type]
+            if (  # every slot's own block, pinned: C-level loops only
+                None not in blocks
+                and list(map(_slot_of, blocks)) == wanted
+                and min(map(_ref_of, blocks)) > 0
+            ):
+                return
+        for slot in wanted:
             key = slot_key[slot] if 0 <= slot < len(slot_key) else None
             block = get(key) if key is not None else None
             if block is None or block.slot != slot:
@@ -418,7 +441,7 @@ class NamespaceIndex(StoreIndex):
             return False
         victims: list[tuple[bytes, Block]] = []
         for slot in slots:
-            if slot in self.slots.busy or slot in self.graves.by_slot:
+            if self.slots.is_busy(slot) or slot in self.graves.by_slot:
                 return False
             if slot in self.leases.token_of:
                 return False

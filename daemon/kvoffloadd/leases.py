@@ -15,12 +15,17 @@ Rules:
   dropped at commit and one copy stays), or neither.
 - A connection that goes away frees its unclaimed slots at once; its claimed ones
   fail like any store of a dead client.
+- ``token_of`` is changed only through ``assign``/``release``/``forget``: its numpy
+  mirror ``owner`` (0: no token) lets a store's submit check all its slots at once.
 - Pure bookkeeping, loop thread only; the index allocates and frees the slots.
 """
 
 from __future__ import annotations
 
 import secrets
+
+import numpy as np
+import numpy.typing as npt
 
 
 def new_token() -> int:
@@ -33,11 +38,21 @@ class LeaseBook:
         self.token_of: dict[int, int] = {}  # slot -> token, leased or claimed under a lease
         self._unclaimed: dict[int, set[int]] = {}  # token -> slots granted, not claimed
         self.shadows: dict[tuple[int, bytes], int] = {}  # (token, key) -> duplicate's slot
+        self.owner: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)  # token_of, by slot
+
+    def assign(self, slot: int, token: int) -> None:
+        """``slot`` is written under ``token`` (claimed, or prepared by its engine)."""
+        self.token_of[slot] = token
+        if slot >= self.owner.size:
+            grown = np.zeros(max(2 * self.owner.size, slot + 1, 1024), dtype=np.int64)
+            grown[: self.owner.size] = self.owner
+            self.owner = grown
+        self.owner[slot] = token
 
     def grant(self, token: int, slots: list[int]) -> None:
         self._unclaimed.setdefault(token, set()).update(slots)
         for s in slots:
-            self.token_of[s] = token
+            self.assign(s, token)
 
     def holders(self) -> list[int]:
         """Tokens that hold (or held) leases and are still alive."""
@@ -64,11 +79,22 @@ class LeaseBook:
         """Whether a copy naming ``token`` may write ``slot``."""
         return token != 0 and self.token_of.get(slot) == token
 
+    def all_writable(self, token: int, slots: npt.NDArray[np.int64]) -> bool:
+        """Whether a copy naming ``token`` may write every one of ``slots`` (each
+        ``0 <= slot``, checked by the caller)."""
+        if token == 0 or slots.size == 0:
+            return token != 0
+        owner = self.owner
+        if int(slots.max()) >= owner.size:
+            return False
+        return bool((owner[slots] == token).all())
+
     def release(self, token: int) -> list[int]:
         """The token's connection is gone: its unclaimed slots, to be freed."""
         slots = sorted(self._unclaimed.pop(token, set()))
         for s in slots:
             self.token_of.pop(s, None)
+        self.owner[slots] = 0
         return slots
 
     def shadows_of(self, token: int) -> list[tuple[bytes, int]]:
@@ -78,6 +104,7 @@ class LeaseBook:
         """The slot was freed."""
         token = self.token_of.pop(slot, None)
         if token is not None:
+            self.owner[slot] = 0
             pool = self._unclaimed.get(token)
             if pool is not None:
                 pool.discard(slot)

@@ -102,6 +102,16 @@ class StatsCollector(Collector):
         rate.add_metric(["load"], self.rates.get("load", 0.0))
         yield rate
         yield CounterMetricFamily(
+            "kvoffload_copy_planned_pages",
+            "Engine pages in submitted copy jobs (one per block and cache).",
+            value=copies["planned_pages_total"],
+        )
+        yield CounterMetricFamily(
+            "kvoffload_copy_planned_runs",
+            "Copy runs those pages merged into: pages / runs is the mean run length.",
+            value=copies["planned_runs_total"],
+        )
+        yield CounterMetricFamily(
             "kvoffload_copy_jobs_failed",
             "Copy jobs that failed.",
             value=copies["failed_jobs_total"],

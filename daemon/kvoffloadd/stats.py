@@ -122,6 +122,8 @@ def render_stats(svc: Service) -> dict[str, Any]:
             "loaded_bytes_total": svc.transfers.bytes_loaded,
             "store_seconds_total": round(svc.transfers.store_seconds, 6),
             "load_seconds_total": round(svc.transfers.load_seconds, 6),
+            "planned_pages_total": svc.transfers.pages_planned,
+            "planned_runs_total": svc.transfers.runs_planned,
         },
         "gpu": gpu_stats(svc),
         "loop": svc.loop.summary(),

@@ -188,13 +188,13 @@ class StoreIndex:
             return None
         slots = self._allocate(need)
         insert, slot_key, writers = self._policy.insert, self._slot_key, self._writers
-        journal_writing, token_of = self._journal.writing, self.leases.token_of
+        journal_writing, assign = self._journal.writing, self.leases.assign
         for key, slot in zip(to_store, slots):  # _insert_writing, inlined: a hot loop
             insert(key, Block(slot))
             slot_key[slot] = key
             writers[key] = client
             if token:
-                token_of[slot] = token
+                assign(slot, token)
             journal_writing(slot, key, token)
         self._writing_by[client] += need
         self._stores_prepared += need
@@ -218,7 +218,7 @@ class StoreIndex:
         self._writers[key] = client
         self._writing_by[client] += 1
         if token:
-            self.leases.token_of[slot] = token
+            self.leases.assign(slot, token)
         self._journal.writing(slot, key, token)
         self._stores_prepared += 1
 

@@ -39,6 +39,7 @@ from kvoffload.copyplan import (
     Runs,
     build_runs,
     check_transfer,
+    has_duplicates,
     place_caches,
     select_caches,
 )
@@ -112,6 +113,9 @@ class Transfers:
         self.bytes_stored = self.bytes_loaded = 0
         self.jobs_failed = 0
         self.store_seconds = self.load_seconds = 0.0
+        # Engine pages planned and the copy runs they merged into: pages / runs is the
+        # mean run length (contiguous engine blocks into contiguous slots merge).
+        self.pages_planned = self.runs_planned = 0
 
     @property
     def inflight_jobs(self) -> int:
@@ -201,7 +205,7 @@ class Transfers:
             raise QuotaExceededError(
                 f"client has {limit} jobs in flight, the max_inflight_jobs_per_client quota"
             )
-        if len(set(slots.tolist())) != slots.size:
+        if has_duplicates(slots):
             raise InvalidArgumentError("a transfer names the same slot twice")
         if not index.slots.is_valid(slots):
             raise_not_leased(index, slots)
@@ -212,7 +216,7 @@ class Transfers:
             if len(keys) != slots.size:
                 raise InvalidArgumentError(f"{len(keys)} keys for {slots.size} slots")
             slots = np.asarray(index.resolve_load(keys, slots.tolist()), dtype=np.int64)
-            if len(set(slots.tolist())) != slots.size:
+            if has_duplicates(slots):
                 raise InvalidArgumentError("a load names the same key twice")
         else:
             index.check_load_slots(slots)
@@ -233,6 +237,8 @@ class Transfers:
         )
         region_off = np.concatenate([x.region for x in runs])
         nbytes = np.concatenate([x.nbytes for x in runs])
+        self.pages_planned += block_ids.size * len(runs)
+        self.runs_planned += region_off.size
         token = next(self._tokens)
         self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns)
         index.slots.mark_busy(slots)

@@ -132,6 +132,17 @@ def check_transfer(
             )
 
 
+def has_duplicates(ids: I64) -> bool:
+    """Whether any id occurs twice (a sort, not a Python set, past a few dozen; one
+    pass when the ids ascend, as one allocation's slots do)."""
+    if ids.size <= 32:
+        return len(set(ids.tolist())) != ids.size
+    if bool((ids[1:] > ids[:-1]).all()):
+        return False
+    ordered = np.sort(ids)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 def build_runs(
     layout: KVLayout,
     rank: int,

@@ -17,7 +17,7 @@ def test_fresh_then_lifo_then_new_extent() -> None:
     assert a.allocate(3) == [0, 1, 2]
     a.free(1)
     a.free(0)
-    assert a.allocate(3) == [3, 0, 1]  # fresh 3 first, then LIFO 0, 1
+    assert a.allocate(3) == [0, 1, 3]  # fresh 3 first, then the frees; ascending
     assert a.extents == [0]
     assert a.allocate(2) == [4, 5]  # a new extent
     assert a.extents == [0, 1] and pool.owner == [0, 0, None]

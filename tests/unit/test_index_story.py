@@ -71,10 +71,11 @@ def test_manager_story(policy: str) -> None:
     assert idx.lookup(ks(1, 2)) == 2
     assert idx.lookup(ks(1, 2, 3)) == 2
 
-    # store [2, 3, 4, 5]: 2 is already stored; fresh 2, 3 then LIFO 0 after evicting 1
+    # store [2, 3, 4, 5]: 2 is already stored; fresh 2, 3 and 1's slot 0 after evicting
+    # 1, handed out ascending (contiguous runs for the copy planner)
     plan = idx.prepare_store(ks(2, 3, 4, 5), CLIENT)
     assert plan is not None
-    assert (plan.keys_to_store, plan.slots, plan.evicted_keys) == (ks(3, 4, 5), [2, 3, 0], ks(1))
+    assert (plan.keys_to_store, plan.slots, plan.evicted_keys) == (ks(3, 4, 5), [0, 2, 3], ks(1))
     assert idx.take_events() == [removed(1)]
 
     # full: only 2 is evictable but 2 blocks are needed
@@ -84,7 +85,7 @@ def test_manager_story(policy: str) -> None:
     assert idx.take_events() == [stored(3, 4, 5)]
 
     # pinned blocks are never evicted (invariant 2)
-    assert idx.prepare_load(ks(2, 3), CLIENT) == [1, 2]
+    assert idx.prepare_load(ks(2, 3), CLIENT) == [1, 0]
     assert idx.prepare_store(ks(6, 7, 8), CLIENT) is None
     idx.complete_load(ks(2, 3), CLIENT)
 
@@ -92,7 +93,7 @@ def test_manager_story(policy: str) -> None:
     assert plan is not None
     assert (plan.keys_to_store, plan.slots, plan.evicted_keys) == (
         ks(6, 7, 8),
-        [3, 2, 1],
+        [0, 1, 2],
         ks(2, 3, 4),
     )
     idx.complete_store(ks(6, 7, 8), True, CLIENT)
@@ -101,7 +102,7 @@ def test_manager_story(policy: str) -> None:
     idx.touch(ks(5, 6, 7))
     plan = idx.prepare_store(ks(9), CLIENT)
     assert plan is not None
-    assert (plan.slots, plan.evicted_keys) == ([1], ks(8))
+    assert (plan.slots, plan.evicted_keys) == ([2], ks(8))
 
     # a failed completion drops only blocks not yet ready
     idx.complete_store(ks(7, 9), False, CLIENT)

@@ -193,7 +193,9 @@ def render(r: dict[str, Any], images: list[str]) -> str:
         "so the figures are the same on every run with this seed. The shared pool's hit "
         "rate does not depend on N (every engine finds every block); private pools split "
         "both the memory and the traffic, so each holds 1/N of the blocks and a request "
-        "finds only what its own engine stored.",
+        "finds only what its own engine stored. A mean copy run is the pages the "
+        "daemon's copy planner merged into one copy (contiguous engine blocks into "
+        "contiguous slots).",
         "",
         table(
             [
@@ -205,6 +207,7 @@ def render(r: dict[str, Any], images: list[str]) -> str:
                 "hit rate",
                 "loaded",
                 "stored",
+                "mean copy run",
             ],
             [
                 [
@@ -216,6 +219,7 @@ def render(r: dict[str, Any], images: list[str]) -> str:
                     f"{x['hit_rate']:.1%}",
                     f"{x['bytes_loaded'] / GIB:.2f} GiB",
                     f"{x['bytes_stored'] / GIB:.2f} GiB",
+                    f"{x.get('mean_run_pages', 0.0):.1f} pages",
                 ]
                 for x in r["trace"]["rows"]
             ],

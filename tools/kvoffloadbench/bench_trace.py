@@ -116,6 +116,12 @@ def replay(
         for p in procs:
             p.join(60)
         wall_s = time.perf_counter() - t0
+        pages = runs = 0
+        for d in daemons:
+            with kvoffload.connect(d.socket_path) as c:
+                copies = c.stats()["copies"]
+            pages += copies["planned_pages_total"]
+            runs += copies["planned_runs_total"]
     finally:
         for d in daemons:
             d.stop()
@@ -132,6 +138,7 @@ def replay(
         "bytes_loaded": loaded,
         "bytes_stored": stored,
         "wall_s": wall_s,
+        "mean_run_pages": pages / runs if runs else 0.0,
     }
 
 
