@@ -131,9 +131,7 @@ def redis_url() -> Iterator[str]:
 def test_redis_tier_budget_evicts_least_recently_used_across_daemons(
     redis_url: str, wake: WakeFd
 ) -> None:
-    a = RedisTier(
-        "redis", redis_url, 3 * BLOCK, wake, refresh_s=0.02, full_sync_s=0.3, chunk_bytes=1000
-    )
+    a = RedisTier("redis", redis_url, 3 * BLOCK, wake, refresh_s=0.02, full_sync_s=0.3)
     b = RedisTier("redis", redis_url, 3 * BLOCK, wake, refresh_s=0.02)
     for t in (a, b):
         t.open_namespace(NS)

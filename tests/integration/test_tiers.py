@@ -8,101 +8,15 @@ from __future__ import annotations
 
 import os
 import pathlib
-import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from helpers import ctl, poll
+from tiered import Engine, disk_toml, evict_by_storing_more, keys, redis_toml, scrape, tier_daemon
 
 import kvoffload
-from kvoffloadbench.launch import DaemonProcess
 from kvoffloadbench.redis_server import RedisServer, free_port, restart_on_same_port
-
-PAGE = 4096
-LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[PAGE])
-# 4 x 16 KiB slots for the test models; "big" namespaces are not limited
-QUOTA = '[[namespace_quotas]]\npattern = "[!b]*"\nmax_region_size = "64KiB"\n'
-
-
-def keys(tag: bytes, n: int) -> list[bytes]:
-    return [tag + i.to_bytes(4, "big") + bytes(11) for i in range(n)]
-
-
-class Engine:
-    """One engine process's view: a scheduler namespace and a worker over 16 blocks."""
-
-    def __init__(self, d: DaemonProcess, ns_name: str = "llama") -> None:
-        self.client = kvoffload.connect(d.socket_path)
-        self.ns = self.client.namespace(ns_name, LAYOUT)
-        self.cache = kvoffload.shared_kv_cache(16, PAGE)
-        self.w = self.ns.attach_worker([self.cache])
-        self.job = 0
-
-    def _run(self, store: bool, slots: list[int], blocks: list[int]) -> None:
-        self.job += 1
-        if store:
-            assert self.w.submit_store(self.job, blocks, slots), self.w.last_error
-        else:
-            assert self.w.submit_load(self.job, slots, blocks), self.w.last_error
-        self.w.wait([self.job])
-        assert [r.success for r in self.w.get_finished()] == [True]
-
-    def store(self, ks: list[bytes], seed: int) -> bytes:
-        data = np.random.default_rng(seed).integers(-128, 128, (len(ks), PAGE), dtype=np.int8)
-        self.cache[: len(ks)] = torch.from_numpy(data)
-        plan = self.ns.prepare_store(ks)
-        assert plan is not None and plan.keys_to_store == ks
-        self._run(True, plan.slots, list(range(len(ks))))
-        self.ns.complete_store(ks)
-        return data.tobytes()
-
-    def load(self, ks: list[bytes]) -> bytes:
-        self.cache[8:] = 0
-        slots = self.ns.prepare_load(ks).slots
-        self._run(False, slots, list(range(8, 8 + len(ks))))
-        self.ns.complete_load(ks)
-        return self.cache[8 : 8 + len(ks)].numpy().tobytes()
-
-    def tier(self, name: str) -> dict[str, Any]:
-        stats: dict[str, Any] = self.client.stats()["tiers"][name]
-        return stats
-
-    def close(self) -> None:
-        self.w.close()
-        self.client.close()
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return str(r.read().decode())
-
-
-def tier_daemon(tmp: pathlib.Path, tiers_toml: str, name: str = "d", *extra: str) -> DaemonProcess:
-    cfg = tmp / f"{name}.toml"
-    cfg.write_text(QUOTA + tiers_toml)
-    return DaemonProcess("64MiB", "--config", str(cfg), "--log-level", "warning", *extra)
-
-
-def disk_toml(path: pathlib.Path, capacity: str = "1MiB") -> str:
-    return f'[[tiers]]\ntype = "disk"\npath = "{path}"\ncapacity = "{capacity}"\n'
-
-
-def redis_toml(url: str) -> str:
-    return (
-        f'[[tiers]]\ntype = "redis"\nurl = "{url}"\nrefresh_s = 0.05\n'
-        "timeout_s = 0.5\nfull_sync_s = 1.0\n"
-    )
-
-
-def evict_by_storing_more(e: Engine, cascaded: str) -> bytes:
-    """Store 4 other blocks: the quota evicts the first 4 from the region."""
-    poll(lambda: e.tier(cascaded)["stores_total"] >= 4, "the first blocks to cascade")
-    other = e.store(keys(b"x", 4), seed=99)
-    poll(lambda: e.tier(cascaded)["stores_total"] >= 8, "the other blocks to cascade")
-    return other
 
 
 def test_disk_tier_promotes_evicted_blocks_byte_identical(tmp_path: pathlib.Path) -> None:

@@ -41,7 +41,6 @@ def build_tier(cfg: TierConfig, wake: Any) -> SecondaryTier:
         wake,
         prefix=cfg.prefix,
         ttl_s=cfg.ttl_s,
-        chunk_bytes=cfg.chunk_bytes,
         connections=cfg.threads,
         timeout_s=cfg.timeout_s,
         refresh_s=cfg.refresh_s,

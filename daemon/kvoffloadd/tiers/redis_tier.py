@@ -2,9 +2,13 @@
 
 Rules:
 - Data: one hash per block at ``<prefix>:b:<tier id>:<key>``: field ``m`` is a header
-  (magic, CRC32, length), fields ``c0``, ``c1``, ... the block in chunks of at most
-  ``chunk_bytes``. Tier ids come from the namespace name and layout fingerprint, so only
-  daemons serving the same namespace share its blocks.
+  (magic, CRC32, length), field ``d`` the block. Tier ids come from the namespace name
+  and layout fingerprint, so only daemons serving the same namespace share its blocks.
+  (Format 1 split blocks into fields ``c0``, ``c1``, ...; such blocks miss once and
+  leave the view.)
+- Bytes are never copied by Python: a store sends the slot itself (redis-py's
+  Python packer writes large values as their own buffers), and a load reads ``HMGET
+  m d`` on a raw RESP connection (resp.py) that receives the block into the slot.
 - Index: the sorted set ``<prefix>:idx`` holds every block as ``<tier id>:<bytes>:<key>``
   scored by its last use (Redis server time, ms), and ``<prefix>:bytes`` their total.
   Writing, touching and evicting are Lua scripts, so each is atomic on the server
@@ -23,6 +27,7 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import struct
 import threading
@@ -32,14 +37,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
-from .base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
+from .base import TierError, TierJob
+from .remote import Entry, RemoteTier
+from .resp import RespConnection, RespError, encode
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVORED01"
+MAGIC = b"KVORED02"
 _META = struct.Struct("<8sIQ")  # magic, crc32, block bytes
-
-Entry = tuple[str, bytes]  # (tier id, key)
 
 # The bytes travel in plain HSET/HGETALL commands (through Lua they would be copied
 # twice more); these scripts keep the index and the byte total in step atomically.
@@ -119,7 +124,7 @@ def parse_member(m: bytes) -> tuple[Entry, int] | None:
     return (parts[0].decode("ascii", "replace"), parts[2]), int(parts[1])
 
 
-class RedisTier(SecondaryTier):
+class RedisTier(RemoteTier):
     kind = "redis"
 
     def __init__(
@@ -130,14 +135,13 @@ class RedisTier(SecondaryTier):
         wake: Any,
         prefix: str = "kvoffload",
         ttl_s: float = 0.0,
-        chunk_bytes: int = 8 << 20,
         connections: int = 4,
         timeout_s: float = 2.0,
         refresh_s: float = 0.2,
         full_sync_s: float = 10.0,
         verify: bool = True,
     ) -> None:
-        super().__init__(name, capacity_bytes, wake)
+        super().__init__(name, url, capacity_bytes, wake)
         try:
             import redis
         except ImportError as exc:
@@ -146,6 +150,7 @@ class RedisTier(SecondaryTier):
                 "(pip install 'kvoffload[redis]')"
             ) from exc
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._errors_raw = (*self._errors, RespError)  # the raw load connection's too
         self.url = url
         try:
             self._r = redis.Redis.from_url(
@@ -161,19 +166,15 @@ class RedisTier(SecondaryTier):
         self._idx = f"{prefix}:idx".encode()
         self._bytes_key = f"{prefix}:bytes".encode()
         self._ttl_ms = int(ttl_s * 1000)
-        self._chunk_bytes = chunk_bytes
+        self._timeout_s = timeout_s
+        self._local = threading.local()  # each load thread's RespConnection
+        self._conns: list[RespConnection] = []  # all of them, closed with the tier
+        self._touch_sha = hashlib.sha1(_TOUCH_LUA.encode()).hexdigest()
         self._verify = verify
         self._index_script = self._r.register_script(_INDEX_LUA)
         self._touch_script = self._r.register_script(_TOUCH_LUA)
         self._refresh_s = refresh_s
         self._full_sync_s = full_sync_s
-        # loop thread: entry -> when it entered the view (monotonic)
-        self._view: dict[Entry, float] = {}
-        self._jobs: dict[int, tuple[bool, list[Entry]]] = {}
-        self.last_error = ""
-        self.used_bytes = 0  # the shared total, as last polled
-        # read by the poller thread; replaced (never mutated) by the loop thread
-        self._tier_ids: frozenset[str] = frozenset()
         self._want_full = threading.Event()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(connections, thread_name_prefix=f"kvoffload-{name}")
@@ -183,71 +184,17 @@ class RedisTier(SecondaryTier):
 
     # ------------------------------------------------------------ loop thread
 
-    def open_namespace(self, ns: TierNamespace) -> None:
-        self._tier_ids = self._tier_ids | {ns.tier_id}
+    def namespace_added(self) -> None:
         self._want_full.set()
 
-    def lookup(self, ns: TierNamespace, keys: Sequence[bytes]) -> list[bool]:
-        if not self.healthy:
-            return [False] * len(keys)
-        view = self._view
-        tid = ns.tier_id
-        return [(tid, k) in view for k in keys]
-
     def submit_store(self, job: TierJob) -> None:
-        entries = [(job.ns.tier_id, k) for k in job.keys]
-        self._jobs[job.job_id] = (True, entries)
-        self._pool.submit(self._store, job, entries)
+        self._pool.submit(self._store, job, self.track(job, True))
 
     def submit_load(self, job: TierJob) -> None:
-        entries = [(job.ns.tier_id, k) for k in job.keys]
-        self._jobs[job.job_id] = (False, entries)
-        self._pool.submit(self._load, job, entries)
-
-    def get_finished(self) -> list[TierResult]:
-        out = []
-        now = time.monotonic()
-        for kind, item in self.finished.take():
-            if kind == "job":
-                result, gone = item
-                store, entries = self._jobs.pop(result.job_id)
-                self.counters.count(store, result)
-                self.counters.evicted_blocks_total += len(gone)
-                for e, ok in zip(entries, result.ok):
-                    if ok:
-                        self._view[e] = now
-                    elif not store:
-                        self._view.pop(e, None)
-                for e in gone:
-                    self._view.pop(e, None)
-                out.append(result)
-            elif kind == "seen":
-                for e in item:
-                    self._view.setdefault(e, now)
-            elif kind == "full":
-                started_s, present = item  # entries newer than the read are kept
-                stale = [e for e, t in self._view.items() if t < started_s and e not in present]
-                for e in stale:
-                    del self._view[e]
-                for e in present:
-                    self._view.setdefault(e, now)
-            elif kind == "health":
-                up, why, used = item
-                if up != self.healthy:
-                    log.log(
-                        logging.INFO if up else logging.WARNING,
-                        "tier %s: %s",
-                        self.name,
-                        f"reachable again at {self.url}" if up else f"unreachable: {why}",
-                    )
-                self.healthy, self.used_bytes = up, used if up else self.used_bytes
-                self.last_error = why or self.last_error
-        return out
+        self._pool.submit(self._load, job, self.track(job, False))
 
     def statistics(self) -> dict[str, Any]:
-        out = self.base_statistics(len(self._view), self.used_bytes, self.healthy)
-        out.update(url=self.url, last_error=self.last_error)
-        return out
+        return self.remote_statistics(url=self.url)
 
     def close(self) -> None:
         self._stop.set()
@@ -255,6 +202,8 @@ class RedisTier(SecondaryTier):
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._poller.join(timeout=5)
         self._r.close()
+        for conn in self._conns:
+            conn.close()
 
     # ------------------------------------------------------------ worker threads
 
@@ -263,7 +212,6 @@ class RedisTier(SecondaryTier):
 
     def _store(self, job: TierJob, entries: list[Entry]) -> None:
         nbytes = job.ns.block_bytes
-        c = self._chunk_bytes
         ok = [False] * len(entries)
         gone: list[Entry] = []
         done = 0
@@ -271,10 +219,9 @@ class RedisTier(SecondaryTier):
             pipe = self._r.pipeline(transaction=False)
             for e, buf in zip(entries, job.buffers):
                 data = self._data_key(e)
-                fields: dict[Any, Any] = {b"m": _META.pack(MAGIC, zlib.crc32(buf), nbytes)}
-                for i in range(max(1, -(-nbytes // c))):
-                    fields[f"c{i}".encode()] = buf[i * c : (i + 1) * c]
-                pipe.delete(data)  # a block written again replaces, never mixes, chunks
+                crc = zlib.crc32(buf)  # always: readers may verify
+                fields: dict[Any, Any] = {b"m": _META.pack(MAGIC, crc, nbytes), b"d": buf}
+                pipe.delete(data)  # a block written again replaces, never mixes, fields
                 pipe.hset(data, mapping=fields)
                 if self._ttl_ms:
                     pipe.pexpire(data, self._ttl_ms)
@@ -299,46 +246,62 @@ class RedisTier(SecondaryTier):
         nbytes = job.ns.block_bytes
         ok = [False] * len(entries)
         done = 0
+        conn = self._conn()
         try:
-            pipe = self._r.pipeline(transaction=False)
+            cmds = []
             for e in entries:
                 data = self._data_key(e)
-                pipe.hgetall(data)
-                keys = [data, self._idx, self._bytes_key]
-                self._touch_script(keys=keys, args=[member(e, nbytes), nbytes], client=pipe)
-            replies = pipe.execute(raise_on_error=False)
-            for i, (fields, out) in enumerate(zip(replies[::2], job.buffers)):
-                ok[i] = isinstance(fields, dict) and self._unpack(fields, out)
+                cmds.append(encode("HMGET", data, "m", "d"))
+                args = (data, self._idx, self._bytes_key, member(e, nbytes), nbytes)
+                cmds.append(encode("EVALSHA", self._touch_sha, 3, *args))
+            conn.send(cmds)
+            for i, out in enumerate(job.buffers):
+                fields = conn.read_array_header()
+                if isinstance(fields, RespError):  # a foreign value at the key: this one fails
+                    conn.read()
+                    continue
+                if fields != 2:
+                    raise RespError(f"HMGET answered {fields} fields, not 2")
+                meta = conn.read()
+                whole = conn.read_into(out)
+                conn.read()  # the touch: an error there costs recency only
+                ok[i] = whole is True and self._check(meta, out)
                 done += len(out) if ok[i] else 0
-        except self._errors as exc:
+        except self._errors_raw as exc:
+            conn.close()
             self._failed(exc)
         except Exception as exc:  # a tier fault stays inside the tier
+            conn.close()
             log.warning("tier %s: a load failed: %r", self.name, exc)
         self.finished.post("job", (job.result(ok, done), []))
 
-    def _unpack(self, fields: dict[bytes, bytes], out: memoryview) -> bool:
-        """A block from its hash fields (any chunk size: each writer picks its own)."""
-        meta = fields.pop(b"m", b"")
-        if not fields or len(meta) != _META.size:
-            return False  # evicted or expired since the view saw it
+    def _conn(self) -> RespConnection:
+        """This thread's raw connection (reads blocks into slots)."""
+        conn: RespConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            setup = [encode("SCRIPT", "LOAD", _TOUCH_LUA)]
+            conn = self._local.conn = RespConnection(self.url, self._timeout_s, setup)
+            self._conns.append(conn)  # list.append is atomic: threads add their own
+        return conn
+
+    def _check(self, meta: Any, out: memoryview) -> bool:
+        """A block read into ``out`` is whole and (``verify``) matches its CRC."""
+        if not isinstance(meta, bytes):
+            return False  # evicted or expired since the view saw it, or format 1
+        if len(meta) != _META.size:
+            log.warning("tier %s: a block has a bad header; not loaded", self.name)
+            return False
         magic, crc, size = _META.unpack(meta)
         if magic != MAGIC or size != len(out):
             log.warning("tier %s: a block has a bad header; not loaded", self.name)
             return False
-        pos = 0
-        for i in range(len(fields)):
-            chunk = fields.get(f"c{i}".encode(), b"")
-            if pos + len(chunk) > size:
-                break
-            out[pos : pos + len(chunk)] = chunk
-            pos += len(chunk)
-        if pos != size or (self._verify and zlib.crc32(out) != crc):
+        if self._verify and zlib.crc32(out) != crc:
             log.warning("tier %s: a block failed its checksum; not loaded", self.name)
             return False
         return True
 
     def _failed(self, exc: BaseException) -> None:
-        self.finished.post("health", (False, f"{type(exc).__name__}: {exc}", 0))
+        self.post_unreachable(f"{type(exc).__name__}: {exc}")
 
     def _poll(self) -> None:
         """Follow the shared index: new blocks often, everything now and then."""

@@ -1,0 +1,190 @@
+"""A minimal RESP2 connection that receives bulk replies straight into caller memory.
+
+redis-py turns every reply into a Python ``bytes`` that the tier then copies into the
+region slot; for blocks of megabytes that is the whole cost of a promotion. This
+connection sends pipelined commands and reads each reply with ``recv_into``: a bulk
+string bound for a slot goes from the socket into the slot, no copy in between.
+
+Rules:
+- One connection per tier thread, never shared; connect, AUTH and SELECT as the
+  tier's URL says (redis://, rediss:// with the system's CA roots, unix://), then
+  the caller's setup commands (script loads).
+- ``read_into(view)`` accepts a bulk reply only if it is exactly ``len(view)`` bytes
+  long; any other length (a foreign value) is read and dropped, and answers ``False``.
+- A protocol error or a socket error closes the connection (``RespError`` or
+  ``OSError``); the next use reconnects.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+
+class RespError(Exception):
+    """The server answered an error, or something that is not RESP."""
+
+
+def encode(*args: bytes | str | int) -> bytes:
+    """One command in RESP (small arguments only: keys, numbers, script names)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a if isinstance(a, bytes) else str(a).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(parts)
+
+
+class RespConnection:
+    def __init__(self, url: str, timeout_s: float, setup: Sequence[bytes] = ()) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self._setup = list(setup)  # commands sent after connecting (SCRIPT LOAD ...)
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()  # bytes received past the last reply read
+
+    def _connect(self) -> socket.socket:
+        u = urlparse(self.url)
+        sock: socket.socket
+        if u.scheme == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            sock.connect(u.path)
+        else:
+            sock = socket.create_connection(
+                (u.hostname or "127.0.0.1", u.port or 6379), self.timeout_s
+            )
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if u.scheme == "rediss":
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=u.hostname)
+        sock.settimeout(self.timeout_s)
+        self._sock, self._buf = sock, bytearray()
+        hello: list[bytes] = []
+        if u.password:
+            user = unquote(u.username or "")
+            auth = (user, unquote(u.password)) if user else (unquote(u.password),)
+            hello.append(encode("AUTH", *auth))
+        db = u.path.strip("/") if u.scheme != "unix" else ""
+        if db and db != "0":
+            hello.append(encode("SELECT", db))
+        hello += self._setup
+        if hello:
+            self.send(hello)
+            for _ in hello:
+                if isinstance(reply := self.read(), RespError):
+                    self.close()
+                    raise reply
+        return sock
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def send(self, commands: Sequence[bytes]) -> None:
+        sock = self._sock or self._connect()
+        try:
+            sock.sendall(b"".join(commands))
+        except OSError:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ reading
+
+    def _fill(self, at_least: int) -> None:
+        assert self._sock is not None
+        while len(self._buf) < at_least:
+            chunk = self._sock.recv(max(65536, at_least - len(self._buf)))
+            if not chunk:
+                raise OSError("the server closed the connection")
+            self._buf += chunk
+
+    def _line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n")) < 0:
+            self._fill(len(self._buf) + 1)
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 2]
+        return line
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        if self._sock is None:
+            raise OSError("not connected")
+        try:
+            return fn(*args)
+        except (OSError, RespError, ValueError) as exc:
+            self.close()
+            if isinstance(exc, ValueError):
+                raise RespError(f"not a RESP reply: {exc}") from exc
+            raise
+
+    def read(self) -> Any:
+        """One reply: int, bytes, None, a list, or ``RespError`` for an error reply."""
+        return self._guard(self._read)
+
+    def _read(self) -> Any:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return RespError(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            self._fill(n + 2)
+            data = bytes(self._buf[:n])
+            del self._buf[: n + 2]
+            return data
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self._read() for _ in range(n)]
+        raise ValueError(f"unexpected reply {line[:40]!r}")
+
+    def read_array_header(self) -> int | RespError:
+        """The length of an array reply (-1: nil), or the error the server answered
+        instead (a key of the wrong type: that command failed, the connection is fine)."""
+        line = self._guard(self._line)
+        if line[:1] == b"-":
+            return RespError(line[1:].decode(errors="replace"))
+        if line[:1] != b"*":
+            self.close()
+            raise RespError(f"expected an array, got {line[:40]!r}")
+        return int(line[1:])
+
+    def read_into(self, view: memoryview) -> bool | None:
+        """A bulk reply into ``view``: True if it was exactly ``view``'s length, None
+        for a nil reply, False for any other length (dropped)."""
+        got: bool | None = self._guard(self._read_into, view)
+        return got
+
+    def _read_into(self, view: memoryview) -> bool | None:
+        line = self._line()
+        if line[:1] != b"$":
+            raise ValueError(f"expected a bulk string, got {line[:40]!r}")
+        n = int(line[1:])
+        if n < 0:
+            return None
+        if n != len(view):
+            self._fill(n + 2)
+            del self._buf[: n + 2]
+            return False
+        have = min(len(self._buf), n)  # what arrived with the header
+        view[:have] = self._buf[:have]
+        del self._buf[:have]
+        assert self._sock is not None
+        pos = have
+        while pos < n:
+            got = self._sock.recv_into(view[pos:], n - pos)
+            if not got:
+                raise OSError("the server closed the connection")
+            pos += got
+        self._fill(2)
+        if self._buf[:2] != b"\r\n":
+            raise ValueError("a bulk string without its CRLF")
+        del self._buf[:2]
+        return True

@@ -1,0 +1,121 @@
+"""The raw RESP reader of the Redis tier against a scripted server on a unix socket:
+bulk replies land in the caller's memory, whatever the packet boundaries; anything
+else fails that reply or the connection, never the process."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+import threading
+
+import pytest
+
+from kvoffloadd.tiers.resp import RespConnection, RespError, encode
+
+
+class Scripted:
+    """Accepts one connection, records what it is sent, answers with ``replies`` in
+    pieces of ``piece`` bytes (to split headers and bodies across reads)."""
+
+    def __init__(self, path: pathlib.Path, replies: bytes, expect_bytes: int, piece: int) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(1)
+        self.received = b""
+        self._t = threading.Thread(target=self._serve, args=(replies, expect_bytes, piece))
+        self._t.start()
+
+    def _serve(self, replies: bytes, expect_bytes: int, piece: int) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            while len(self.received) < expect_bytes:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                self.received += chunk
+            for i in range(0, len(replies), piece):
+                conn.sendall(replies[i : i + piece])
+            conn.recv(1)  # until the client closes
+
+    def close(self) -> None:
+        self._t.join(10)
+        self.sock.close()
+
+
+@pytest.fixture
+def sock_path(tmp_path: pathlib.Path) -> pathlib.Path:
+    return tmp_path / "r.sock"
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1 << 20])
+def test_a_bulk_reply_lands_in_the_view_whatever_the_packets(
+    sock_path: pathlib.Path, piece: int
+) -> None:
+    block = bytes(range(256)) * 64  # 16 KiB
+    replies = b"*2\r\n$3\r\nhdr\r\n$%d\r\n%s\r\n:1\r\n" % (len(block), block)
+    cmd = encode("HMGET", "k", "m", "d")
+    server = Scripted(sock_path, replies, len(cmd), piece)
+    c = RespConnection(f"unix://{sock_path}", 5.0)
+    c.send([cmd])
+    out = bytearray(len(block))
+    assert c.read_array_header() == 2
+    assert c.read() == b"hdr"
+    assert c.read_into(memoryview(out)) is True
+    assert bytes(out) == block and c.read() == 1
+    assert server.received == cmd
+    c.close()
+    server.close()
+
+
+def test_other_lengths_nil_and_error_replies(sock_path: pathlib.Path) -> None:
+    replies = b"$5\r\nshort\r\n$-1\r\n-WRONGTYPE not a hash\r\n+OK\r\n"
+    server = Scripted(sock_path, replies, 1, 3)
+    c = RespConnection(f"unix://{sock_path}", 5.0)
+    c.send([encode("PING")])
+    out = bytearray(8)
+    assert c.read_into(memoryview(out)) is False and out == bytearray(8)  # dropped
+    assert c.read_into(memoryview(out)) is None  # nil: the key is gone
+    err = c.read_array_header()
+    assert isinstance(err, RespError) and "WRONGTYPE" in str(err)
+    assert c.read() == b"OK"  # the connection is still in step
+    c.close()
+    server.close()
+
+
+def test_garbage_closes_the_connection_with_a_clear_error(sock_path: pathlib.Path) -> None:
+    server = Scripted(sock_path, b"$3\r\nabcXY", 1, 64)  # a bulk without its CRLF
+    c = RespConnection(f"unix://{sock_path}", 5.0)
+    c.send([encode("PING")])
+    with pytest.raises(RespError, match=r"CRLF|RESP"):
+        c.read_into(memoryview(bytearray(3)))
+    with pytest.raises(OSError, match="not connected"):
+        c.read()
+    server.close()
+
+
+def test_auth_and_select_come_from_the_url() -> None:
+    """A TCP URL with a user, password and database: AUTH and SELECT go first."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            data = b""
+            while data.count(b"\r\n") < 12:  # AUTH (4 parts) and SELECT (3 parts)
+                data += conn.recv(4096)
+            seen.append(data)
+            conn.sendall(b"+OK\r\n+OK\r\n")
+            conn.recv(1)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    c = RespConnection(f"redis://app:s%40cret@127.0.0.1:{port}/3", 5.0)
+    c.send([])
+    assert seen[0] == encode("AUTH", "app", "s@cret") + encode("SELECT", "3")
+    c.close()
+    t.join(10)
+    listener.close()
