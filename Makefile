@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis,mooncake]'
 	touch $(STAMP)
 
 # Start the daemon in the foreground with embedded defaults (1 GiB region).
@@ -39,6 +39,7 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENTS)
 # Everything, the vLLM suite included (its tests skip in .venv, which has no vLLM).
 test: $(STAMP) $(VLLM_STAMP)
 	@tools/ensure-redis-server
+	@tools/ensure-mooncake-libs
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
@@ -59,6 +60,7 @@ bench-submit: $(STAMP)
 
 bench: $(STAMP)
 	@tools/ensure-redis-server
+	@tools/ensure-mooncake-libs
 	$(BIN)/python -m kvoffloadbench.bench $(ARGS)
 
 # Every benchmark, written to docs/benchmarks.md with plots (matplotlib: the bench extra).
@@ -69,6 +71,7 @@ $(BENCH_STAMP): $(STAMP)
 
 bench-report: $(BENCH_STAMP)
 	@tools/ensure-redis-server
+	@tools/ensure-mooncake-libs
 	$(BIN)/python -m kvoffloadbench.bench_report $(ARGS)
 
 # Long random load from several engines with every loaded byte verified (not in test).

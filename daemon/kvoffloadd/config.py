@@ -69,20 +69,28 @@ class NamespaceQuota(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One secondary tier below the region (``[[tiers]]`` in the file, fastest first)."""
 
-    type: str  # "disk" or "redis"
+    type: str  # "disk", "redis" or "mooncake"
     name: str = ""  # empty: the type (then "disk2", ... for more of one type)
     capacity: int | str = 0  # disk: required; redis: 0 = Redis's own maxmemory
     path: str = ""  # disk: directory of block files
     url: str = ""  # redis: redis://host:port/db
-    threads: int = 4  # disk: I/O threads; redis: connections
+    threads: int = 4  # disk: I/O threads; redis: connections; mooncake: job threads
     fsync: bool = False  # disk: fsync each file (survive power loss, slower)
     verify: bool = True  # CRC32 of every block checked when it is read back
     ttl_s: float = 0.0  # redis: expire blocks after this long (0: never)
-    prefix: str = "kvoffload"  # redis: key prefix (daemons sharing blocks use one)
-    chunk_size: int | str = "8MiB"  # redis: blocks larger than this are split
-    timeout_s: float = 2.0  # redis: connect and command timeout
-    refresh_s: float = 0.2  # redis: how often other daemons' new blocks are picked up
-    full_sync_s: float = 10.0  # redis: how often the whole index is re-read
+    prefix: str = "kvoffload"  # redis, mooncake: key prefix (daemons sharing blocks use one)
+    chunk_size: int | str = "8MiB"  # redis: unused since blocks are one field (old configs)
+    timeout_s: float = 2.0  # redis: connect and command timeout; mooncake: transfer hold
+    refresh_s: float = 0.2  # redis, mooncake: how often other daemons' blocks are picked up
+    full_sync_s: float = 10.0  # redis, mooncake: how often the whole store is re-read
+    master: str = ""  # mooncake: host:port of mooncake_master
+    metadata_server: str = ""  # mooncake: http://host:port/metadata (or etcd://...)
+    local_hostname: str = "127.0.0.1"  # mooncake: the address other nodes reach this one at
+    protocol: str = "tcp"  # mooncake: "tcp" or "rdma"
+    device: str = ""  # mooncake: RDMA device names, with protocol "rdma"
+    segment_size: int | str = "512MiB"  # mooncake: memory this daemon lends the store
+    local_buffer_size: int | str = "16MiB"  # mooncake: the client's staging buffer
+    admin_url: str = ""  # mooncake: http://host:port of the master's admin server
 
     @property
     def capacity_bytes(self) -> int:
@@ -96,8 +104,10 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def validate(self) -> None:
         where = f"tiers.{self.name}"
-        if self.type not in ("disk", "redis"):
-            raise ConfigError(f"{where}.type: {self.type!r} is not one of disk, redis")
+        if self.type not in ("disk", "redis", "mooncake"):
+            raise ConfigError(f"{where}.type: {self.type!r} is not one of disk, redis, mooncake")
+        if self.type == "mooncake":
+            self._validate_mooncake(where)
         self.capacity_bytes  # noqa: B018 - parse for the error message
         self.chunk_bytes  # noqa: B018
         if self.type == "disk" and (not self.path or not self.capacity_bytes):
@@ -111,6 +121,26 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(f"{where}.{key}: {getattr(self, key)} is negative")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
             raise ConfigError(f"{where}.prefix: {self.prefix!r} must be 1-64 plain characters")
+
+    def _validate_mooncake(self, where: str) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.\[\]:-]+:[0-9]{1,5}", self.master):
+            raise ConfigError(f"{where}.master: {self.master!r} is not host:port")
+        if not self.metadata_server.startswith(("http://", "etcd://", "P2PHANDSHAKE")):
+            raise ConfigError(
+                f"{where}.metadata_server: {self.metadata_server!r} is not an http:// "
+                "or etcd:// address (or P2PHANDSHAKE)"
+            )
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"{where}.protocol: {self.protocol!r} is not tcp or rdma")
+        if self.protocol == "rdma" and not self.device:
+            raise ConfigError(f"{where}.device: protocol rdma needs the RDMA device names")
+        if self.admin_url and not self.admin_url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}.admin_url: {self.admin_url!r} is not an http:// URL")
+        if not self.local_hostname:
+            raise ConfigError(f"{where}.local_hostname: empty")
+        parse_size(self.segment_size, f"{where}.segment_size")
+        if parse_size(self.local_buffer_size, f"{where}.local_buffer_size") <= 0:
+            raise ConfigError(f"{where}.local_buffer_size: must be positive")
 
 
 class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -94,6 +94,9 @@ class Tiering:
         self.wake = wake
         self._tiers = [_TierState(t) for t in tiers]
         self._mem = memoryview(region_buffer.data)
+        self._base_address = region_buffer.ctypes.data
+        for t in tiers:
+            t.attach_region(self._base_address, region_buffer.nbytes)
         self._max_inflight = max_inflight_blocks
         self._max_backlog = max_backlog_blocks
         self._batch = batch_blocks
@@ -225,7 +228,8 @@ class Tiering:
         job_id, self._next_job = self._next_job, self._next_job + 1
         self._jobs[job_id] = _Job(st, index, keys, buffers, promotion, time.monotonic())
         st.inflight_blocks += len(keys)
-        return TierJob(job_id, tns, keys, buffers)
+        addresses = [self._base_address + off for off in offsets]
+        return TierJob(job_id, tns, keys, buffers, addresses)
 
     # ------------------------------------------------------------ completions
 

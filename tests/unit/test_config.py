@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,11 @@ def test_region_name() -> None:
     assert DaemonConfig(instance="x").region_name == "/kvoffload-x"
 
 
+MC_MASTER = 'master = "10.0.0.1:50051"\n'
+MC_META = 'metadata_server = "http://10.0.0.1:8080/metadata"\n'
+MC = '[[tiers]]\ntype = "mooncake"\n' + MC_MASTER
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
@@ -76,6 +82,19 @@ def test_region_name() -> None:
             '[[tiers]]\ntype = "redis"\nurl = "redis://b"\nname = "x"',
             "unique",
         ),
+        ('[[tiers]]\ntype = "mooncake"\n' + MC_META, r"tiers\.mooncake\.master"),
+        ('[[tiers]]\ntype = "mooncake"\nmaster = "h"\n' + MC_META, r"\.master: 'h'"),
+        ('[[tiers]]\ntype = "mooncake"\n' + MC_MASTER, r"\.metadata_server"),
+        (MC + 'metadata_server = "ftp://x"\n', r"\.metadata_server: 'ftp://x'"),
+        (MC + MC_META + 'protocol = "udp"', r"\.protocol: 'udp'"),
+        (MC + MC_META + 'protocol = "rdma"', r"\.device: protocol rdma"),
+        (MC + MC_META + 'segment_size = "big"', r"\.segment_size"),
+        (MC + MC_META + "local_buffer_size = 0", r"\.local_buffer_size"),
+        (MC + MC_META + 'admin_url = "h:1"', r"\.admin_url"),
+        (MC + MC_META + 'local_hostname = ""', r"\.local_hostname"),
+        (MC + MC_META + "refresh_s = -1", r"\.refresh_s"),
+        (MC + MC_META + "threads = 99", r"\.threads"),
+        (MC + MC_META + "segment = 1", "segment"),  # a typo of segment_size: unknown
     ],
 )
 def test_bad_tiers_name_the_key(tmp_path: Path, text: str, needle: str) -> None:
@@ -96,3 +115,33 @@ def test_tiers_get_names_and_sizes(tmp_path: Path) -> None:
     assert [t.name for t in cfg.tiers] == ["disk", "disk2", "redis"]
     assert [t.capacity_bytes for t in cfg.tiers] == [1 << 30, 4096, 0]
     assert cfg.tiers[2].chunk_bytes == 8 << 20
+
+
+def test_a_mooncake_tier_takes_its_settings(tmp_path: Path) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(MC + MC_META + 'segment_size = "1GiB"\nprotocol = "rdma"\ndevice = "mlx5_0"\n')
+    (t,) = load_config(str(f), {}).tiers
+    assert (t.name, t.master, t.protocol, t.device) == (
+        "mooncake",
+        "10.0.0.1:50051",
+        "rdma",
+        "mlx5_0",
+    )
+    assert t.metadata_server == "http://10.0.0.1:8080/metadata" and t.segment_size == "1GiB"
+
+
+def test_the_readme_and_example_tier_configs_validate(tmp_path: Path) -> None:
+    """The README's tiers and the example's commented Mooncake tier, uncommented,
+    are configs the daemon accepts."""
+    root = Path(__file__).parents[2]
+    readme = re.search(r"```toml\n(.*?)```", (root / "README.md").read_text(), re.S)
+    assert readme is not None
+    f = tmp_path / "readme.toml"
+    f.write_text(readme.group(1))
+    assert [t.type for t in load_config(str(f), {}).tiers] == ["disk", "redis", "mooncake"]
+    example = (root / "systemd" / "kvoffloadd.toml.example").read_text()
+    start = example.index('# type = "mooncake"') - len("# [[tiers]]\n")
+    block = example[start : example.index("\n\n", start)]
+    f.write_text("\n".join(line[2:] for line in block.splitlines()))
+    (t,) = load_config(str(f), {}).tiers
+    assert (t.type, t.master, t.protocol) == ("mooncake", "127.0.0.1:50051", "tcp")

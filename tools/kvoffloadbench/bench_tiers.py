@@ -1,12 +1,14 @@
 """Secondary-tier throughput for ``make bench``: cascade down, promotion back up.
 
 One daemon per tier kind (a disk directory under the temporary directory; a throwaway
-redis-server on loopback, when one is installed). Blocks are stored into the region,
-the time until every one has cascaded is the cascade rate; then the region is emptied
-by an admin eviction and one lookup starts the promotion of all of them, and the time
-until a lookup hits them all is the promotion rate. The disk figures are with the
-files in the page cache (just written), so they show kvoffload's overhead, not the
-drive's speed.
+redis-server and a throwaway mooncake_master on loopback, when installed). Blocks are
+stored into the region, the time until every one has cascaded is the cascade rate;
+then the region is emptied by an admin eviction and one lookup starts the promotion
+of all of them, and the time until a lookup hits them all is the promotion rate.
+Then single blocks are evicted and looked up again: the median time from the lookup
+that starts one block's promotion to the lookup that hits it is its latency. The disk
+figures are with the files in the page cache (just written), so they show kvoffload's
+overhead, not the drive's speed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import kvoffload
 
 from .launch import DaemonProcess
+from .mooncake_master import MooncakeMaster
 from .redis_server import RedisServer
 
 MIB = 1 << 20
@@ -34,8 +37,11 @@ def _wait(predicate: Any, deadline_s: float = 120.0, poll_s: float = 0.0005) -> 
         time.sleep(poll_s)
 
 
-def tier_rates(tier_toml: str, tier: str, block_bytes: int, nblocks: int) -> tuple[float, float]:
-    """(cascade GB/s, promotion GB/s) through one daemon with one tier."""
+def tier_rates(
+    tier_toml: str, tier: str, block_bytes: int, nblocks: int
+) -> tuple[float, float, float]:
+    """(cascade GB/s, promotion GB/s, one block's promotion in ms) through one daemon
+    with one tier."""
     with tempfile.TemporaryDirectory(prefix="kvoffload-bench-") as tmp:
         cfg = pathlib.Path(tmp) / "d.toml"
         cfg.write_text(tier_toml.replace("@TMP@", tmp))
@@ -65,11 +71,18 @@ def tier_rates(tier_toml: str, tier: str, block_bytes: int, nblocks: int) -> tup
             _wait(lambda: ns.lookup(keys) == nblocks)
             promote_s = time.perf_counter() - t0
             assert tier_stat("promotion_failures_total") == 0
+            one_ms = []
+            for k in keys[:16]:
+                assert client.evict("bench", keys=[k]) == 1
+                t0 = time.perf_counter()
+                assert ns.lookup([k]) is None, "the promotion did not start"
+                _wait(lambda k=k: ns.lookup([k]) == 1, poll_s=0.0001)
+                one_ms.append((time.perf_counter() - t0) * 1e3)
             w.close()
             client.close()
             assert d.stop() == 0
     total = nblocks * block_bytes
-    return total / cascade_s / 1e9, total / promote_s / 1e9
+    return total / cascade_s / 1e9, total / promote_s / 1e9, sorted(one_ms)[len(one_ms) // 2]
 
 
 def run_tiers(quick: bool) -> dict[str, Any]:
@@ -77,21 +90,42 @@ def run_tiers(quick: bool) -> dict[str, Any]:
     n = 32 if quick else 128
     out: dict[str, Any] = {"tier_block_bytes": block, "tier_blocks": n}
     disk = '[[tiers]]\ntype = "disk"\npath = "@TMP@/disk"\ncapacity = "2GiB"\n'
-    out["disk_cascade_gbps"], out["disk_promote_gbps"] = tier_rates(disk, "disk", block, n)
-    why = RedisServer.available()
-    if why:
+    _record(out, "disk", tier_rates(disk, "disk", block, n))
+    if why := RedisServer.available():
         out["redis_skipped"] = why
-        return out
-    with RedisServer() as server:
-        redis = f'[[tiers]]\ntype = "redis"\nurl = "{server.url}"\n'
-        out["redis_cascade_gbps"], out["redis_promote_gbps"] = tier_rates(redis, "redis", block, n)
+    else:
+        with RedisServer() as server:
+            redis = f'[[tiers]]\ntype = "redis"\nurl = "{server.url}"\n'
+            _record(out, "redis", tier_rates(redis, "redis", block, n))
+    if why := MooncakeMaster.available():
+        out["mooncake_skipped"] = why
+    else:
+        with MooncakeMaster() as m:
+            mooncake = (
+                f'[[tiers]]\ntype = "mooncake"\nmaster = "{m.master}"\n'
+                f'metadata_server = "{m.metadata_url}"\nadmin_url = "{m.admin_url}"\n'
+                f'segment_size = "{2 * n * block >> 20}MiB"\n'
+            )
+            # A master's first clients run slower (its allocator warms up): one warm-up
+            # daemon first, as a long-running master in a deployment has served many.
+            tier_rates(
+                mooncake.replace('"mooncake"', '"mooncake"\nprefix = "warm"', 1),
+                "mooncake",
+                block,
+                8,
+            )
+            _record(out, "mooncake", tier_rates(mooncake, "mooncake", block, n))
     return out
+
+
+def _record(out: dict[str, Any], kind: str, rates: tuple[float, float, float]) -> None:
+    out[f"{kind}_cascade_gbps"], out[f"{kind}_promote_gbps"], out[f"{kind}_one_block_ms"] = rates
 
 
 def tier_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     base = r["memcpy_gbps"]
     rows = []
-    for kind in ("disk", "redis"):
+    for kind in ("disk", "redis", "mooncake"):
         if f"{kind}_promote_gbps" not in r:
             rows.append((f"{kind} tier", "not measured", r.get(f"{kind}_skipped", "")))
             continue
@@ -100,4 +134,7 @@ def tier_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
             way = "cascade (region -> tier)" if what == "cascade" else "promotion (tier -> region)"
             label = f"{kind} tier {way}"
             rows.append((label, f"{v:.2f} GB/s", f"{v / base:.2f} of memcpy"))
+        if f"{kind}_one_block_ms" in r:
+            ms = r[f"{kind}_one_block_ms"]
+            rows.append((f"{kind} tier, one block's promotion", f"{ms:.2f} ms", "lookup to hit"))
     return rows

@@ -1,4 +1,5 @@
-"""The secondary-tier interface: what the daemon's loop asks of a disk or Redis tier.
+"""The secondary-tier interface: what the daemon's loop asks of a disk, Redis or
+Mooncake tier.
 
 Rules:
 - The loop thread calls every method. ``lookup`` answers from the tier's own view of
@@ -48,13 +49,15 @@ class TierJob:
     """Blocks to move between region slots and one tier.
 
     ``buffers[i]`` is the region memory of ``keys[i]`` (``block_bytes`` long): read
-    from for a store, written into for a load.
+    from for a store, written into for a load. ``addresses[i]`` is where that memory
+    is, for tiers that copy through registered memory (``attach_region``).
     """
 
     job_id: int
     ns: TierNamespace
     keys: list[bytes]
     buffers: list[memoryview]
+    addresses: list[int] = field(default_factory=list)
     started_s: float = field(default_factory=time.perf_counter)
 
     def result(self, ok: list[bool], nbytes: int) -> TierResult:
@@ -119,7 +122,7 @@ class Finished:
 
 
 class SecondaryTier(ABC):
-    """One secondary tier. ``name`` is its config name, ``kind`` "disk" or "redis"."""
+    """One secondary tier. ``name`` is its config name, ``kind`` its type."""
 
     kind = ""
 
@@ -132,6 +135,10 @@ class SecondaryTier(ABC):
 
     def open_namespace(self, ns: TierNamespace) -> None:  # noqa: B027 - optional hook
         """A namespace opened on this daemon; its blocks may be asked for from now on."""
+
+    def attach_region(self, address: int, nbytes: int) -> None:  # noqa: B027 - optional hook
+        """The region every job's buffers lie in (called once, before any job): a tier
+        that moves bytes without copies registers it with its transport."""
 
     @abstractmethod
     def lookup(self, ns: TierNamespace, keys: Sequence[bytes]) -> list[bool]:

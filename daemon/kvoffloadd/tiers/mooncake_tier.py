@@ -1,0 +1,343 @@
+"""Mooncake Store tier: blocks in a Mooncake Store cluster that daemons on many nodes share.
+
+Rules:
+- Objects: one per block, named ``<prefix>/<tier id>/<key hex>``. Tier ids come from the
+  namespace name and layout fingerprint, so only daemons serving the same namespace
+  share its blocks. An object is the block followed by a 32-byte header (magic, CRC32,
+  block bytes); both are moved by Mooncake's transfer engine straight between the
+  store and the region slot (the region is registered with ``register_buffer``) and a
+  registered header area, so no block is copied by Python.
+- The daemon mounts a segment of ``segment_size`` bytes into the cluster (its share of
+  the store's memory; 0: it only reads and writes others' segments). Mooncake places,
+  replicates, leases and evicts objects; the daemon never removes one.
+- View: a block the daemon wrote or read is in it; a lookup that misses queues the key
+  for an existence check (``batch_is_exist``) by the poller, so a block another daemon
+  wrote hits from the next probe on. Every ``full_sync_s`` the poller re-reads what the
+  store holds (the master's ``/get_all_keys`` when ``admin_url`` is set, else an
+  existence check of the view): blocks Mooncake evicted, or lost with a node or a
+  master restart, leave. A block gone before that fails one load and leaves.
+- Failure: an unreachable master marks the tier unhealthy (lookups miss, jobs fail)
+  until ``health_check`` passes again; Mooncake's client re-mounts its segment itself.
+  A transfer that failed in a way that may leave I/O in flight (anything but a
+  rejection before the transfer) holds its job's slots for ``timeout_s`` more before
+  the job is reported, so no late write lands in a reused slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+import urllib.request
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .base import TierError, TierJob, TierNamespace
+from .remote import Entry, RemoteTier
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVOMC001"  # the header's CRC32 is the block's
+MAGIC_NO_CRC = b"KVOMC00N"  # written with verify off: no CRC to check
+_HEADER = struct.Struct("<8sIQ")  # magic, crc32, block bytes
+HEADER_BYTES = 32  # one slot of the header area per key
+MAX_JOB_KEYS = 256  # header slots per job thread; longer jobs go in pieces
+EXIST_BATCH = 4096  # keys per existence check
+MAX_WANTED = 65_536  # misses queued for an existence check
+
+# Mooncake's ErrorCode values (mooncake-store types.h) that reject a transfer before
+# any byte moves: the slots are safe to reuse at once.
+OBJECT_NOT_FOUND = -704
+# NO_AVAILABLE_HANDLE, INVALID_PARAMS, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND,
+# OBJECT_ALREADY_EXISTS, OBJECT_HAS_LEASE, LEASE_EXPIRED (checked after the copy),
+# RPC_FAIL, RPC_TIMEOUT (the master's answer, before any transfer), TENANT_QUOTA_EXCEEDED.
+_SAFE_REJECTIONS = frozenset({-200, -600, -703, -704, -705, -706, -707, -900, -901, -1700})
+RPC_FAIL = -900
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """A ``[[tiers]]`` entry of type ``mooncake``, as the tier uses it."""
+
+    master: str  # host:port of mooncake_master's RPC service
+    metadata_server: str  # http://host:port/metadata, or an etcd address
+    local_hostname: str = "127.0.0.1"  # address other nodes reach this one at
+    protocol: str = "tcp"  # or "rdma"
+    device: str = ""  # RDMA device names (protocol rdma)
+    segment_bytes: int = 512 << 20  # memory this daemon lends the store
+    local_buffer_bytes: int = 16 << 20  # Mooncake's own staging buffer
+    prefix: str = "kvoffload"
+    admin_url: str = ""  # http://host:port of the master's admin server (optional)
+    timeout_s: float = 2.0
+    refresh_s: float = 0.2
+    full_sync_s: float = 10.0
+    verify: bool = True
+    threads: int = 4
+
+
+def _load_client_class() -> Any:
+    """Mooncake's client class; ``TierError`` naming what is missing."""
+    # Mooncake logs only fatal errors; the tier reports the rest itself.
+    os.environ.setdefault("GLOG_minloglevel", "3")
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise TierError(
+            "the mooncake tier needs Mooncake's client (pip install 'kvoffload[mooncake]') "
+            f"and its libraries (libibverbs1, librdmacm1, libnuma1): {exc}"
+        ) from exc
+    return MooncakeDistributedStore
+
+
+class MooncakeTier(RemoteTier):
+    kind = "mooncake"
+
+    def __init__(
+        self,
+        name: str,
+        settings: MooncakeSettings,
+        capacity_bytes: int,
+        wake: Any,
+        client_class: Any = None,  # Mooncake's MooncakeDistributedStore unless given
+    ) -> None:
+        super().__init__(name, settings.master, capacity_bytes, wake)
+        self._cls = client_class or _load_client_class()
+        self.s = settings
+        self._region: tuple[int, int] | None = None
+        # One header area per job thread, registered with every client.
+        self._headers = np.zeros((settings.threads, MAX_JOB_KEYS * HEADER_BYTES), np.uint8)
+        self._slot_of_thread: dict[int, int] = {}
+        self._client: Any = None  # replaced by the poller only
+        self._poisoned: list[Any] = []  # clients a transfer may still use: kept alive
+        self._lock = threading.Lock()
+        self._wanted: dict[Entry, None] = {}  # loop thread fills, poller swaps out
+        self._stop = threading.Event()
+        self._want_full = threading.Event()
+        self._pool = ThreadPoolExecutor(settings.threads, thread_name_prefix=f"kvoffload-{name}")
+        self._poller = threading.Thread(target=self._poll, name=f"kvoffload-{name}-poll")
+        self._poller.daemon = True
+
+    # ------------------------------------------------------------ loop thread
+
+    def attach_region(self, address: int, nbytes: int) -> None:
+        self._region = (address, nbytes)
+        self._poller.start()  # connects, registers the region, follows the store
+
+    def namespace_added(self) -> None:
+        self._want_full.set()
+
+    def lookup(self, ns: TierNamespace, keys: Sequence[bytes]) -> list[bool]:
+        found = super().lookup(ns, keys)
+        # Misses are checked against the store by the poller (a lost race with its
+        # swap only loses a check: the next miss queues the key again).
+        if self.healthy and len(self._wanted) < MAX_WANTED:
+            tid = ns.tier_id
+            self._wanted.update(((tid, k), None) for k, f in zip(keys, found) if not f)
+        return found
+
+    def submit_store(self, job: TierJob) -> None:
+        self._pool.submit(self._run, job, self.track(job, True), True)
+
+    def submit_load(self, job: TierJob) -> None:
+        self._pool.submit(self._run, job, self.track(job, False), False)
+
+    def statistics(self) -> dict[str, Any]:
+        return self.remote_statistics(
+            master=self.s.master, protocol=self.s.protocol, poisoned_clients=len(self._poisoned)
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._want_full.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._poller.is_alive():
+            self._poller.join(timeout=10)
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # ------------------------------------------------------------ job threads
+
+    def object_name(self, e: Entry) -> str:
+        return f"{self.s.prefix}/{e[0]}/{e[1].hex()}"
+
+    def _header_area(self) -> int:
+        """This thread's header area (each pool thread gets one for its life)."""
+        me = threading.get_ident()
+        with self._lock:
+            slot = self._slot_of_thread.setdefault(me, len(self._slot_of_thread))
+        return int(self._headers[slot].ctypes.data)
+
+    def _run(self, job: TierJob, entries: list[Entry], store: bool) -> None:
+        ok = [False] * len(entries)
+        hold_s = 0.0
+        client = self._client
+        try:
+            if client is None or not self.healthy:
+                raise ConnectionError(self.last_error or f"not connected to {self.endpoint}")
+            for a in range(0, len(entries), MAX_JOB_KEYS):
+                part = range(a, min(a + MAX_JOB_KEYS, len(entries)))
+                codes = self._move(client, job, entries, part, store)
+                for i, code in zip(part, codes):
+                    ok[i] = code == 0
+                    if code < 0 and code not in _SAFE_REJECTIONS:
+                        hold_s = self.s.timeout_s  # I/O may still be running
+                    if code == RPC_FAIL:
+                        self.post_unreachable(f"Mooncake RPC failed (code {code})")
+        except ConnectionError as exc:
+            log.debug("tier %s: job %d not run: %s", self.name, job.job_id, exc)
+        except Exception as exc:  # a tier fault stays inside the tier
+            log.warning("tier %s: a %s failed: %r", self.name, "store" if store else "load", exc)
+            hold_s = self.s.timeout_s
+        if hold_s:
+            self._poison(client, hold_s)
+        done = sum(len(b) for b, good in zip(job.buffers, ok) if good)
+        result = job.result(ok, done)
+        if hold_s:
+            threading.Timer(hold_s, self.finished.post, ("job", (result, []))).start()
+        else:
+            self.finished.post("job", (result, []))
+
+    def _move(
+        self, client: Any, job: TierJob, entries: list[Entry], part: range, store: bool
+    ) -> list[int]:
+        """One piece of a job; per key 0 (done) or Mooncake's negative code."""
+        n = job.ns.block_bytes
+        hdr = self._header_area()
+        names = [self.object_name(entries[i]) for i in part]
+        ptrs = [[job.addresses[i], hdr + j * HEADER_BYTES] for j, i in enumerate(part)]
+        sizes = [[n, HEADER_BYTES]] * len(part)
+        view = memoryview(self._headers.reshape(-1).data)  # header bytes, all threads
+        base = hdr - int(self._headers.ctypes.data)
+        if store:
+            magic = MAGIC if self.s.verify else MAGIC_NO_CRC
+            for j, i in enumerate(part):
+                crc = zlib.crc32(job.buffers[i]) if self.s.verify else 0
+                _HEADER.pack_into(view, base + j * HEADER_BYTES, magic, crc, n)
+            return [min(c, 0) for c in client.batch_put_from_multi_buffers(names, ptrs, sizes)]
+        got = client.batch_get_into_multi_buffers(names, ptrs, sizes)
+        codes = []
+        for j, (i, count) in enumerate(zip(part, got)):
+            if count < 0:
+                codes.append(count)
+                continue
+            magic, crc, size = _HEADER.unpack_from(view, base + j * HEADER_BYTES)
+            good = count == n + HEADER_BYTES and magic in (MAGIC, MAGIC_NO_CRC) and size == n
+            if good and magic == MAGIC and self.s.verify and zlib.crc32(job.buffers[i]) != crc:
+                good = False
+            if not good:
+                log.warning("tier %s: block %s failed its check; not loaded", self.name, names[j])
+            codes.append(0 if good else OBJECT_NOT_FOUND)
+        return codes
+
+    def _poison(self, client: Any, hold_s: float) -> None:
+        """A transfer may still use this client's registrations: keep it alive forever,
+        and let the poller connect a fresh one."""
+        with self._lock:
+            if client is not None and self._client is client:
+                self._poisoned.append(client)
+                self._client = None
+        self.post_unreachable(f"a transfer failed mid-way; reconnecting after {hold_s:g} s")
+
+    # ------------------------------------------------------------ poller thread
+
+    def _connect(self) -> Any:
+        client = self._cls()
+        s = self.s
+        rc = client.setup(
+            s.local_hostname,
+            s.metadata_server,
+            s.segment_bytes,
+            s.local_buffer_bytes,
+            s.protocol,
+            s.device,
+            s.master,
+        )
+        if rc != 0:
+            raise ConnectionError(f"setup with master {s.master} failed (code {rc})")
+        assert self._region is not None
+        for address, nbytes in (
+            self._region,
+            (int(self._headers.ctypes.data), self._headers.nbytes),
+        ):
+            rc = client.register_buffer(address, nbytes)
+            if rc != 0:
+                client.close()
+                raise ConnectionError(f"cannot register {nbytes} bytes of memory (code {rc})")
+        log.info("tier %s: connected to Mooncake master %s (%s)", self.name, s.master, s.protocol)
+        return client
+
+    def _poll(self) -> None:
+        next_full = 0.0
+        up = False
+        while not self._stop.is_set():
+            try:
+                if self._client is None:
+                    client = self._connect()
+                    with self._lock:
+                        self._client = client
+                rc = self._client.health_check()
+                if rc != 0:
+                    raise ConnectionError(f"master {self.s.master} unreachable (health {rc})")
+                # Back after an outage (a restarted master has lost every object): the
+                # view is re-read before the tier answers lookups again.
+                if not up or self._want_full.is_set() or time.monotonic() >= next_full:
+                    self._want_full.clear()
+                    started = time.monotonic()
+                    self._full_sync(started)
+                    next_full = started + self.s.full_sync_s
+                self._check_wanted()
+                self.finished.post("health", (True, "", 0))
+                up = True
+            except Exception as exc:  # never the end of the poller: retried, reported
+                up = False
+                self.post_unreachable(f"{type(exc).__name__}: {exc}")
+                self._want_full.wait(max(self.s.refresh_s, 1.0))
+                continue
+            self._want_full.wait(self.s.refresh_s)
+
+    def _exist(self, entries: list[Entry]) -> list[Entry]:
+        present: list[Entry] = []
+        for a in range(0, len(entries), EXIST_BATCH):
+            part = entries[a : a + EXIST_BATCH]
+            found = self._client.batch_is_exist([self.object_name(e) for e in part])
+            if any(f < 0 for f in found):
+                raise ConnectionError(f"existence check failed (codes {set(found)})")
+            present.extend(e for e, f in zip(part, found) if f == 1)
+        return present
+
+    def _check_wanted(self) -> None:
+        wanted, self._wanted = self._wanted, {}  # the loop thread starts a fresh one
+        if wanted:
+            self.finished.post("seen", self._exist(list(wanted)))
+
+    def _full_sync(self, started: float) -> None:
+        # list() copies the loop thread's dict under the GIL, in one step
+        present = set(self._all_keys() if self.s.admin_url else self._exist(list(self._view)))
+        self.finished.post("full", (started, present))
+
+    def _all_keys(self) -> list[Entry]:
+        """Every object of our tier ids, from the master's admin server."""
+        url = self.s.admin_url.rstrip("/") + "/get_all_keys"
+        with urllib.request.urlopen(url, timeout=self.s.timeout_s) as r:
+            body = r.read().decode("utf-8", "replace")
+        ids, lead = self._tier_ids, self.s.prefix + "/"
+        out = []
+        for line in body.splitlines():
+            if not line.startswith(lead):
+                continue
+            tid, _, hexkey = line[len(lead) :].partition("/")
+            if tid in ids:
+                try:
+                    out.append((tid, bytes.fromhex(hexkey)))
+                except ValueError:
+                    continue
+        return out

@@ -1,0 +1,167 @@
+"""The Mooncake Store tier with real daemons and a real mooncake_master on loopback.
+
+Each daemon mounts its own segment into the store; blocks move between the store and
+region slots through Mooncake's transfer engine (TCP here).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+from collections.abc import Iterator
+
+import pytest
+from helpers import poll
+from tiered import Engine, evict_by_storing_more, keys, tier_daemon
+
+import kvoffload
+from kvoffloadbench.mooncake_master import MooncakeMaster
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def mooncake_ready() -> None:
+    why = MooncakeMaster.available()
+    if why:
+        pytest.skip(why)
+
+
+@pytest.fixture
+def master(mooncake_ready: None) -> Iterator[MooncakeMaster]:
+    m = MooncakeMaster().start()
+    yield m
+    m.stop()
+
+
+def mooncake_toml(m: MooncakeMaster, admin: bool = True, full_sync_s: float = 0.5) -> str:
+    out = (
+        f'[[tiers]]\ntype = "mooncake"\nmaster = "{m.master}"\n'
+        f'metadata_server = "{m.metadata_url}"\nsegment_size = "32MiB"\n'
+        f"refresh_s = 0.05\nfull_sync_s = {full_sync_s}\ntimeout_s = 1.0\n"
+    )
+    return out + (f'admin_url = "{m.admin_url}"\n' if admin else "")
+
+
+def ours(m: MooncakeMaster) -> list[str]:
+    return [k for k in m.objects() if k.startswith("kvoffload/")]
+
+
+def test_store_evict_promote_is_byte_identical(tmp_path: pathlib.Path, master: MooncakeMaster):
+    with tier_daemon(tmp_path, mooncake_toml(master)) as d:
+        e = Engine(d)
+        poll(lambda: e.tier("mooncake")["healthy"], "the tier to connect")
+        a = keys(b"a", 4)
+        data = e.store(a, seed=1)
+        evict_by_storing_more(e, "mooncake")
+        assert len(ours(master)) == 8  # one object per block, in the store
+        assert e.client.stats()["namespaces"]["llama"]["stored_blocks"] == 4
+        assert e.ns.lookup(a) is None  # in the store: promotion started, ask again
+        poll(lambda: e.ns.lookup(a) == 4, "the promotion")
+        assert e.load(a) == data
+        st = e.tier("mooncake")
+        assert st["promoted_blocks_total"] == 4 and st["loads_total"] == 4
+        assert st["stores_total"] == 8 and st["promotion_failures_total"] == 0
+        assert st["kind"] == "mooncake" and st["master"] == master.master
+        e.close()
+        assert d.stop() == 0
+
+
+@pytest.mark.parametrize("admin", [True, False], ids=["admin-listing", "existence-checks"])
+def test_two_daemons_share_blocks_through_one_master(
+    tmp_path: pathlib.Path, master: MooncakeMaster, admin: bool
+) -> None:
+    toml = mooncake_toml(master, admin)
+    with tier_daemon(tmp_path, toml, "a") as da, tier_daemon(tmp_path, toml, "b") as db:
+        ea, eb = Engine(da), Engine(db)
+        for e in (ea, eb):
+            poll(lambda e=e: e.tier("mooncake")["healthy"], "the tiers to connect")
+        a = keys(b"a", 4)
+        data = ea.store(a, seed=3)
+        poll(lambda: ea.tier("mooncake")["stores_total"] == 4, "the cascade")
+        # b learns of a's blocks from the master, promotes them over the transfer engine
+        poll(lambda: eb.ns.lookup(a) == 4, "the other daemon to promote the blocks")
+        assert eb.load(a) == data
+        assert eb.tier("mooncake")["promoted_blocks_total"] == 4
+        assert eb.tier("mooncake")["stores_total"] == 0  # the store had them: not written
+        other = Engine(db, "mistral")  # same layout, another model: shares nothing
+        assert other.ns.probe(a) == [kvoffload.KEY_ABSENT]
+        assert len(ours(master)) == 4
+        for e in (ea, eb, other):
+            e.close()
+        assert da.stop() == 0 and db.stop() == 0
+
+
+def test_a_block_removed_behind_the_daemons_back_costs_one_miss(
+    tmp_path: pathlib.Path, master: MooncakeMaster
+) -> None:
+    """Mooncake evicts on its own; the view follows. Without the listing, the gone
+    block fails one promotion and then misses; with it, the view drops it first."""
+    with tier_daemon(tmp_path, mooncake_toml(master, admin=False, full_sync_s=30.0)) as d:
+        e = Engine(d)
+        poll(lambda: e.tier("mooncake")["healthy"], "the tier to connect")
+        a = keys(b"a", 4)
+        data = e.store(a, seed=4)
+        evict_by_storing_more(e, "mooncake")
+        from mooncake.store import MooncakeDistributedStore
+
+        gone = next(k for k in ours(master) if k.endswith(a[0].hex()))
+        admin = MooncakeDistributedStore()
+        rc = admin.setup("127.0.0.1", master.metadata_url, 0, 16 << 20, "tcp", "", master.master)
+        assert rc == 0
+        poll(lambda: admin.remove(gone) == 0, "the object's lease to end", deadline_s=10)
+        admin.close()
+        assert e.ns.lookup(a) is None  # the view still lists it: a promotion starts
+        poll(lambda: e.ns.lookup(a) == 0, "the gone block to miss")
+        assert e.tier("mooncake")["promotion_failures_total"] == 1
+        assert e.ns.lookup(a) == 0  # and it stays a miss: no endless retries
+        poll(lambda: e.ns.lookup(a[1:]) == 3, "the others, promoted in the same job")
+        assert e.load(a[1:]) == data[4096:]
+        e.close()
+        assert d.stop() == 0
+
+
+def test_a_killed_master_degrades_to_misses_and_recovers(
+    tmp_path: pathlib.Path, master: MooncakeMaster
+) -> None:
+    with tier_daemon(tmp_path, mooncake_toml(master), top="tier_job_timeout_s = 5.0\n") as d:
+        e = Engine(d)
+        poll(lambda: e.tier("mooncake")["healthy"], "the tier to connect")
+        a = keys(b"a", 4)
+        e.store(a, seed=5)
+        big = e.client.namespace("big", kvoffload.KVLayout(tensor_page_bytes=[1 << 20]))
+        cache = kvoffload.shared_kv_cache(16, 1 << 20)
+        cache.random_(-128, 127)
+        w = big.attach_worker([cache])
+        bk = keys(b"B", 16)
+        plan = big.prepare_store(bk)
+        assert plan is not None and w.submit_store(1, list(range(16)), plan.slots)
+        w.wait([1])
+        assert master.proc is not None
+        master.proc.send_signal(signal.SIGSTOP)  # the master hangs...
+        big.complete_store(bk)  # ...while 16 MiB of cascades start...
+        poll(lambda: e.tier("mooncake")["cascade_inflight_blocks"] > 0, "cascades in flight")
+        master.kill()  # ...and dies under them
+        assert e.client.evict("llama") == 4
+        poll(lambda: not e.tier("mooncake")["healthy"], "the tier to notice", deadline_s=15)
+        poll(lambda: e.ns.lookup(a) == 0, "lookups to miss", deadline_s=15)
+        b = keys(b"b", 4)
+        data = e.store(b, seed=6)  # the region works as before
+        assert e.ns.lookup(b) == 4 and e.load(b) == data
+        assert d.alive()
+        fresh = master.restarted()  # back, empty: every block is gone with its metadata
+        try:
+            poll(lambda: e.tier("mooncake")["healthy"], "the tier to recover", deadline_s=30)
+            # gone from the store: a miss (after a promotion still failing, at most)
+            poll(lambda: e.ns.lookup(a) == 0, "the lost blocks to miss")
+            assert e.ns.lookup(a) == 0 and e.ns.lookup(a) == 0  # and no more retries
+            c = keys(b"c", 4)
+            before = e.tier("mooncake")["stores_total"]
+            e.store(c, seed=7)
+            poll(lambda: e.tier("mooncake")["stores_total"] >= before + 4, "cascades to resume")
+            poll(lambda: len(ours(fresh)) >= 4, "the new blocks in the new master")
+        finally:
+            fresh.stop()
+        w.close()
+        e.close()
+        assert d.stop() == 0

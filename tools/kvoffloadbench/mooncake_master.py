@@ -1,0 +1,135 @@
+"""Start a throwaway mooncake_master on loopback ports (tests and benchmarks).
+
+The master serves its RPC port, its HTTP metadata server (``metadata_url``) and its
+admin server (``admin_url``: ``/get_all_keys``, ``/health``), all on 127.0.0.1, and keeps
+nothing on disk. ``MooncakeMaster.available()`` says why none can be started (Mooncake
+not installed, or its libraries missing), so callers can skip with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from types import TracebackType
+
+from .redis_server import free_port
+
+
+def _binary() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    return here if os.access(here, os.X_OK) else shutil.which("mooncake_master") or ""
+
+
+class MooncakeMaster:
+    def __init__(self, lease_ttl_ms: int = 500, ports: tuple[int, int, int] | None = None):
+        self.binary = _binary()
+        self.rpc_port, self.metadata_port, self.admin_port = ports or (
+            free_port(),
+            free_port(),
+            free_port(),
+        )
+        self.lease_ttl_ms = lease_ttl_ms
+        self._dir = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def available() -> str:
+        """Empty when a master can be started and a client can load, else why not."""
+        if not _binary():
+            return "mooncake_master is not installed (make test installs kvoffload[mooncake])"
+        probe = [sys.executable, "-c", "import mooncake.store"]
+        out = subprocess.run(probe, capture_output=True, text=True, timeout=60, check=False)
+        if out.returncode != 0:
+            last = (out.stderr.strip().splitlines() or ["?"])[-1]
+            return f"Mooncake's client cannot load ({last}); make test installs its libraries"
+        return ""
+
+    @property
+    def master(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def start(self, timeout_s: float = 20.0) -> MooncakeMaster:
+        if not self.binary:
+            raise RuntimeError(self.available())
+        self._dir = tempfile.mkdtemp(prefix="kvoffload-mooncake-")
+        args = [self.binary, f"-rpc_port={self.rpc_port}", "-rpc_address=127.0.0.1"]
+        args += ["-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1"]
+        args += [f"-http_metadata_server_port={self.metadata_port}"]
+        args += [f"-metrics_port={self.admin_port}", "-metrics_host=127.0.0.1"]
+        args += [f"-default_kv_lease_ttl={self.lease_ttl_ms}", f"-log_dir={self._dir}"]
+        self.proc = subprocess.Popen(
+            args,
+            cwd=self._dir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}")
+            if self.healthy():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"mooncake_master did not answer on port {self.admin_port}")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.admin_url + "/health", timeout=0.5) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def objects(self) -> list[str]:
+        """Every object the master holds (its admin server's ``/get_all_keys``)."""
+        with urllib.request.urlopen(self.admin_url + "/get_all_keys", timeout=5) as r:
+            return [k for k in r.read().decode().splitlines() if k]
+
+    def kill(self) -> None:
+        """SIGKILL: the master and all its metadata are gone at once, as in a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = ""
+
+    def restarted(self) -> MooncakeMaster:
+        """A fresh, empty master on the same ports (after ``kill``)."""
+        self.stop()
+        ports = (self.rpc_port, self.metadata_port, self.admin_port)
+        return MooncakeMaster(self.lease_ttl_ms, ports).start()
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+__all__ = ["MooncakeMaster"]
