@@ -3,7 +3,7 @@
 Rules:
 - Objects: one per block, named ``<prefix>/<tier id>/<key hex>``. Tier ids come from the
   namespace name and layout fingerprint, so only daemons serving the same namespace
-  share its blocks. An object is the block followed by a 32-byte header (magic, CRC32,
+  share its blocks. An object is the block followed by a 32-byte header (magic, CRC32C,
   block bytes); both are moved by Mooncake's transfer engine straight between the
   store and the region slot (the region is registered with ``register_buffer``) and a
   registered header area, so no block is copied by Python.
@@ -31,7 +31,6 @@ import struct
 import threading
 import time
 import urllib.request
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,12 +39,11 @@ from typing import Any
 import numpy as np
 
 from .base import TierError, TierJob, TierNamespace
-from .remote import Entry, RemoteTier
+from .remote import Entry, RemoteTier, block_crc
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVOMC001"  # the header's CRC32 is the block's
-MAGIC_NO_CRC = b"KVOMC00N"  # written with verify off: no CRC to check
+MAGIC = b"KVOMC001"  # the header's CRC32C is the block's (always written)
 _HEADER = struct.Struct("<8sIQ")  # magic, crc32, block bytes
 HEADER_BYTES = 32  # one slot of the header area per key
 MAX_JOB_KEYS = 256  # header slots per job thread; longer jobs go in pieces
@@ -218,10 +216,9 @@ class MooncakeTier(RemoteTier):
         view = memoryview(self._headers.reshape(-1).data)  # header bytes, all threads
         base = hdr - int(self._headers.ctypes.data)
         if store:
-            magic = MAGIC if self.s.verify else MAGIC_NO_CRC
             for j, i in enumerate(part):
-                crc = zlib.crc32(job.buffers[i]) if self.s.verify else 0
-                _HEADER.pack_into(view, base + j * HEADER_BYTES, magic, crc, n)
+                crc = block_crc(job.buffers[i])
+                _HEADER.pack_into(view, base + j * HEADER_BYTES, MAGIC, crc, n)
             return [min(c, 0) for c in client.batch_put_from_multi_buffers(names, ptrs, sizes)]
         got = client.batch_get_into_multi_buffers(names, ptrs, sizes)
         codes = []
@@ -230,8 +227,8 @@ class MooncakeTier(RemoteTier):
                 codes.append(count)
                 continue
             magic, crc, size = _HEADER.unpack_from(view, base + j * HEADER_BYTES)
-            good = count == n + HEADER_BYTES and magic in (MAGIC, MAGIC_NO_CRC) and size == n
-            if good and magic == MAGIC and self.s.verify and zlib.crc32(job.buffers[i]) != crc:
+            good = count == n + HEADER_BYTES and magic == MAGIC and size == n
+            if good and self.s.verify and block_crc(job.buffers[i]) != crc:
                 good = False
             if not good:
                 log.warning("tier %s: block %s failed its check; not loaded", self.name, names[j])
