@@ -82,8 +82,8 @@ class MooncakeSettings:
 
 def _load_client_class() -> Any:
     """Mooncake's client class; ``TierError`` naming what is missing."""
-    # Mooncake logs only fatal errors; the tier reports the rest itself.
-    os.environ.setdefault("GLOG_minloglevel", "3")
+    # Mooncake's own log: errors only (its INFO lines would flood the daemon's log).
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
