@@ -121,6 +121,7 @@ class StoreIndex:
         # keys whose store completed (ref >= 0): lookup runs on this set in C
         self._ready: set[bytes] = set()
         self._written: dict[int, int] = {}  # slot being written -> bit mask of ranks done
+        self._parts_written: dict[int, int] = {}  # canonical slot -> bit mask of parts done
         self._all_ranks = (1 << layout.world_size) - 1
         self._void: set[int] = set()  # slots whose copy failed: their store never commits
         self._waiting: dict[int, float] = {}  # committed slot -> deadline for its copies
@@ -264,22 +265,42 @@ class StoreIndex:
                 )
         self._finish_stores(mine, success)
 
-    def mark_written(self, slots: Sequence[int], rank: int) -> None:
-        """A store copy of ``rank`` into these slots finished successfully."""
+    def mark_written(self, slots: Sequence[int], rank: int, parts: int = 1) -> list[int]:
+        """A store copy of ``rank`` into these slots finished successfully. With
+        ``parts`` > 1 (canonical pages) the rank wrote its part of the one area: the
+        area counts as written once all ``parts`` ranks have reported; returns the
+        slots that became whole so (their checksum is taken then)."""
         bit = 1 << rank
         slot_key, token_of, written = self._slot_key, self.leases.token_of, self._written
         done: list[tuple[bytes, Block]] = []
+        whole, pw = (1 << parts) - 1, self._parts_written
+        completed: list[int] = []
         for slot in slots:
             key = slot_key[slot] if slot < len(slot_key) else None
             if key is None and slot not in token_of:
                 continue  # freed meanwhile
-            bits = written[slot] = written.get(slot, 0) | bit
+            area_bit = bit
+            if parts > 1:
+                if (got := pw.get(slot, 0) | bit) != whole:
+                    pw[slot] = got
+                    continue
+                pw.pop(slot, None)
+                area_bit = 1  # the canonical area (rank 0's) is whole now
+                completed.append(slot)
+            bits = written[slot] = written.get(slot, 0) | area_bit
             if bits == self._all_ranks and slot in self._waiting and key is not None:
                 block = self._policy.get(key)
                 if block is not None and block.slot == slot and block.ref == -1:
                     done.append((key, block))
         if done:
             self._finish_stores(done, True)
+        return completed
+
+    def holds_ready(self, slot: int) -> bool:
+        """Whether ``slot`` holds a ready block (or one still being written)."""
+        key = self._slot_key[slot] if 0 <= slot < len(self._slot_key) else None
+        block = self._policy.get(key) if key is not None else None
+        return block is not None and block.slot == slot
 
     def void(self, slots: Sequence[int]) -> None:
         """A store copy into these slots failed or came too late: never commit them."""
@@ -371,6 +392,8 @@ class StoreIndex:
             if block is None or block.slot == slot:  # not a grave of a key stored again
                 self._ready.discard(key)
         self._written.pop(slot, None)
+        if self._parts_written:
+            self._parts_written.pop(slot, None)
         if self._void:
             self._void.discard(slot)
         if self._waiting:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvoffload.canonical import CanonicalPart, check, check_parts
 from kvoffload.copyplan import (
     CacheGeometry,
     Placement,
@@ -51,7 +52,7 @@ from kvoffload.protocol.errors import (
     QuotaExceededError,
     TimedOutError,
 )
-from kvoffload.protocol.messages import pack_ids, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import KVLayout, pack_ids, unpack_ids, unpack_keys
 
 from .access import AccessPolicy
 from .config import DaemonConfig
@@ -71,6 +72,9 @@ from .workers import (
 )
 
 log = logging.getLogger(__name__)
+
+
+SUM_JOB = -1  # a _Job's worker id when it only takes checksums of whole canonical slots
 
 
 @dataclass
@@ -134,9 +138,13 @@ class Transfers:
         if index is None:
             raise InvalidArgumentError(f"namespace id {r.ns} was not opened on this connection")
         layout = index.layout
-        if not 0 <= r.rank < layout.world_size:
+        pages = [c.page_bytes for c in r.caches]
+        if r.parts > 1 or r.canonical:
+            placements = canonical_placements(layout, r, pages)
+        elif not 0 <= r.rank < layout.world_size:
             raise InvalidArgumentError(f"rank {r.rank} is not in 0..{layout.world_size - 1}")
-        placements = place_caches(layout, [c.page_bytes for c in r.caches])
+        else:
+            placements = place_caches(layout, pages)
         if r.client_copy and not self.access.may_map_region(s.peer):
             raise PermissionDeniedError(
                 f"uid {s.uid} may not map the region for client-copy mode; list it in "
@@ -163,7 +171,7 @@ class Transfers:
             close_fds(fds)
             caches = [ClientCache(check_desc(d)) for d in r.caches]
             w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
-            w.client_copy, w.push = True, r.push
+            w.client_copy, w.push, w.parts = True, r.push, r.parts
             self.workers[wid] = w
             s.workers.add(wid)
             return m.WorkerAttached(r.rid, wid, region_bytes)
@@ -180,7 +188,7 @@ class Transfers:
         else:
             caches = attach_caches(r.caches, fds)
             w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
-        w.push = r.push
+        w.push, w.parts = r.push, r.parts
         self.workers[wid] = w
         s.workers.add(wid)
         return m.WorkerAttached(r.rid, wid, region_bytes)
@@ -228,12 +236,13 @@ class Transfers:
         check_transfer(index.layout, slots.size, block_ids, skip, geometries)
         runs = build_runs(
             index.layout,
-            w.rank,
+            w.area,
             index.slots.region_offsets(slots),
             block_ids,
             skip,
             geometries,
             [w.placements[i] for i in chosen],
+            slots if is_store else None,
         )
         region_off = np.concatenate([x.region for x in runs])
         nbytes = np.concatenate([x.nbytes for x in runs])
@@ -243,7 +252,13 @@ class Transfers:
         self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns)
         index.slots.mark_busy(slots)
         w.active_jobs.add(r.job_id)
-        check = self._checksum_check(index, w.rank, slots, is_store)
+        # Parts of one canonical slot land from several ranks: no rank's copy sees
+        # the whole page, so such slots keep no checksum (their loads are unverified).
+        check = (
+            None
+            if is_store and w.parts > 1
+            else self._checksum_check(index, w.area, slots, is_store)
+        )
         if w.client_copy:
             return self._client_plan(w, r, token, runs, chosen, region_off, nbytes, check)
         region_addr = region_off + self._region_addr
@@ -293,7 +308,7 @@ class Transfers:
             raise_not_leased(index, slots)
         index.check_store_slots(slots, s.session_id, r.lease)
         if r.success:
-            index.mark_written(slots.tolist(), w.rank)
+            self._sum_whole(index, index.mark_written(slots.tolist(), w.rank, w.parts))
         else:
             index.void(slots.tolist())
 
@@ -329,6 +344,10 @@ class Transfers:
         now_ns = time.monotonic_ns()
         for c in done:
             job = self._jobs.pop(c.token)
+            if job.worker_id == SUM_JOB:
+                if (summed := self.namespaces.get(job.ns_id)) is not None:
+                    self._summed(summed, job, c)
+                continue
             index = self.namespaces[job.ns_id]
             index.slots.unmark_busy(job.slots)
             w = self.workers[job.worker_id]
@@ -337,9 +356,10 @@ class Transfers:
                 # worker went away, may have read reused memory: never commit it.
                 late = bool(job.deadline_ns) and now_ns > job.deadline_ns
                 if c.success and not late and not w.closing:
-                    index.mark_written(job.slots.tolist(), w.rank)
+                    whole = index.mark_written(job.slots.tolist(), w.rank, w.parts)
                     if c.checksums is not None:
-                        index.sums.set(job.slots.tolist(), w.rank, c.checksums)
+                        index.sums.set(job.slots.tolist(), w.area, c.checksums)
+                    self._sum_whole(index, whole)
                 else:
                     index.void(job.slots.tolist())
             if c.corrupt:
@@ -367,6 +387,27 @@ class Transfers:
         for wid, results in pushed.items():
             replies.append((self.workers[wid].session_id, m.JobsDone(0, wid, results)))
         return replies
+
+    def _sum_whole(self, index: NamespaceIndex, slots: list[int]) -> None:
+        """Canonical slots whose parts all landed: their checksum is taken now, by a
+        copier thread (no rank's copy saw the whole page)."""
+        if not slots or not self.config.verify_checksums:
+            return
+        arr = np.asarray(slots, dtype=np.int64)
+        check = self._checksum_check(index, 0, arr, True)
+        token = next(self._tokens)
+        self._jobs[token] = _Job(SUM_JOB, 0, index.ns_id, arr, True)
+        index.slots.mark_busy(arr)  # not reused while it is read
+        empty = np.zeros(0, dtype=np.int64)
+        self.copier.submit(token, empty, empty, empty, check)
+
+    def _summed(self, index: NamespaceIndex, job: _Job, c: Completion) -> None:
+        """A canonical slot's checksum, kept unless its block went meanwhile."""
+        slots = job.slots.tolist()
+        if c.success and c.checksums is not None:
+            keep = [i for i, slot in enumerate(slots) if index.holds_ready(slot)]
+            index.sums.set([slots[i] for i in keep], 0, [c.checksums[i] for i in keep])
+        index.slots.unmark_busy(job.slots)
 
     def _account(self, w: AttachedWorker, job: _Job, c: Completion) -> None:
         if not c.success:
@@ -419,3 +460,22 @@ class Transfers:
 def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:
     bad = [int(x) for x in slots if not 0 <= x < index.slots.capacity][:1]
     raise NotLeasedError(f"slot {bad[0] if bad else '?'} of namespace {index.name!r} is not leased")
+
+
+def canonical_placements(layout: KVLayout, r: m.AttachWorker, pages: list[int]) -> list[Placement]:
+    """Placements of one rank's caches in a canonical namespace's slots (each cache's
+    canonical page), once its parts and fragments are sane."""
+    if layout.world_size != 1:
+        raise InvalidArgumentError(
+            "canonical parts need a namespace of world size 1 (one canonical page per slot), "
+            f"not {layout.world_size}"
+        )
+    check_parts(r.rank, r.parts)
+    if len(r.canonical) != len(r.caches):
+        raise InvalidArgumentError(
+            f"{len(r.canonical)} canonical mappings for {len(r.caches)} caches"
+        )
+    parts = [CanonicalPart.unpack(d.page_bytes, d.frags, d.writers, d.writer) for d in r.canonical]
+    for part, page in zip(parts, pages):
+        check(part, page, r.parts)
+    return place_caches(layout, pages, parts)

@@ -150,6 +150,12 @@ class AttachedWorker:
     client_copy: bool = False  # the client copies; jobs end with ClientCopyDone or Wrote
     push: bool = False  # one-way submits, results pushed (JobsDone)
     client_jobs: dict[int, ClientJob] = field(default_factory=dict)  # job id -> in flight
+    parts: int = 1  # >1: one of an engine's ranks writing parts of canonical slots
+
+    @property
+    def area(self) -> int:
+        """The rank area this worker copies to and from (the only one when canonical)."""
+        return self.rank if self.parts == 1 else 0
 
     @property
     def cache_bytes(self) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .canonical import CanonicalPart
 from .copyplan import CacheGeometry, Placement, build_runs, check_transfer, select_caches
 from .protocol import messages as m
 from .protocol.errors import InvalidArgumentError, KVOffloadError
@@ -116,16 +117,20 @@ class LocalCopies:
         slot_bytes: int,
         region: RegionMapping,
         copy: CopyFn = memmove_runs,
+        canonical: Sequence[CanonicalPart] = (),
     ) -> None:
         from .copyplan import place_caches
 
         self.layout, self.rank, self.region = layout, rank, region
         self._geometries, self._bases = geometries, np.asarray(bases, dtype=np.int64)
-        self._placements: list[Placement] = place_caches(layout, [g.page_bytes for g in geometries])
+        pages = [g.page_bytes for g in geometries]
+        self._placements: list[Placement] = place_caches(layout, pages, canonical)
         self._slots = SlotMap(region.tables, ns_id, slot_bytes)
         self._copy = copy
 
-    def _runs(self, slots: I64, ids: I64, skip: int, caches: Sequence[int]) -> tuple[I64, I64, I64]:
+    def _runs(
+        self, slots: I64, ids: I64, skip: int, caches: Sequence[int], store: bool = False
+    ) -> tuple[I64, I64, I64]:
         chosen = select_caches(len(self._geometries), list(caches))
         geoms = [self._geometries[i] for i in chosen]
         check_transfer(self.layout, slots.size, ids, skip, geoms)
@@ -133,8 +138,9 @@ class LocalCopies:
             offsets = self._slots.offsets(slots)
         except RegionFormatError as exc:
             raise SlotChanged(str(exc)) from None
+        placements = [self._placements[i] for i in chosen]
         runs = build_runs(
-            self.layout, self.rank, offsets, ids, skip, geoms, [self._placements[i] for i in chosen]
+            self.layout, self.rank, offsets, ids, skip, geoms, placements, slots if store else None
         )
         region = np.concatenate([r.region for r in runs]) + self.region.base_address
         cache = np.concatenate([r.cache + self._bases[i] for r, i in zip(runs, chosen)])
@@ -142,7 +148,7 @@ class LocalCopies:
 
     def store(self, slots: I64, ids: I64, caches: Sequence[int], lease: int) -> int:
         """Copy engine blocks into leased slots; SlotChanged if a slot is not ours."""
-        region, cache, nbytes = self._runs(slots, ids, 0, caches)
+        region, cache, nbytes = self._runs(slots, ids, 0, caches, store=True)
         recs = self._records(slots)
         state = recs["state"]
         mine = ((state == SLOT_LEASED) | (state == SLOT_WRITING)) & (recs["lease"] == lease)

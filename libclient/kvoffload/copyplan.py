@@ -25,11 +25,13 @@ executes them. Everything here is pure: it is unit-tested without a daemon.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
 
+from .canonical import CanonicalPart, expand
 from .protocol.errors import InvalidArgumentError
 from .protocol.messages import KVLayout
 
@@ -67,16 +69,29 @@ class Runs:
 @dataclass(frozen=True)
 class Placement:
     """Where one cache's page lives in a rank's area: sub-block ``s`` of the cache's
-    page starts at ``tensor_offset + s * tensor_page_bytes + part_offset``."""
+    page starts at ``tensor_offset + s * tensor_page_bytes + part_offset``. With
+    ``canon``, that is the cache's canonical page, and the worker's page scatters
+    into it (canonical.py)."""
 
     tensor_offset: int
     tensor_page_bytes: int
     part_offset: int
+    canon: CanonicalPart | None = None
 
 
-def place_caches(layout: KVLayout, cache_page_bytes: list[int]) -> list[Placement]:
+def place_caches(
+    layout: KVLayout, cache_page_bytes: list[int], canon: Sequence[CanonicalPart] = ()
+) -> list[Placement]:
     """Placement of each cache, in order; InvalidArgumentError unless the caches'
-    pages tile the layout's tensor pages exactly (one or more caches per tensor)."""
+    pages (their canonical pages, with ``canon``) tile the layout's tensor pages
+    exactly (one or more caches per tensor)."""
+    if canon:
+        if len(canon) != len(cache_page_bytes):
+            raise InvalidArgumentError(
+                f"{len(canon)} canonical mappings for {len(cache_page_bytes)} caches"
+            )
+        placed = place_caches(layout, [c.canonical_page_bytes for c in canon])
+        return [replace(at, canon=c) for at, c in zip(placed, canon)]
     f = layout.block_size_factor
     out: list[Placement] = []
     pages = iter(cache_page_bytes)
@@ -151,16 +166,23 @@ def build_runs(
     skip: int,
     caches: list[CacheGeometry],
     placements: list[Placement],
+    store_slots: I64 | None = None,
 ) -> list[Runs]:
-    """Merged copy runs per cache for one transfer (the caller validated the inputs)."""
+    """Merged copy runs per cache for one transfer (the caller validated the inputs).
+    ``rank`` picks the rank area (0 in a canonical namespace); a store into canonical
+    pages passes its slot ids (``store_slots``), which decide whose turn each block is."""
     f = layout.block_size_factor
     slot_idx, sub_idx = expand_positions(block_ids.size, f, skip)
     base = slot_offsets[slot_idx] + rank * layout.rank_bytes
+    page_ids = None if store_slots is None else store_slots[slot_idx] * f + sub_idx
     out = []
     for at, cache in zip(placements, caches):
         region = base + at.tensor_offset + at.part_offset + sub_idx * at.tensor_page_bytes
         cache_off = cache.offset_bytes + block_ids * cache.row_stride_bytes
-        out.append(merge_runs(region, cache_off, cache.page_bytes))
+        if at.canon is None:
+            out.append(merge_runs(region, cache_off, cache.page_bytes))
+        else:
+            out.append(merge_runs(*expand(at.canon, region, cache_off, page_ids)))
     return out
 
 
@@ -195,14 +217,20 @@ def split_at_boundaries(
     return start, other[idx] + shift, end - start
 
 
-def merge_runs(region: I64, cache: I64, page_bytes: int) -> Runs:
-    """Merge consecutive pages whose region and cache offsets both continue."""
+def merge_runs(region: I64, cache: I64, nbytes: int | I64) -> Runs:
+    """Merge consecutive copies (all ``nbytes`` long, or each its own) whose region
+    and cache offsets both continue."""
     if region.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Runs(empty, empty, empty)
-    if region.size == 1:
-        return Runs(region, cache, np.full(1, page_bytes, dtype=np.int64))
-    cont = (np.diff(region) == page_bytes) & (np.diff(cache) == page_bytes)
+    if isinstance(nbytes, int):
+        if region.size == 1:
+            return Runs(region, cache, np.full(1, nbytes, dtype=np.int64))
+        cont = (np.diff(region) == nbytes) & (np.diff(cache) == nbytes)
+        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+        ends = np.concatenate((starts[1:], [region.size]))
+        return Runs(region[starts], cache[starts], (ends - starts) * nbytes)
+    size = nbytes[:-1]
+    cont = (region[:-1] + size == region[1:]) & (cache[:-1] + size == cache[1:])
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    ends = np.concatenate((starts[1:], [region.size]))
-    return Runs(region[starts], cache[starts], (ends - starts) * page_bytes)
+    return Runs(region[starts], cache[starts], np.add.reduceat(nbytes, starts))

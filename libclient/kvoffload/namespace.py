@@ -35,7 +35,8 @@ from .transport import Transport
 from .worker import Worker
 
 if TYPE_CHECKING:
-    from .channel import Channel
+    from .canonical import CanonicalPart
+from .channel import Channel
 
 R = TypeVar("R", bound=m.Reply)
 
@@ -236,6 +237,8 @@ class Namespace:
         rank: int = 0,
         stream: int | None = None,
         copy_mode: str = "auto",
+        canonical: Sequence[CanonicalPart] = (),
+        parts: int = 1,
     ) -> Worker:
         """Register this rank's KV caches.
 
@@ -244,9 +247,11 @@ class Namespace:
         ``copy_mode`` "client" (or "auto" when the caches cannot be exported), plain CPU
         tensors that the worker copies itself through a mapping of the region, which
         the daemon allows only for trusted uids. For CUDA, stores wait on work queued on
-        ``stream`` (a raw ``cudaStream_t``; default: PyTorch's current stream).
+        ``stream`` (a raw ``cudaStream_t``; default: PyTorch's current stream). In a
+        canonical namespace, each of an engine's ``parts`` ranks gives how its page of
+        each cache maps into the canonical page (``canonical``, kvoffload.canonical).
         """
-        return Worker(self, caches, rank, stream, copy_mode)
+        return Worker(self, caches, rank, stream, copy_mode, canonical, parts)
 
 
 def event_of(e: m.EventMsg) -> OffloadEvent:

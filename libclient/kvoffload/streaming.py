@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from .canonical import CanonicalPart
 from .client_copy import CopyFn, LocalCopies, RegionMapping, SlotChanged, memmove_runs
 from .cuda_export import current_stream
 from .protocol import messages as m
@@ -82,6 +83,8 @@ class StreamingWorker(Worker):
         copy_mode: str = "auto",
         store_timeout_s: float = 10.0,
         load_wait_s: float = 10.0,
+        canonical: Sequence[CanonicalPart] = (),
+        parts: int = 1,
     ) -> None:
         self.store_timeout_s = store_timeout_s
         self.load_wait_s = load_wait_s
@@ -93,7 +96,7 @@ class StreamingWorker(Worker):
         self._wrote: dict[int, list[int]] = {}  # lease -> slots copied, for one Wrote each
         self.stores_dropped_total = 0
         self.loads_recovered_total = 0
-        super().__init__(ns, caches, rank, stream, copy_mode)
+        super().__init__(ns, caches, rank, stream, copy_mode, canonical, parts)
 
     # ------------------------------------------------------------ registration
 
@@ -108,13 +111,14 @@ class StreamingWorker(Worker):
         copy: CopyFn = memmove_runs if self._cuda is None else self._cuda_copy
         return LocalCopies(
             self.ns.layout,
-            self.rank,
+            self.rank if self.parts == 1 else 0,  # the rank area (canonical: the one)
             self.geometries,
             self.bases,
             self.ns.ns_id,
             self.ns.slot_bytes,
             region,
             copy,
+            self.canonical,
         )
 
     def _cuda_copy(self, dst: I64, src: I64, nbytes: I64) -> None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy.typing as npt
 
 from .cache import describe_cache
+from .canonical import CanonicalPart
 from .client_copy import RegionMapping, describe_plain_cache
 from .copyplan import CacheGeometry
 from .cuda_driver import CudaApi
@@ -74,11 +75,15 @@ class Worker:
         rank: int,
         stream: int | None = None,
         copy_mode: str = "auto",
+        canonical: Sequence[CanonicalPart] = (),
+        parts: int = 1,
     ) -> None:
         if copy_mode not in COPY_MODES:
             raise InvalidArgumentError(f"copy_mode must be one of {COPY_MODES}, not {copy_mode!r}")
         self.ns = ns
         self.rank = rank
+        self.canonical = list(canonical)  # one per cache: its page in canonical pages
+        self.parts = parts  # the engine's ranks writing parts of each canonical slot
         self.caches = list(caches)
         self._stream = stream
         self._fence: StoreFence | None = None
@@ -143,6 +148,11 @@ class Worker:
             client_copy,
             self.push,
             self.want_region,
+            self.parts,
+            [
+                m.CanonicalDesc(c.canonical_page_bytes, c.pack(), c.writers, c.writer)
+                for c in self.canonical
+            ],
         )
         reply = t.request(req, fds=self._fds)
         assert isinstance(reply, m.WorkerAttached)

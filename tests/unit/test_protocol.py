@@ -199,8 +199,20 @@ GOLDEN = [
     ),
     (
         m.AttachWorker(6, 0, 1, [m.CacheDesc("cuda", 2, 16, -1, 8, 32, b"\x01")], b"\x02", b""),
-        "22000000 9a a6617474616368 06 00 01 91 97 a463756461 02 10 ff 08 20 c40101 c40102 c400"
-        " c2 c2 c2",
+        "24000000 9c a6617474616368 06 00 01 91 97 a463756461 02 10 ff 08 20 c40101 c40102 c400"
+        " c2 c2 c2 01 90",
+    ),
+    (
+        m.AttachWorker(
+            6,
+            0,
+            1,
+            [m.CacheDesc("memfd", 2, 16)],
+            parts=2,
+            canonical=[m.CanonicalDesc(64, b"", 2, 1)],
+        ),
+        "29000000 9c a6617474616368 06 00 01 91 97 a56d656d6664 02 10 ff 00 00 c400 c400 c400"
+        " c2 c2 c2 02 91 94 40 c400 02 01",
     ),
     (
         m.StepBatch(0, 1, 2, b"ab", m.pack_ids([3]), ack_seq=7, want_leases=8),

@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEY_BYTES = 64
 MAX_KEYS_PER_MESSAGE = 65536  # bounds the loop time one request can take
@@ -208,8 +208,21 @@ class CacheDesc(msgspec.Struct, frozen=True, array_like=True):
     ipc_handle: bytes = b""
 
 
+class CanonicalDesc(msgspec.Struct, frozen=True, array_like=True):
+    """How a worker's page of one cache scatters into the cache's canonical page
+    (``kvoffload.canonical``): ``frags`` packs int64 triples (local offset, canonical
+    offset, bytes); ranks holding the same bytes take turns (``writer`` of ``writers``)."""
+
+    page_bytes: int
+    frags: bytes
+    writers: int = 1
+    writer: int = 0
+
+
 class AttachWorker(_Msg, frozen=True, tag="attach"):
-    """CUDA workers add their GPU's UUID and the IPC handle of their store event."""
+    """CUDA workers add their GPU's UUID and the IPC handle of their store event.
+    In a canonical namespace (world size 1) each of an engine's ``parts`` ranks
+    attaches with ``canonical`` (one per cache) and writes its parts of every slot."""
 
     rid: int
     ns: int
@@ -220,6 +233,8 @@ class AttachWorker(_Msg, frozen=True, tag="attach"):
     client_copy: bool = False  # the worker copies itself; the reply brings the region fd
     push: bool = False  # submits may be one-way; results are pushed (``JobsDone``)
     want_region: bool = False  # a daemon-copy worker's fallback mapping, if trusted
+    parts: int = 1  # ranks of the engine that write parts of each slot (canonical)
+    canonical: list[CanonicalDesc] = []
 
 
 class DetachWorker(_Msg, frozen=True, tag="detach"):

@@ -1,0 +1,106 @@
+"""Canonical pages: one copy of a block, whatever the engine's tensor-parallel size.
+
+vLLM's canonical layout (``canonical_layout`` in ``kv_connector_extra_config``) defines,
+per layer, the page of an offloaded block *without* parallelism: all KV heads, all
+tokens. Each rank maps its own page into byte ranges of it (vLLM's
+``CanonicalPageMapping``); ranks holding the same bytes (replicated KV heads, the MLA
+latent) take turns writing them, block by block.
+
+A canonical namespace has ``world_size`` 1: a slot holds one canonical page per cache
+(``place_caches`` over the canonical page sizes). The engine's ``parts`` workers each
+copy their fragments of every block (``expand``); a block is visible once all of an
+engine's parts have reported it (non-writers of a block report too), so readers of
+any TP size see whole pages only.
+
+Rules:
+- ``CanonicalPart.frags`` is an (n, 3) int64 array: local offset in the worker's page,
+  offset in the canonical page, bytes. Every fragment lies inside both pages
+  (``check``); a worker never writes outside its cache's canonical page.
+- On a store, a cache with ``writers`` > 1 copies only the blocks whose page id
+  (``slot * block_size_factor + sub-block``) is ``writer`` modulo ``writers``: the
+  same slots go to every rank of a store, so exactly one of the ranks holding those
+  bytes writes each block. Loads always copy every fragment.
+- Pure: numpy only, unit-tested without a daemon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from .protocol.errors import InvalidArgumentError
+
+I64 = npt.NDArray[np.int64]
+MAX_FRAGMENTS = 1 << 16  # per cache: a page's rows (tokens) times its regions
+MAX_PARTS = 64  # ranks of one engine writing one slot (a bit each)
+
+
+@dataclass(frozen=True)
+class CanonicalPart:
+    """How one worker's page of a cache scatters into the cache's canonical page."""
+
+    canonical_page_bytes: int
+    frags: I64  # (n, 3): local offset, canonical offset, bytes
+    writers: int = 1  # ranks holding these bytes (they take turns by block)
+    writer: int = 0  # this worker's turn among them
+
+    def pack(self) -> bytes:
+        return np.ascontiguousarray(self.frags, dtype="<i8").tobytes()
+
+    @staticmethod
+    def unpack(canonical_page_bytes: int, frags: bytes, writers: int, writer: int) -> CanonicalPart:
+        if len(frags) % 24:
+            raise InvalidArgumentError("canonical fragments must be int64 triples")
+        arr = np.frombuffer(frags, dtype="<i8").astype(np.int64).reshape(-1, 3)
+        return CanonicalPart(canonical_page_bytes, arr, writers, writer)
+
+
+def check(part: CanonicalPart, local_page_bytes: int, parts: int) -> None:
+    """InvalidArgumentError unless every fragment lies inside both pages."""
+    f = part.frags
+    if not part.canonical_page_bytes > 0 or not 0 < len(f) <= MAX_FRAGMENTS:
+        raise InvalidArgumentError(
+            f"a canonical mapping needs a positive page and 1..{MAX_FRAGMENTS} fragments"
+        )
+    if not 1 <= part.writers <= parts or not 0 <= part.writer < part.writers:
+        raise InvalidArgumentError(
+            f"writer {part.writer} of {part.writers} does not fit an engine of {parts} parts"
+        )
+    local, canon, n = f[:, 0], f[:, 1], f[:, 2]
+    if (
+        int(n.min()) <= 0
+        or int(local.min()) < 0
+        or int(canon.min()) < 0
+        or int((local + n).max()) > local_page_bytes
+        or int((canon + n).max()) > part.canonical_page_bytes
+    ):
+        raise InvalidArgumentError(
+            f"canonical fragments reach outside the {local_page_bytes}-byte page or the "
+            f"{part.canonical_page_bytes}-byte canonical page"
+        )
+
+
+def check_parts(rank: int, parts: int) -> None:
+    if not 1 <= parts <= MAX_PARTS or not 0 <= rank < parts:
+        raise InvalidArgumentError(f"rank {rank} of {parts} parts is not in 0..{MAX_PARTS - 1}")
+
+
+def expand(
+    part: CanonicalPart,
+    region: I64,
+    cache: I64,
+    page_ids: I64 | None,
+) -> tuple[I64, I64, I64]:
+    """Per-fragment copies for blocks at ``region`` (canonical page starts) and
+    ``cache`` (local page starts); ``page_ids`` given for a store: only this worker's
+    turns are kept."""
+    if page_ids is not None and part.writers > 1:
+        keep = page_ids % part.writers == part.writer
+        region, cache = region[keep], cache[keep]
+    local, canon, n = part.frags[:, 0], part.frags[:, 1], part.frags[:, 2]
+    out_region = (region[:, None] + canon[None, :]).ravel()
+    out_cache = (cache[:, None] + local[None, :]).ravel()
+    out_n = np.broadcast_to(n, (region.size, n.size)).ravel()
+    return out_region, out_cache, np.ascontiguousarray(out_n)
