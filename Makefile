@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-gpu test-vllm bench bench-engine bench-submit bench-report soak lint clean
+.PHONY: setup run test test-gpu test-vllm bench bench-engine bench-submit bench-canonical bench-report soak lint clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,10 @@ test-vllm: $(VLLM_STAMP)
 # 8 engines on one daemon; saved for `make bench-report` in docs/bench-engine.json.
 bench-engine: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m kvoffloadbench.bench_engine --json docs/bench-engine.json $(ARGS)
+
+# Region and copy bytes per block, per-rank pages against vLLM's canonical pages.
+bench-canonical: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m kvoffloadbench.bench_canonical $(ARGS)
 
 # The daemon loop's time per submitted block (validation, copy plan, busy marks).
 bench-submit: $(STAMP)

@@ -12,6 +12,11 @@ Rules:
 - The scheduler does not know the worker's canonical tensors, only the bytes one
   worker block takes, so the layout has one page per rank; workers register their
   tensors as parts of it (``copyplan.place_caches``).
+- Canonical layout (``canonical_format`` set, vLLM certified the configuration as
+  parallelism-agnostic): the page is the whole block without parallelism and the
+  world size is 1, so engines of one model and KV format share blocks whatever their
+  TP size; vLLM's canonical format id replaces the world size in the identity. A
+  canonical namespace never meets a per-rank one (their layouts differ).
 - Pure: no vLLM import, unit-tested without vLLM.
 """
 
@@ -36,6 +41,7 @@ class VllmIdentity:
     tokens_per_hash: int
     kv_cache_layout: str | None = None
     cache_salt: str = ""
+    canonical_format: str = ""  # vLLM's canonical_format_id; "": per-rank pages
 
     def layout(self) -> KVLayout:
         if self.worker_kv_bytes_per_block <= 0:
@@ -45,6 +51,8 @@ class VllmIdentity:
             f"tokens_per_hash={self.tokens_per_hash};kv_layout={self.kv_cache_layout};"
             f"salt={self.cache_salt}"
         )
+        if self.canonical_format:
+            salt += f";canonical={self.canonical_format}"
         return KVLayout(
             tensor_page_bytes=[self.worker_kv_bytes_per_block],
             world_size=self.world_size,

@@ -23,15 +23,20 @@ import itertools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
+    CanonicalPageMapping,
+    CopyRun,
     GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
 )
 
+from ..canonical import CanonicalPart
 from ..namespace import Namespace
+from ..protocol.messages import KVLayout
 from ..streaming import StreamingWorker
 from .manager import SlotsSpec
 
@@ -58,8 +63,10 @@ class KVOffloadWorker(OffloadingWorker):
         copy_mode: str = "auto",
         store_timeout_s: float = 10.0,
         load_wait_s: float = 10.0,
+        parts: int = 0,
     ) -> None:
         tensors = [t.tensor for t in kv_caches.tensors]
+        canonical = canonical_parts(kv_caches, ns.layout) if parts else []
         self.f = blocks_per_chunk
         everything = list(range(len(tensors)))
         self.group_caches: list[list[int]] = []
@@ -73,13 +80,16 @@ class KVOffloadWorker(OffloadingWorker):
             copy_mode=copy_mode,
             store_timeout_s=store_timeout_s,
             load_wait_s=load_wait_s,
+            canonical=canonical,
+            parts=max(parts, 1),
         )
         log.info(
-            "kvoffload: rank %d attached %d KV tensors to namespace %s (%s copies)",
+            "kvoffload: rank %d attached %d KV tensors to namespace %s (%s copies, %s pages)",
             rank,
             len(tensors),
             ns.name,
             "client" if self.worker.copy_mode == "client" else "daemon",
+            f"canonical, part {rank} of {parts}" if parts else "per-rank",
         )
         self._part_ids = itertools.count(1)
         self._part_job: dict[int, int] = {}  # kvoffload job id -> vLLM job id
@@ -168,3 +178,54 @@ class KVOffloadWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self.worker.close()
         self.worker.ns.client.close()
+
+
+def canonical_parts(kv_caches: CanonicalKVCaches, layout: KVLayout) -> list[CanonicalPart]:
+    """How each registered tensor's page maps into its canonical page (from the
+    ``CanonicalPageMapping`` vLLM derived for this rank); RuntimeError, failing
+    closed, where vLLM certified no mapping or the pages do not make the
+    namespace's canonical block."""
+    by_tensor: dict[int, CanonicalPageMapping] = {}
+    for refs in kv_caches.group_data_refs:
+        for ref in refs:
+            mapping = ref.mapping
+            if mapping is None or not mapping.parallelism_agnostic:
+                raise RuntimeError(
+                    "canonical_layout: vLLM certified no parallelism-agnostic mapping for "
+                    f"KV tensor {ref.tensor_idx}; remove canonical_layout from "
+                    "kv_connector_extra_config"
+                )
+            if by_tensor.setdefault(ref.tensor_idx, mapping) != mapping:
+                raise RuntimeError(
+                    f"canonical_layout: KV tensor {ref.tensor_idx} has layers with different "
+                    "canonical mappings; kvoffload needs one per tensor"
+                )
+    if sorted(by_tensor) != list(range(len(kv_caches.tensors))):
+        raise RuntimeError("canonical_layout: a KV tensor has no layer to map it")
+    out = [
+        CanonicalPart(m.canonical_page_size_bytes, fragments(m.runs), m.num_writers, m.writer_index)
+        for _, m in sorted(by_tensor.items())
+    ]
+    want = layout.tensor_page_bytes[0]
+    if sum(p.canonical_page_bytes for p in out) != want:
+        raise RuntimeError(
+            f"canonical_layout: this rank's canonical pages add up to "
+            f"{sum(p.canonical_page_bytes for p in out)} bytes per block, not the {want} the "
+            "scheduler sized the namespace for (more TP ranks than KV heads is not "
+            "supported); remove canonical_layout from kv_connector_extra_config"
+        )
+    return out
+
+
+def fragments(runs: tuple[CopyRun, ...]) -> np.ndarray:
+    """(local offset, canonical offset, bytes) of every fragment of vLLM's runs."""
+    rows = sorted(
+        (
+            r.local_offset + i * r.local_stride,
+            r.canonical_offset + i * r.canonical_stride,
+            r.fragment_size,
+        )
+        for r in runs
+        for i in range(r.num_fragments)
+    )
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
