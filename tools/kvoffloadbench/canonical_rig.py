@@ -50,18 +50,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, create_kv_cache_views
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-import kvoffload
+from .engine_rig import allocate_kv_caches  # also registers KVOffloadSpec with vLLM
 
 BLOCK_TOKENS = 16
 LAYERS = 2
 NUM_BLOCKS = 160
 MAX_MODEL_LEN = 1024
 
-if "KVOffloadSpec" not in OffloadingSpecFactory._registry:
-    OffloadingSpecFactory.register_spec("KVOffloadSpec", "kvoffload.vllm", "KVOffloadSpec")
 
 _COMMON = {"vocab_size": 1000, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
 MODELS: dict[str, dict[str, Any]] = {
@@ -147,26 +144,9 @@ class Rank:
         self.kv_cache_config = get_kv_cache_configs(self.cfg, [specs], [memory], groups)[0]
         self.cfg.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
         self.offloading = build_offloading_config(self.cfg, self.kv_cache_config)
-        self.caches = self._allocate(memfd)
+        self.caches = allocate_kv_caches(self.cfg, self.kv_cache_config, memfd)
         self.connector = OffloadingConnector(self.cfg, KVConnectorRole.WORKER, self.kv_cache_config)
         self.connector.register_kv_caches(self.caches)
-
-    def _allocate(self, memfd: bool) -> dict[str, torch.Tensor]:
-        """vLLM's KV views over a memfd (the daemon copies) or plain memory (the
-        worker copies itself: client-copy mode)."""
-        kvc = self.kv_cache_config
-        size = kvc.kv_cache_tensors[0].size
-        if memfd:
-            buf = kvoffload.shared_kv_cache(1, size).view(-1)
-        else:
-            buf = torch.zeros(size, dtype=torch.int8)
-        layout = self.cfg.cache_config.get_resolved_kv_cache_layout()
-        spec = kvc.kv_cache_groups[0].kv_cache_spec
-        caches: dict[str, torch.Tensor] = {}
-        for t in kvc.kv_cache_tensors:
-            views = create_kv_cache_views(buf, spec, kvc.num_blocks_of(t), layout, t)
-            caches.update(zip(t.layers, views))
-        return caches
 
     @property
     def spec(self) -> Any:

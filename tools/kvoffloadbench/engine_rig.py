@@ -187,22 +187,7 @@ class Engine:
         )
 
     def _allocate(self, memfd: bool) -> dict[str, torch.Tensor]:
-        """vLLM's own KV allocation (``allocate_kv_cache``), over a memfd if asked."""
-        kvc = self.kv_cache_config
-        size = kvc.kv_cache_tensors[0].size
-        if memfd:
-            import kvoffload
-
-            buf = kvoffload.shared_kv_cache(1, size).view(-1)
-        else:
-            buf = torch.zeros(size, dtype=torch.int8)
-        layout = self.cfg.cache_config.get_resolved_kv_cache_layout()
-        spec = kvc.kv_cache_groups[0].kv_cache_spec
-        caches: dict[str, torch.Tensor] = {}
-        for t in kvc.kv_cache_tensors:
-            views = create_kv_cache_views(buf, spec, kvc.num_blocks_of(t), layout, t)
-            caches.update(zip(t.layers, views))
-        return caches
+        return allocate_kv_caches(self.cfg, self.kv_cache_config, memfd)
 
     @property
     def offload_worker(self) -> Any:
@@ -323,3 +308,22 @@ class Engine:
             connector.shutdown()
         if self.worker is not None:
             self.worker.shutdown()
+
+
+def allocate_kv_caches(cfg: VllmConfig, kvc: Any, memfd: bool) -> dict[str, torch.Tensor]:
+    """vLLM's own KV allocation (``allocate_kv_cache``'s views), over a memfd (the
+    daemon copies) or plain memory (the worker copies itself: client-copy mode)."""
+    size = kvc.kv_cache_tensors[0].size
+    if memfd:
+        import kvoffload
+
+        buf = kvoffload.shared_kv_cache(1, size).view(-1)
+    else:
+        buf = torch.zeros(size, dtype=torch.int8)
+    layout = cfg.cache_config.get_resolved_kv_cache_layout()
+    spec = kvc.kv_cache_groups[0].kv_cache_spec
+    caches: dict[str, torch.Tensor] = {}
+    for t in kvc.kv_cache_tensors:
+        views = create_kv_cache_views(buf, spec, kvc.num_blocks_of(t), layout, t)
+        caches.update(zip(t.layers, views))
+    return caches

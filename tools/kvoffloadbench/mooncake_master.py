@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from types import TracebackType
 
 from .redis_server import free_port
+from .server_process import ServerProcess
 
 
 def _binary() -> str:
@@ -26,7 +24,7 @@ def _binary() -> str:
     return here if os.access(here, os.X_OK) else shutil.which("mooncake_master") or ""
 
 
-class MooncakeMaster:
+class MooncakeMaster(ServerProcess):
     def __init__(self, lease_ttl_ms: int = 500, ports: tuple[int, int, int] | None = None):
         self.binary = _binary()
         self.rpc_port, self.metadata_port, self.admin_port = ports or (
@@ -35,8 +33,6 @@ class MooncakeMaster:
             free_port(),
         )
         self.lease_ttl_ms = lease_ttl_ms
-        self._dir = ""
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @staticmethod
     def available() -> str:
@@ -65,23 +61,16 @@ class MooncakeMaster:
     def start(self, timeout_s: float = 20.0) -> MooncakeMaster:
         if not self.binary:
             raise RuntimeError(self.available())
-        self._dir = tempfile.mkdtemp(prefix="kvoffload-mooncake-")
         args = [self.binary, f"-rpc_port={self.rpc_port}", "-rpc_address=127.0.0.1"]
         args += ["-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1"]
         args += [f"-http_metadata_server_port={self.metadata_port}"]
         args += [f"-metrics_port={self.admin_port}", "-metrics_host=127.0.0.1"]
-        args += [f"-default_kv_lease_ttl={self.lease_ttl_ms}", f"-log_dir={self._dir}"]
-        self.proc = subprocess.Popen(
-            args,
-            cwd=self._dir,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        args += [f"-default_kv_lease_ttl={self.lease_ttl_ms}", "-log_dir=."]
+        proc = self.spawn(args, "kvoffload-mooncake-")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
             if self.healthy():
                 return self
             time.sleep(0.05)
@@ -100,36 +89,11 @@ class MooncakeMaster:
         with urllib.request.urlopen(self.admin_url + "/get_all_keys", timeout=5) as r:
             return [k for k in r.read().decode().splitlines() if k]
 
-    def kill(self) -> None:
-        """SIGKILL: the master and all its metadata are gone at once, as in a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = ""
-
     def restarted(self) -> MooncakeMaster:
         """A fresh, empty master on the same ports (after ``kill``)."""
         self.stop()
         ports = (self.rpc_port, self.metadata_port, self.admin_port)
         return MooncakeMaster(self.lease_ttl_ms, ports).start()
-
-    def __enter__(self) -> MooncakeMaster:
-        return self.start()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 __all__ = ["MooncakeMaster"]

@@ -8,12 +8,10 @@ callers can skip with that reason.
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import time
-from types import TracebackType
+
+from .server_process import ServerProcess
 
 
 def free_port() -> int:
@@ -23,13 +21,11 @@ def free_port() -> int:
         return port
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     def __init__(self, port: int | None = None, maxmemory: str = "0") -> None:
         self.binary = shutil.which("redis-server") or ""
         self.port = port or free_port()
         self.maxmemory = maxmemory
-        self._dir = ""
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @staticmethod
     def available() -> str:
@@ -45,17 +41,14 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         if not self.binary:
             raise RuntimeError(self.available())
-        self._dir = tempfile.mkdtemp(prefix="kvoffload-redis-")
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
-        args += ["--save", "", "--appendonly", "no", "--dir", self._dir]
+        args += ["--save", "", "--appendonly", "no", "--dir", "."]
         args += ["--maxmemory", self.maxmemory, "--protected-mode", "no"]
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+        proc = self.spawn(args, "kvoffload-redis-")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {proc.returncode}")
             if self.ping():
                 return self
             time.sleep(0.02)
@@ -69,31 +62,6 @@ class RedisServer:
                 return s.recv(64).startswith(b"+PONG")
         except OSError:
             return False
-
-    def kill(self) -> None:
-        """SIGKILL: the server is gone at once, as in a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = ""
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def restart_on_same_port(old: RedisServer) -> RedisServer:
