@@ -9,6 +9,8 @@ whatever the TP size, and every rank loads it.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,10 +163,16 @@ def test_mla_latent_is_stored_once_and_every_rank_loads_it(daemon: DaemonProcess
         r.shutdown()
 
 
-def test_an_uncertified_configuration_keeps_per_rank_blocks(daemon: DaemonProcess) -> None:
+def test_an_uncertified_configuration_keeps_per_rank_blocks(
+    daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
     """Pipeline parallelism: vLLM does not certify it, so each rank's pages are stored
-    as they are, in a namespace a canonical engine never meets."""
+    as they are, in a namespace a canonical engine never meets, and the log says why."""
+    caplog.set_level(logging.INFO, logger="kvoffload.vllm.spec")
     pp = Rank("gqa", 1, 0, daemon.socket_path, "pp", pp=2)
+    assert "per-rank layout (world size 2): canonical_layout was requested, but vLLM" in (
+        caplog.text
+    )
     assert not pp.offloading.parallel.is_parallelism_agnostic
     assert not pp.spec.canonical and pp.spec.layout.world_size == 2
     plain = Rank("gqa", 2, 0, daemon.socket_path, "plain", canonical=False)
@@ -216,3 +224,34 @@ def test_a_canonical_block_cascaded_by_one_daemon_loads_at_another_tp_elsewhere(
                 assert torch.equal(t[dst], kv[name])
             for r in (*tp2, *tp1):
                 r.shutdown()
+
+
+def test_canonical_blocks_survive_a_warm_restart_and_load_at_another_tp() -> None:
+    """A TP=2 engine's blocks, kept in the region by a clean --keep-region stop,
+    are found by the next daemon and loaded by a TP=4 engine."""
+    args = ("--log-level", "warning", "--keep-region")
+    d1 = DaemonProcess("64MiB", *args).start()
+    tp2 = engine("gqa", 2, d1, "tp2")
+    n, src = 3, list(range(3))
+    shape = tuple(tp2[0].caches[next(iter(tp2[0].caches))].shape)
+    kv = {
+        name: torch.randint(-100, 100, (n, HEADS, *shape[2:])).to(torch.bfloat16)
+        for name in tp2[0].caches
+    }
+    fill_gqa(tp2, kv, src)
+    keys = [make_offload_key(b"warm%d" % i, 0) for i in range(n)]
+    store(tp2, keys, src, job=1)
+    load(tp2, keys, list(range(10, 10 + n)), job=2)  # committed before the stop
+    for r in tp2:
+        r.shutdown()
+    assert d1.stop() == 0
+    with DaemonProcess("64MiB", *args, instance=d1.instance) as d2:
+        tp4 = engine("gqa", 4, d2, "tp4")
+        dst = list(range(30, 30 + n))
+        load(tp4, keys, dst, job=1)
+        for r in tp4:
+            for name, t in r.caches.items():
+                h = heads_of(r)
+                assert torch.equal(t[dst], kv[name][:, h.start : h.stop])
+            r.shutdown()
+    os.unlink(f"/dev/shm/kvoffload-{d1.instance}")
