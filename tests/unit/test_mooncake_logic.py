@@ -201,3 +201,19 @@ def test_an_unhealthy_master_fails_jobs_at_once_and_recovers(tier: Any) -> None:
     settle(t, wake, lambda: t.healthy)
     r, _ = job(t, wake, region, True, [0], [b"k"])
     assert r.ok == [True]
+
+
+def test_without_mooncake_the_tier_refuses_to_start_saying_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from kvoffloadd.tiers.base import TierError
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if not installed
+    wake = WakeFd()
+    try:
+        with pytest.raises(TierError, match=r"kvoffload\[mooncake\].*libibverbs1"):
+            MooncakeTier("m", MooncakeSettings("h:1", "http://h:2/metadata"), 0, wake)
+    finally:
+        wake.close()

@@ -82,6 +82,20 @@ def test_other_lengths_nil_and_error_replies(sock_path: pathlib.Path) -> None:
     server.close()
 
 
+def test_huge_foreign_values_are_dropped_without_buffering_them(sock_path: pathlib.Path) -> None:
+    huge = 3 << 20  # past MAX_BUFFERED_BYTES, and not the block's length
+    replies = b"$%d\r\n%s\r\n$%d\r\n%s\r\n:7\r\n" % (huge, bytes(huge), huge, bytes(huge))
+    server = Scripted(sock_path, replies, 1, 1 << 16)
+    c = RespConnection(f"unix://{sock_path}", 5.0)
+    c.send([encode("PING")])
+    err = c.read()
+    assert isinstance(err, RespError) and "byte value" in str(err)
+    assert c.read_into(memoryview(bytearray(16))) is False
+    assert c.read() == 7 and len(c._buf) < (1 << 20)  # in step, nothing held
+    c.close()
+    server.close()
+
+
 def test_garbage_closes_the_connection_with_a_clear_error(sock_path: pathlib.Path) -> None:
     server = Scripted(sock_path, b"$3\r\nabcXY", 1, 64)  # a bulk without its CRLF
     c = RespConnection(f"unix://{sock_path}", 5.0)

@@ -11,6 +11,8 @@ Rules:
   the caller's setup commands (script loads).
 - ``read_into(view)`` accepts a bulk reply only if it is exactly ``len(view)`` bytes
   long; any other length (a foreign value) is read and dropped, and answers ``False``.
+  Other replies larger than ``MAX_BUFFERED_BYTES`` are dropped too (a RespError): what
+  another Redis user writes at a block's key never takes the daemon's memory.
 - A protocol error or a socket error closes the connection (``RespError`` or
   ``OSError``); the next use reconnects.
 """
@@ -22,6 +24,8 @@ import ssl
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
+
+MAX_BUFFERED_BYTES = 1 << 20  # larger replies are dropped unread, unless read into a view
 
 
 class RespError(Exception):
@@ -101,6 +105,18 @@ class RespConnection:
                 raise OSError("the server closed the connection")
             self._buf += chunk
 
+    def _skip(self, nbytes: int) -> None:
+        """Read and drop ``nbytes`` (a reply nobody wants), a bounded chunk at a time."""
+        drop = min(nbytes, len(self._buf))
+        del self._buf[:drop]
+        nbytes -= drop
+        assert self._sock is not None
+        while nbytes > 0:
+            chunk = self._sock.recv(min(nbytes, 1 << 20))
+            if not chunk:
+                raise OSError("the server closed the connection")
+            nbytes -= len(chunk)
+
     def _line(self) -> bytes:
         while (end := self._buf.find(b"\r\n")) < 0:
             self._fill(len(self._buf) + 1)
@@ -136,6 +152,9 @@ class RespConnection:
             n = int(rest)
             if n < 0:
                 return None
+            if n > MAX_BUFFERED_BYTES:  # a foreign value: never held in memory
+                self._skip(n + 2)
+                return RespError(f"a {n}-byte value where a small one belongs")
             self._fill(n + 2)
             data = bytes(self._buf[:n])
             del self._buf[: n + 2]
@@ -170,8 +189,7 @@ class RespConnection:
         if n < 0:
             return None
         if n != len(view):
-            self._fill(n + 2)
-            del self._buf[: n + 2]
+            self._skip(n + 2)
             return False
         have = min(len(self._buf), n)  # what arrived with the header
         view[:have] = self._buf[:have]
