@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload.canonical import CanonicalPart, check, check_parts
+from kvoffload.canonical import CanonicalPart, check, check_copy_count, check_parts
 from kvoffload.copyplan import (
     CacheGeometry,
     Placement,
@@ -234,6 +234,7 @@ class Transfers:
         caches = [w.caches[i] for i in chosen]
         geometries: list[CacheGeometry] = [c.geometry for c in caches]
         check_transfer(index.layout, slots.size, block_ids, skip, geometries)
+        check_copy_count(block_ids.size, [w.placements[i] for i in chosen])
         runs = build_runs(
             index.layout,
             w.area,

@@ -25,7 +25,9 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +37,9 @@ from .protocol.errors import InvalidArgumentError
 I64 = npt.NDArray[np.int64]
 MAX_FRAGMENTS = 1 << 16  # per cache: a page's rows (tokens) times its regions
 MAX_PARTS = 64  # ranks of one engine writing one slot (a bit each)
+# Copies one transfer may expand to (blocks x fragments, before merging): the planner's
+# arrays for them are built on the daemon's loop, about 24 bytes each.
+MAX_JOB_COPIES = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,17 @@ def check(part: CanonicalPart, local_page_bytes: int, parts: int) -> None:
         raise InvalidArgumentError(
             f"canonical fragments reach outside the {local_page_bytes}-byte page or the "
             f"{part.canonical_page_bytes}-byte canonical page"
+        )
+
+
+def check_copy_count(blocks: int, placements: Sequence[Any]) -> None:
+    """InvalidArgumentError if one transfer would expand to more than MAX_JOB_COPIES
+    copies (``placements``: the chosen caches' copyplan placements)."""
+    per_block = sum(1 if p.canon is None else len(p.canon.frags) for p in placements)
+    if blocks * per_block > MAX_JOB_COPIES:
+        raise InvalidArgumentError(
+            f"{blocks} blocks of {per_block} fragments each are more than the "
+            f"{MAX_JOB_COPIES} copies one transfer may take; submit fewer blocks per job"
         )
 
 

@@ -190,6 +190,27 @@ def test_bad_mappings_are_refused_naming_why(
     assert svc.handle(s, m.Ping(9)) is not None  # the daemon goes on
 
 
+def test_a_transfer_that_would_expand_past_the_copy_limit_is_refused(
+    svc: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks times fragments is what the loop builds arrays for: a worker cannot
+    make one submit allocate without bound."""
+    import kvoffload.canonical as canonical
+
+    monkeypatch.setattr(canonical, "MAX_JOB_COPIES", 64)
+    s = svc.open_session(1, os.getpid(), 0, 0)
+    ns = open_ns(svc, s)
+    many = frags(*((i * 64, i * 64, 64) for i in range(32)))  # 32 fragments per block
+    w = attach(svc, s, ns, shared_kv_cache(8, LOCAL), 0, 1, HALF(CANON, many))
+    keys = [b"big-%d" % i for i in range(3)]
+    kp, kb = pack_keys(keys)
+    plan = svc.handle(s, m.PrepareStore(3, ns, kp, kb))
+    assert isinstance(plan, m.StorePlanReply)
+    with pytest.raises(InvalidArgumentError, match="more than the 64 copies"):
+        svc.handle(s, m.SubmitStore(4, w, 1, pack_ids(range(3)), plan.slots))
+    assert run(svc, m.SubmitStore(5, w, 2, pack_ids(range(2)), plan.slots[:16]), s).success
+
+
 def test_parts_need_a_canonical_namespace(svc: Service) -> None:
     s = svc.open_session(1, os.getpid(), 0, 0)
     r = svc.handle(s, m.OpenNamespace(1, "ranks", m.KVLayout([LOCAL], world_size=2)))
