@@ -47,6 +47,8 @@ def tier_rates(
         cfg.write_text(tier_toml.replace("@TMP@", tmp))
         with DaemonProcess("1GiB", "--config", str(cfg), "--log-level", "warning") as d:
             client = kvoffload.connect(d.socket_path)
+            # a tier that is still connecting would drop the cascades measured below
+            _wait(lambda: bool(client.stats()["tiers"][tier]["healthy"]), poll_s=0.01)
             ns = client.namespace("bench", kvoffload.KVLayout(tensor_page_bytes=[block_bytes]))
             cache = kvoffload.shared_kv_cache(nblocks, block_bytes)
             cache.fill_(7)

@@ -116,7 +116,7 @@ class RemoteTier(SecondaryTier):
                 logging.INFO if up else logging.WARNING,
                 "tier %s: %s",
                 self.name,
-                f"reachable again at {self.endpoint}" if up else f"unreachable: {why}",
+                f"reachable at {self.endpoint}" if up else f"unreachable: {why}",
             )
         self.healthy, self.used_bytes = up, used if up else self.used_bytes
         self.last_error = why or self.last_error
