@@ -319,7 +319,7 @@ def render(r: dict[str, Any], images: list[str]) -> str:
     tr = r["targets"]  # make bench measures the tiers too
     base = tr["memcpy_gbps"]
     rows = []
-    for kind in ("disk", "redis"):
+    for kind in ("disk", "redis", "mooncake"):
         if f"{kind}_promote_gbps" in tr:
             rows.append(
                 [
@@ -327,18 +327,22 @@ def render(r: dict[str, Any], images: list[str]) -> str:
                     f"{tr[f'{kind}_cascade_gbps']:.2f} GB/s",
                     f"{tr[f'{kind}_promote_gbps']:.2f} GB/s",
                     f"{tr[f'{kind}_promote_gbps'] / base:.2f}",
+                    f"{tr.get(f'{kind}_one_block_ms', 0.0):.2f} ms",
                 ]
             )
         else:
-            rows.append([kind, "not measured", tr.get(f"{kind}_skipped", ""), ""])
+            rows.append([kind, "not measured", tr.get(f"{kind}_skipped", ""), "", ""])
     out += [
         "## Secondary tiers",
         "",
         f"{tr['tier_blocks']} blocks of {size(tr['tier_block_bytes'])} cascade from the "
         "region to the tier, then are evicted from the region and promoted back by one "
-        "lookup. Disk files are in the page cache (just written); Redis runs on loopback.",
+        "lookup; then single blocks are evicted and looked up again (one block's "
+        "promotion: from the lookup that starts it to the one that hits). Disk files are "
+        "in the page cache (just written); Redis and Mooncake Store (TCP) run on "
+        "loopback; blocks are checked against their CRC32C on the way back.",
         "",
-        table(["tier", "cascade", "promotion", "promotion / memcpy"], rows),
+        table(["tier", "cascade", "promotion", "promotion / memcpy", "one block"], rows),
         "",
         *engine_section(r.get("engine")),
         "## Commands",
@@ -347,6 +351,8 @@ def render(r: dict[str, Any], images: list[str]) -> str:
         "make bench-report            # this report (add ARGS=--quick for a short run)",
         "make bench                   # the DESIGN.md section 6 targets",
         "make bench-engine            # vLLM's scheduler step (its own virtualenv)",
+        "make bench-submit            # the daemon loop's time per submitted block",
+        "make bench-canonical         # bytes per block, per-rank and canonical vLLM pages",
         "```",
         "",
     ]
