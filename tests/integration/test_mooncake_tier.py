@@ -165,3 +165,27 @@ def test_a_killed_master_degrades_to_misses_and_recovers(
         w.close()
         e.close()
         assert d.stop() == 0
+
+
+def test_a_daemon_starts_before_its_master_and_connects_when_it_comes(
+    tmp_path: pathlib.Path, mooncake_ready: None
+) -> None:
+    """No master yet: the daemon serves from its region, the tier misses (unhealthy)
+    and keeps trying; when the master starts, cascades begin."""
+    m = MooncakeMaster()  # ports chosen, not started
+    with tier_daemon(tmp_path, mooncake_toml(m)) as d:
+        e = Engine(d)
+        a = keys(b"a", 4)
+        data = e.store(a, seed=8)
+        assert e.load(a) == data  # the region works without the tier
+        assert not e.tier("mooncake")["healthy"] and d.alive()
+        m.start()
+        try:
+            poll(lambda: e.tier("mooncake")["healthy"], "the tier to connect", deadline_s=30)
+            b = keys(b"b", 4)
+            e.store(b, seed=9)
+            poll(lambda: e.tier("mooncake")["stores_total"] >= 4, "cascades to start")
+        finally:
+            m.stop()
+        e.close()
+        assert d.stop() == 0

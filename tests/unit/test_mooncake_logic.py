@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import select
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -94,7 +95,12 @@ def tier() -> Iterator[tuple[MooncakeTier, WakeFd, np.ndarray]]:
     FakeStore.objects, FakeStore.fail_next, FakeStore.healthy = {}, [], 0
     FakeStore.instances = []
     wake = WakeFd()
-    settings = MooncakeSettings("127.0.0.1:1", "http://127.0.0.1:2/metadata", refresh_s=0.01)
+    # the tier knocks on the master's and the metadata server's ports before setup
+    ports = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    master, meta = (p.getsockname()[1] for p in ports)
+    settings = MooncakeSettings(
+        f"127.0.0.1:{master}", f"http://127.0.0.1:{meta}/metadata", refresh_s=0.01
+    )
     settings = MooncakeSettings(**{**settings.__dict__, "timeout_s": 0.3, "threads": 2})
     t = MooncakeTier("mooncake", settings, 0, wake, client_class=FakeStore)
     region = np.zeros(16 * BLOCK, np.uint8)
@@ -104,6 +110,8 @@ def tier() -> Iterator[tuple[MooncakeTier, WakeFd, np.ndarray]]:
     yield t, wake, region
     t.close()
     wake.close()
+    for p in ports:
+        p.close()
 
 
 def settle(t: MooncakeTier, wake: WakeFd, predicate: Any, deadline_s: float = 10.0) -> None:

@@ -19,6 +19,8 @@ Rules:
   master restart, leave. A block gone before that fails one load and leaves.
 - Failure: an unreachable master marks the tier unhealthy (lookups miss, jobs fail)
   until ``health_check`` passes again; Mooncake's client re-mounts its segment itself.
+  A new client is set up only once the master's ports answer: Mooncake's ``setup``
+  holds the GIL while it waits (the daemon's loop would stop with it).
   A transfer that failed in a way that may leave I/O in flight (anything but a
   rejection before the transfer) holds its job's slots for ``timeout_s`` more before
   the job is reported, so no late write lands in a reused slot.
@@ -29,9 +31,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import socket
 import struct
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +92,9 @@ def _load_client_class() -> Any:
     """Mooncake's client class; ``TierError`` naming what is missing."""
     # Mooncake's own log: errors only (its INFO lines would flood the daemon's log).
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    # setup() holds the GIL while it tries: 90 s against an absent master with the
+    # default retries, 4 s with one. The poller calls it only once the master answers.
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -253,8 +260,13 @@ class MooncakeTier(RemoteTier):
     # ------------------------------------------------------------ poller thread
 
     def _connect(self) -> Any:
-        client = self._cls()
         s = self.s
+        # Mooncake's setup() blocks the whole daemon (it keeps the GIL) while it waits
+        # for a master: knock on the master's ports first, from Python, with a timeout.
+        for what, where in (("master", s.master), ("metadata server", s.metadata_server)):
+            if not reachable(where, s.timeout_s):
+                raise ConnectionError(f"{what} {where} does not answer")
+        client = self._cls()
         rc = client.setup(
             s.local_hostname,
             s.metadata_server,
@@ -265,6 +277,7 @@ class MooncakeTier(RemoteTier):
             s.master,
         )
         if rc != 0:
+            client.close()  # retried every second while the master is away: never leak
             raise ConnectionError(f"setup with master {s.master} failed (code {rc})")
         assert self._region is not None
         for address, nbytes in (
@@ -376,3 +389,21 @@ class MooncakeTier(RemoteTier):
                 except ValueError:
                     continue
         return out
+
+
+def reachable(address: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to ``address`` (host:port, or an http:// or etcd://
+    URL) opens within ``timeout_s``; other schemes are not checked (True)."""
+    if "://" in address:
+        parsed = urllib.parse.urlparse(address)
+        if parsed.scheme not in ("http", "https", "etcd") or parsed.hostname is None:
+            return True
+        host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    else:
+        name, _, port_text = address.rpartition(":")
+        host, port = name.strip("[]"), int(port_text)
+    try:
+        with socket.create_connection((host, port), timeout=max(timeout_s, 0.1)):
+            return True
+    except OSError:
+        return False
