@@ -225,3 +225,16 @@ def test_without_mooncake_the_tier_refuses_to_start_saying_what_to_install(
             MooncakeTier("m", MooncakeSettings("h:1", "http://h:2/metadata"), 0, wake)
     finally:
         wake.close()
+
+
+def test_reachable_knocks_on_host_ports_and_urls_and_skips_the_rest() -> None:
+    from kvoffloadd.tiers.mooncake_tier import reachable
+
+    with socket.create_server(("127.0.0.1", 0)) as up:
+        port = up.getsockname()[1]
+        assert reachable(f"127.0.0.1:{port}", 1.0)
+        assert reachable(f"http://127.0.0.1:{port}/metadata", 1.0)
+    assert not reachable(f"127.0.0.1:{port}", 0.5)  # closed now
+    assert not reachable(f"http://127.0.0.1:{port}/metadata", 0.5)
+    assert reachable("P2PHANDSHAKE", 0.5)  # nothing to knock on
+    assert reachable("redis://somewhere:1", 0.5)  # not a scheme it checks

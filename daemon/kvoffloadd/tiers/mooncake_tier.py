@@ -401,6 +401,8 @@ def reachable(address: str, timeout_s: float) -> bool:
         host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
     else:
         name, _, port_text = address.rpartition(":")
+        if not name or not port_text.isdigit():  # P2PHANDSHAKE: no server to knock on
+            return True
         host, port = name.strip("[]"), int(port_text)
     try:
         with socket.create_connection((host, port), timeout=max(timeout_s, 0.1)):
