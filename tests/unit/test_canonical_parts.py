@@ -54,8 +54,8 @@ def svc() -> Iterator[Service]:
     region.close()
 
 
-def open_ns(svc: Service, s: Session) -> int:
-    r = svc.handle(s, m.OpenNamespace(1, "canon", m.KVLayout([CANON])))
+def open_ns(svc: Service, s: Session, f: int = 1) -> int:
+    r = svc.handle(s, m.OpenNamespace(1, f"canon{f}", m.KVLayout([CANON], block_size_factor=f)))
     assert isinstance(r, m.NamespaceOpened)
     return r.ns
 
@@ -135,12 +135,14 @@ def test_a_block_is_visible_only_once_every_part_has_landed(svc: Service) -> Non
     assert svc.errors_by_code["CHECKSUM_MISMATCH"] == 1
 
 
-def test_ranks_holding_the_same_bytes_take_turns(svc: Service) -> None:
-    """MLA: every rank holds the whole latent; each block is written by one of them."""
+@pytest.mark.parametrize("f", [1, 2])  # engine blocks per offloaded block
+def test_ranks_holding_the_same_bytes_take_turns(svc: Service, f: int) -> None:
+    """MLA: every rank holds the whole latent; each engine block is written by one
+    of them (with f = 2, the two halves of one slot by different ranks)."""
     s = svc.open_session(1, os.getpid(), 0, 0)
-    ns = open_ns(svc, s)
-    caches = [shared_kv_cache(8, CANON) for _ in range(2)]
-    data = torch.randint(-128, 128, (8, CANON), dtype=torch.int8)
+    ns = open_ns(svc, s, f)
+    caches = [shared_kv_cache(16, CANON) for _ in range(2)]
+    data = torch.randint(-128, 128, (16, CANON), dtype=torch.int8)
     for c in caches:
         c.copy_(data)
     ws = [
@@ -151,17 +153,18 @@ def test_ranks_holding_the_same_bytes_take_turns(svc: Service) -> None:
     kp, kb = pack_keys(keys)
     plan = svc.handle(s, m.PrepareStore(3, ns, kp, kb))
     assert isinstance(plan, m.StorePlanReply)
-    moved = [run(svc, m.SubmitStore(4, w, 1, pack_ids(range(6)), plan.slots), s) for w in ws]
+    blocks = pack_ids(range(6 * f))
+    moved = [run(svc, m.SubmitStore(4, w, 1, blocks, plan.slots), s) for w in ws]
     assert all(r.success for r in moved)
-    assert sum(r.nbytes for r in moved) == 6 * CANON  # one copy of each block in all
-    assert {r.nbytes for r in moved} == {3 * CANON}  # in turns: three blocks each
+    assert sum(r.nbytes for r in moved) == 6 * f * CANON  # one copy of each block in all
+    assert {r.nbytes for r in moved} == {3 * f * CANON}  # in turns: half each
     svc.handle(s, m.CompleteStore(5, ns, kp, kb, True))
-    out = shared_kv_cache(8, CANON)
+    out = shared_kv_cache(16, CANON)
     reader = attach(svc, s, ns, out, 0, 1, HALF(CANON, frags((0, 0, CANON))))
     lplan = svc.handle(s, m.PrepareLoad(6, ns, kp, kb))
     assert isinstance(lplan, m.LoadPlanReply)
-    assert run(svc, m.SubmitLoad(7, reader, 1, lplan.slots, pack_ids(range(6))), s).success
-    assert torch.equal(out[:6], data[:6])
+    assert run(svc, m.SubmitLoad(7, reader, 1, lplan.slots, blocks), s).success
+    assert torch.equal(out[: 6 * f], data[: 6 * f])
 
 
 @pytest.mark.parametrize(
