@@ -234,7 +234,8 @@ class Transfers:
         caches = [w.caches[i] for i in chosen]
         geometries: list[CacheGeometry] = [c.geometry for c in caches]
         check_transfer(index.layout, slots.size, block_ids, skip, geometries)
-        check_copy_count(block_ids.size, [w.placements[i] for i in chosen])
+        placements = [w.placements[i] for i in chosen]
+        check_copy_count(block_ids.size, placements)
         runs = build_runs(
             index.layout,
             w.area,
@@ -242,7 +243,7 @@ class Transfers:
             block_ids,
             skip,
             geometries,
-            [w.placements[i] for i in chosen],
+            placements,
             slots if is_store else None,
         )
         region_off = np.concatenate([x.region for x in runs])
@@ -253,8 +254,8 @@ class Transfers:
         self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns)
         index.slots.mark_busy(slots)
         w.active_jobs.add(r.job_id)
-        # Parts of one canonical slot land from several ranks: no rank's copy sees
-        # the whole page, so such slots keep no checksum (their loads are unverified).
+        # Parts of one canonical slot land from several ranks: no rank's copy sees the
+        # whole page, so its checksum is taken once every part has landed (_sum_whole).
         check = (
             None
             if is_store and w.parts > 1

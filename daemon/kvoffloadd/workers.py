@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload.canonical import area_of
 from kvoffload.copyplan import CacheGeometry, Placement
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc, JobResult
@@ -155,7 +156,7 @@ class AttachedWorker:
     @property
     def area(self) -> int:
         """The rank area this worker copies to and from (the only one when canonical)."""
-        return self.rank if self.parts == 1 else 0
+        return area_of(self.rank, self.parts)
 
     @property
     def cache_bytes(self) -> int:

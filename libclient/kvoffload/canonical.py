@@ -98,6 +98,12 @@ def check_copy_count(blocks: int, placements: Sequence[Any]) -> None:
         )
 
 
+def area_of(rank: int, parts: int) -> int:
+    """The rank area a worker copies to and from: its own with per-rank pages, the
+    one area of a canonical slot when it writes one of ``parts`` parts."""
+    return rank if parts == 1 else 0
+
+
 def check_parts(rank: int, parts: int) -> None:
     if not 1 <= parts <= MAX_PARTS or not 0 <= rank < parts:
         raise InvalidArgumentError(f"rank {rank} of {parts} parts is not in 0..{MAX_PARTS - 1}")

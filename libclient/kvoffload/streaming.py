@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from .canonical import CanonicalPart
+from .canonical import CanonicalPart, area_of
 from .client_copy import CopyFn, LocalCopies, RegionMapping, SlotChanged, memmove_runs
 from .cuda_export import current_stream
 from .protocol import messages as m
@@ -111,7 +111,7 @@ class StreamingWorker(Worker):
         copy: CopyFn = memmove_runs if self._cuda is None else self._cuda_copy
         return LocalCopies(
             self.ns.layout,
-            self.rank if self.parts == 1 else 0,  # the rank area (canonical: the one)
+            area_of(self.rank, self.parts),
             self.geometries,
             self.bases,
             self.ns.ns_id,

@@ -171,7 +171,6 @@ class RedisTier(RemoteTier):
         self._touch_sha = hashlib.sha1(_TOUCH_LUA.encode()).hexdigest()
         self._verify = verify
         self._index_script = self._r.register_script(_INDEX_LUA)
-        self._touch_script = self._r.register_script(_TOUCH_LUA)
         self._refresh_s = refresh_s
         self._full_sync_s = full_sync_s
         self._want_full = threading.Event()

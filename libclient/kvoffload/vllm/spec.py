@@ -51,7 +51,7 @@ class KVOffloadSpec(OffloadingSpec):
         world = config.parallel.world_size
         certified = config.canonical_layout and config.parallel.is_parallelism_agnostic
         fmt = format_id(config) if certified else ""
-        self.canonical = config.canonical_layout and bool(fmt)
+        self.canonical = bool(fmt)
         self.replicated_layout = self.canonical and config.replicated_layout
         # A canonical page holds every head: one rank's bytes times the ranks that
         # shard them (1 for a replicated MLA latent).
@@ -67,7 +67,7 @@ class KVOffloadSpec(OffloadingSpec):
             tokens_per_hash=config.cache.tokens_per_hash,
             kv_cache_layout=config.kv_cache_layout,
             cache_salt=str(extra.get("cache_salt", "")),
-            canonical_format=fmt if self.canonical else "",
+            canonical_format=fmt,
         )
         self.namespace_name, self.layout = identity.namespace(extra.get("namespace"))
         log.info("kvoffload: %s", layout_choice(config, self.canonical))
