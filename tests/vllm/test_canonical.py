@@ -255,3 +255,43 @@ def test_canonical_blocks_survive_a_warm_restart_and_load_at_another_tp() -> Non
                 assert torch.equal(t[dst], kv[name][:, h.start : h.stop])
             r.shutdown()
     os.unlink(f"/dev/shm/kvoffload-{d1.instance}")
+
+
+def test_a_canonical_load_planned_before_the_daemon_dies_completes_from_the_region() -> None:
+    """Invariant 8 with canonical pages: the daemon is SIGKILLed between a TP=1
+    engine's load plan and its submit; the worker reads the canonical page from its
+    own mapping of the region, byte-exact, and vLLM sees a success."""
+    d = DaemonProcess("64MiB", "--log-level", "warning").start()
+    try:
+        tp2 = engine("gqa", 2, d, "tp2")
+        n, src = 3, list(range(3))
+        shape = tuple(tp2[0].caches[next(iter(tp2[0].caches))].shape)
+        kv = {
+            name: torch.randint(-100, 100, (n, HEADS, *shape[2:])).to(torch.bfloat16)
+            for name in tp2[0].caches
+        }
+        fill_gqa(tp2, kv, src)
+        keys = [make_offload_key(b"die%d" % i, 0) for i in range(n)]
+        store(tp2, keys, src, job=1)
+        tp1 = engine("gqa", 1, d, "tp1")
+        mgr = tp1[0].spec.get_manager()
+        deadline = time.monotonic() + 20
+        while not all(mgr.lookup(k, CTX) == LookupResult.HIT for k in keys):
+            assert time.monotonic() < deadline, "the blocks never became visible"
+            mgr.on_schedule_end(None)
+            time.sleep(0.002)
+        spec = mgr.prepare_load(keys, CTX)
+        mgr.on_schedule_end(None)  # the pins go out with the step, as in vLLM
+        d.kill()
+        dst = list(range(30, 30 + n))
+        assert tp1[0].worker.submit_load(2, spec, GPULoadStoreSpec(dst, [n], [0]))
+        finish(tp1[0].worker, 2)
+        assert tp1[0].worker.worker.loads_recovered_total >= 1
+        for name, t in tp1[0].caches.items():
+            assert torch.equal(t[dst], kv[name])
+        for r in (*tp2, *tp1):
+            r.shutdown()
+    finally:
+        d.stop()
+        if os.path.exists(f"/dev/shm/kvoffload-{d.instance}"):
+            os.unlink(f"/dev/shm/kvoffload-{d.instance}")
