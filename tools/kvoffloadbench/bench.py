@@ -27,7 +27,7 @@ from kvoffload.view import EngineView
 
 from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .bench_tiers import run_tiers, tier_rows
-from .launch import BULK_STORES, DaemonProcess
+from .launch import BULK_STORES, DaemonProcess, wait_prefault
 
 MIB = 1 << 20
 
@@ -50,17 +50,6 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
         ctypes.memmove(dst.ctypes.data, src.ctypes.data, nbytes)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
-
-
-def wait_prefault(client: kvoffload.Client, deadline_s: float = 120.0, poll_s: float = 0.1) -> None:
-    """Until the daemon's region is pre-faulted; RuntimeError after ``deadline_s``."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        region = client.stats()["region"]
-        if region["prefaulted_bytes"] >= region["data_bytes"]:
-            return
-        time.sleep(poll_s)
-    raise RuntimeError(f"the region was not pre-faulted after {deadline_s} s")
 
 
 def data_path(

@@ -19,8 +19,8 @@ from typing import Any
 
 import kvoffload
 
-from .bench import data_path, filled_index, index_bytes_per_block, memcpy_gbps, pct, wait_prefault
-from .launch import BULK_STORES, DaemonProcess
+from .bench import data_path, filled_index, index_bytes_per_block, memcpy_gbps, pct
+from .launch import BULK_STORES, DaemonProcess, wait_prefault
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 PAGES = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB)

@@ -123,3 +123,14 @@ class DaemonProcess:
             self.stop()
         else:
             self._close_pipes()
+
+
+def wait_prefault(client: Any, deadline_s: float = 120.0, poll_s: float = 0.1) -> None:
+    """Until the daemon's region is pre-faulted; RuntimeError after ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        region = client.stats()["region"]
+        if region["prefaulted_bytes"] >= region["data_bytes"]:
+            return
+        time.sleep(poll_s)
+    raise RuntimeError(f"the region was not pre-faulted after {deadline_s} s")
