@@ -26,12 +26,13 @@ import os
 import queue
 import threading
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+
+from .crc import crc32
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class ChecksumCheck:
 
     def compute(self) -> list[int]:
         n = self.area_bytes
-        return [zlib.crc32((ctypes.c_char * n).from_address(a)) for a in self.areas]
+        return [crc32((ctypes.c_char * n).from_address(a)) for a in self.areas]
 
     def mismatches(self) -> list[int]:
         assert self.expected is not None

@@ -15,9 +15,10 @@ from hostile import requires_root
 from test_tiers import keys
 
 from kvoffloadbench.redis_server import RedisServer
+from kvoffloadd.crc import crc32
 from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
 from kvoffloadd.tiers.disk import DiskTier, file_bytes
-from kvoffloadd.tiers.redis_tier import RedisTier
+from kvoffloadd.tiers.redis_tier import _META, RedisTier
 
 BLOCK = 4096
 NS = TierNamespace.of("llama", "f" * 32, BLOCK)
@@ -217,6 +218,32 @@ def test_garbage_in_redis_stays_inside_its_key(redis_url: str, wake: WakeFd) -> 
         r.delete(tier._bytes_key)  # the garbage goes: the tier is healthy and stores again
         wait_for(tier, wake, lambda: tier.statistics()["healthy"])
         assert run(tier, wake, True, keys(b"h", 1), [block(3)]).ok == [True]
+    finally:
+        r.close()
+        tier.close()
+
+
+def test_a_flipped_byte_or_an_older_format_in_redis_fails_that_block_only(
+    redis_url: str, wake: WakeFd
+) -> None:
+    """A block whose bytes changed under its CRC-32, and one in the format before
+    (KVORED02: its header held a CRC32C), are not loaded: each fails alone."""
+    import redis
+
+    tier = RedisTier("redis", redis_url, 0, wake, refresh_s=0.02)
+    tier.open_namespace(NS)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        ks = keys(b"f", 3)
+        assert run(tier, wake, True, ks, [block(1), block(2), block(3)]).ok == [True] * 3
+        flipped = bytearray(block(1))
+        flipped[BLOCK // 2] ^= 0x01
+        r.hset(tier._data_key((NS.tier_id, ks[0])), "d", bytes(flipped))
+        old = _META.pack(b"KVORED02", crc32(block(2)), BLOCK)
+        r.hset(tier._data_key((NS.tier_id, ks[1])), "m", old)
+        out = [b"", b"", b""]
+        assert run(tier, wake, False, ks, out).ok == [False, False, True]
+        assert out[2] == block(3)
     finally:
         r.close()
         tier.close()

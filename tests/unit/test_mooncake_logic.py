@@ -171,6 +171,21 @@ def test_a_corrupt_object_fails_its_block_only_and_leaves_the_view(tier: Any) ->
     assert t.lookup(NS, [b"a", b"b"]) == [False, True]
 
 
+def test_an_object_in_the_format_before_is_not_loaded(tier: Any) -> None:
+    """KVOMC001 objects carried a CRC32C: a daemon of this version reads them as misses."""
+    t, wake, region = tier
+    region[:BLOCK] = 5
+    job(t, wake, region, True, [0], [b"old"])
+    name = t.object_name((NS.tier_id, b"old"))
+    obj = bytearray(FakeStore.objects[name])
+    assert obj[BLOCK : BLOCK + 8] == b"KVOMC002"
+    obj[BLOCK : BLOCK + 8] = b"KVOMC001"
+    FakeStore.objects[name] = bytes(obj)
+    r, _ = job(t, wake, region, False, [3], [b"old"])
+    assert r.ok == [False]
+    assert t.lookup(NS, [b"old"]) == [False]
+
+
 def test_a_miss_is_checked_against_the_store(tier: Any) -> None:
     """A block another daemon wrote: the first lookup misses, the poller finds it."""
     t, wake, region = tier

@@ -340,7 +340,7 @@ def render(r: dict[str, Any], images: list[str]) -> str:
         "lookup; then single blocks are evicted and looked up again (one block's "
         "promotion: from the lookup that starts it to the one that hits). Disk files are "
         "in the page cache (just written); Redis and Mooncake Store (TCP) run on "
-        "loopback; blocks are checked against their CRC32C on the way back.",
+        "loopback; blocks are checked against their CRC-32 on the way back.",
         "",
         table(["tier", "cascade", "promotion", "promotion / memcpy", "one block"], rows),
         "",

@@ -28,12 +28,12 @@ import stat
 import struct
 import threading
 import time
-import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..crc import crc32
 from ..trust import UntrustedError, secure_dir
 from .base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
 
@@ -248,7 +248,7 @@ class DiskTier(SecondaryTier):
     def _write_one(self, path: str, key: bytes, data: memoryview) -> None:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
-        header = _HEADER.pack(MAGIC, zlib.crc32(data), len(key), len(data))
+        header = _HEADER.pack(MAGIC, crc32(data), len(key), len(data))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             written = os.writev(fd, [header, key, data])
@@ -300,7 +300,7 @@ class DiskTier(SecondaryTier):
                 return self._bad(path, f"{size} bytes, the namespace has {len(out)}")
             if f.readinto(out) != size:
                 return self._bad(path, "truncated block")
-        if self._verify and zlib.crc32(out) != crc:
+        if self._verify and crc32(out) != crc:
             return self._bad(path, "checksum mismatch")
         with contextlib.suppress(OSError):
             os.utime(path)  # recency survives a restart

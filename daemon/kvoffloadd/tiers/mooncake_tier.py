@@ -3,7 +3,7 @@
 Rules:
 - Objects: one per block, named ``<prefix>/<tier id>/<key hex>``. Tier ids come from the
   namespace name and layout fingerprint, so only daemons serving the same namespace
-  share its blocks. An object is the block followed by a 32-byte header (magic, CRC32C,
+  share its blocks. An object is the block followed by a 32-byte header (magic, CRC-32,
   block bytes); both are moved by Mooncake's transfer engine straight between the
   store and the region slot (the region is registered with ``register_buffer``) and a
   registered header area, so no block is copied by Python.
@@ -44,12 +44,13 @@ from typing import Any
 
 import numpy as np
 
+from ..crc import crc32
 from .base import TierError, TierJob, TierNamespace
-from .remote import Entry, RemoteTier, block_crc
+from .remote import Entry, RemoteTier
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVOMC001"  # the header's CRC32C is the block's (always written)
+MAGIC = b"KVOMC002"  # the header's CRC-32 is the block's (always written)
 _HEADER = struct.Struct("<8sIQ")  # magic, crc32, block bytes
 HEADER_BYTES = 32  # one slot of the header area per key
 MAX_JOB_KEYS = 256  # header slots per job thread; longer jobs go in pieces
@@ -230,7 +231,7 @@ class MooncakeTier(RemoteTier):
         base = hdr - int(self._headers.ctypes.data)
         if store:
             for j, i in enumerate(part):
-                crc = block_crc(job.buffers[i])
+                crc = crc32(job.buffers[i])
                 _HEADER.pack_into(view, base + j * HEADER_BYTES, MAGIC, crc, n)
             return [min(c, 0) for c in client.batch_put_from_multi_buffers(names, ptrs, sizes)]
         got = client.batch_get_into_multi_buffers(names, ptrs, sizes)
@@ -241,7 +242,7 @@ class MooncakeTier(RemoteTier):
                 continue
             magic, crc, size = _HEADER.unpack_from(view, base + j * HEADER_BYTES)
             good = count == n + HEADER_BYTES and magic == MAGIC and size == n
-            if good and self.s.verify and block_crc(job.buffers[i]) != crc:
+            if good and self.s.verify and crc32(job.buffers[i]) != crc:
                 good = False
             if not good:
                 log.warning("tier %s: block %s failed its check; not loaded", self.name, names[j])

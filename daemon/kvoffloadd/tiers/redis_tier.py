@@ -2,7 +2,7 @@
 
 Rules:
 - Data: one hash per block at ``<prefix>:b:<tier id>:<key>``: field ``m`` is a header
-  (magic, CRC32C, length), field ``d`` the block. Tier ids come from the namespace name
+  (magic, CRC-32, length), field ``d`` the block. Tier ids come from the namespace name
   and layout fingerprint, so only daemons serving the same namespace share its blocks.
   (Format 1 split blocks into fields ``c0``, ``c1``, ...; such blocks miss once and
   leave the view.)
@@ -36,13 +36,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
+from ..crc import crc32
 from .base import TierError, TierJob
-from .remote import Entry, RemoteTier, block_crc
+from .remote import Entry, RemoteTier
 from .resp import RespConnection, RespError, encode
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVORED02"
+MAGIC = b"KVORED03"
 _META = struct.Struct("<8sIQ")  # magic, crc32, block bytes
 
 # The bytes travel in plain HSET/HGETALL commands (through Lua they would be copied
@@ -217,7 +218,7 @@ class RedisTier(RemoteTier):
             pipe = self._r.pipeline(transaction=False)
             for e, buf in zip(entries, job.buffers):
                 data = self._data_key(e)
-                crc = block_crc(buf)  # always: readers may verify
+                crc = crc32(buf)  # always: readers may verify
                 fields: dict[Any, Any] = {b"m": _META.pack(MAGIC, crc, nbytes), b"d": buf}
                 pipe.delete(data)  # a block written again replaces, never mixes, fields
                 pipe.hset(data, mapping=fields)
@@ -293,7 +294,7 @@ class RedisTier(RemoteTier):
         if magic != MAGIC or size != len(out):
             log.warning("tier %s: a block has a bad header; not loaded", self.name)
             return False
-        if self._verify and block_crc(out) != crc:
+        if self._verify and crc32(out) != crc:
             log.warning("tier %s: a block failed its checksum; not loaded", self.name)
             return False
         return True

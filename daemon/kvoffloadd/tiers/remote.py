@@ -9,7 +9,7 @@ Rules:
   older entries missing from it leave) and ``health`` (reachable or not, and why).
 - A job's successful keys enter the view; a load that failed drops its keys (the
   store lost them: one miss, then no more lookups hit them).
-- Blocks carry a CRC32C (``block_crc``) in their header, checked on the way back.
+- Blocks carry their CRC-32 (``crc.crc32``) in their header, checked on the way back.
 - An unreachable store makes every lookup miss; the region is not affected. The first
   change of health is logged once, as is the recovery.
 """
@@ -21,19 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
-
-_crc32c: Any
-try:  # CRC32C in hardware (SSE4.2, ARMv8): 5x zlib's CRC32, so verifying is cheap
-    import crc32c as _crc32c
-except ImportError:  # pragma: no cover - the redis and mooncake extras install it
-    _crc32c = None
-
-
-def block_crc(block: memoryview) -> int:
-    """The CRC32C of a block (the GIL is released while it runs)."""
-    return int(_crc32c.crc32c(block))
-
+from .base import SecondaryTier, TierJob, TierNamespace, TierResult
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +32,6 @@ class RemoteTier(SecondaryTier):
     """Base of the tiers behind a server; ``endpoint`` names the server in logs."""
 
     def __init__(self, name: str, endpoint: str, capacity_bytes: int, wake: Any) -> None:
-        if _crc32c is None:
-            raise TierError(
-                f"tier {name}: the {self.kind} tier needs the crc32c package "
-                f"(pip install 'kvoffload[{self.kind}]')"
-            )
         super().__init__(name, capacity_bytes, wake)
         self.endpoint = endpoint
         self._view: dict[Entry, float] = {}
