@@ -4,7 +4,9 @@ One daemon per tier kind (a disk directory under the temporary directory; a thro
 redis-server and a throwaway mooncake_master on loopback, when installed). Blocks are
 stored into the region, the time until every one has cascaded is the cascade rate;
 then the region is emptied by an admin eviction and one lookup starts the promotion
-of all of them, and the time until a lookup hits them all is the promotion rate.
+of all of them, and the time until a lookup hits them all is the promotion rate (the
+median of ``PROMOTION_ROUNDS`` such rounds: one round on 2 vCPUs shared with the
+server varies by 2x from run to run).
 Then single blocks are evicted and looked up again: the median time from the lookup
 that starts one block's promotion to the lookup that hits it is its latency. The disk
 figures are with the files in the page cache (just written), so they show kvoffload's
@@ -28,6 +30,7 @@ from .mooncake_master import MooncakeMaster
 from .redis_server import RedisServer
 
 MIB = 1 << 20
+PROMOTION_ROUNDS = 3  # whole promotions timed per tier; the median is reported
 
 
 def _wait(predicate: Any, deadline_s: float = 120.0, poll_s: float = 0.0005) -> None:
@@ -71,11 +74,13 @@ def tier_rates(
             ns.complete_store(keys)
             _wait(lambda: tier_stat("stores_total") >= nblocks, poll_s=0.002)
             cascade_s = time.perf_counter() - t0
-            assert client.evict("bench") == nblocks
-            t0 = time.perf_counter()
-            assert ns.lookup(keys) is None, "the promotion did not start"
-            _wait(lambda: ns.lookup(keys) == nblocks)
-            promote_s = time.perf_counter() - t0
+            promote_s = []
+            for _ in range(PROMOTION_ROUNDS):
+                assert client.evict("bench") == nblocks
+                t0 = time.perf_counter()
+                assert ns.lookup(keys) is None, "the promotion did not start"
+                _wait(lambda: ns.lookup(keys) == nblocks)
+                promote_s.append(time.perf_counter() - t0)
             assert tier_stat("promotion_failures_total") == 0
             one_ms = []
             for k in keys[:16]:
@@ -88,7 +93,8 @@ def tier_rates(
             client.close()
             assert d.stop() == 0
     total = nblocks * block_bytes
-    return total / cascade_s / 1e9, total / promote_s / 1e9, sorted(one_ms)[len(one_ms) // 2]
+    median_s = sorted(promote_s)[len(promote_s) // 2]
+    return total / cascade_s / 1e9, total / median_s / 1e9, sorted(one_ms)[len(one_ms) // 2]
 
 
 def run_tiers(quick: bool) -> dict[str, Any]:
