@@ -10,6 +10,7 @@ see all.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 from typing import TYPE_CHECKING, Any, Protocol
@@ -165,6 +166,7 @@ class LoopTurns:
             "turn_p50_us": round(recent[len(recent) // 2], 1),
             "turn_p99_us": round(recent[min(len(recent) - 1, len(recent) * 99 // 100)], 1),
             "turn_max_us": round(self.max_us, 1),
+            "gc_frozen_objects": gc.get_freeze_count(),  # start-up objects, never collected
         }
 
 

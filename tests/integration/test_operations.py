@@ -201,6 +201,14 @@ def test_top_config_and_prefix_eviction(daemon: DaemonProcess) -> None:
     c.close()
 
 
+def test_start_up_objects_are_out_of_the_collectors_sight(daemon: DaemonProcess) -> None:
+    """gc.freeze() after start-up: a full collection would otherwise walk every module,
+    class and function object and hold the GIL (the loop and the copiers) for ~10 ms."""
+    c = kvoffload.connect(daemon.socket_path)
+    assert c.stats()["loop"]["gc_frozen_objects"] > 10_000
+    c.close()
+
+
 def test_evict_and_config_refused_for_non_admin_uid(tmp_path: Path) -> None:
     cfg = tmp_path / "k.toml"
     cfg.write_text(f"admin_uids = [{os.getuid() + 4242}]\n")
