@@ -18,7 +18,7 @@ from kvoffloadbench.redis_server import RedisServer
 from kvoffloadd.crc import crc32
 from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
 from kvoffloadd.tiers.disk import DiskTier, file_bytes
-from kvoffloadd.tiers.redis_tier import _META, RedisTier
+from kvoffloadd.tiers.redis_tier import _META, LOAD_WINDOW_BYTES, RedisTier
 
 BLOCK = 4096
 NS = TierNamespace.of("llama", "f" * 32, BLOCK)
@@ -34,7 +34,7 @@ def run(
     ns: TierNamespace = NS,
 ) -> TierResult:
     """Submit one job and wait (deadline) for its result on the loop side."""
-    bufs = [memoryview(bytearray(b if store else bytes(BLOCK))) for b in blocks]
+    bufs = [memoryview(bytearray(b if store else bytes(ns.block_bytes))) for b in blocks]
     job = TierJob(next(_ids), ns, ks, bufs)
     (tier.submit_store if store else tier.submit_load)(job)
     deadline = time.monotonic() + 10
@@ -244,6 +244,34 @@ def test_a_flipped_byte_or_an_older_format_in_redis_fails_that_block_only(
         out = [b"", b"", b""]
         assert run(tier, wake, False, ks, out).ok == [False, False, True]
         assert out[2] == block(3)
+    finally:
+        r.close()
+        tier.close()
+
+
+def test_a_load_longer_than_its_window_keeps_order_past_a_foreign_value(
+    redis_url: str, wake: WakeFd
+) -> None:
+    """9 blocks of 1 MiB through a 4-block window: each reply lands in its own slot,
+    and a string planted at one key fails that block only, mid-window."""
+    import redis
+
+    big = 1 << 20
+    ns = TierNamespace.of("big", "e" * 32, big)
+    assert LOAD_WINDOW_BYTES // big < 9
+    tier = RedisTier("redis", redis_url, 0, wake, refresh_s=0.02, connections=1)
+    tier.open_namespace(ns)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        ks = keys(b"w", 9)
+        blocks = [bytes([i + 1]) * big for i in range(9)]
+        assert run(tier, wake, True, ks, blocks, ns).ok == [True] * 9
+        r.delete(tier._data_key((ns.tier_id, ks[4])))
+        r.set(tier._data_key((ns.tier_id, ks[4])), "a string, not a hash")
+        out = [b""] * 9
+        result = run(tier, wake, False, ks, out, ns)
+        assert result.ok == [True] * 4 + [False] + [True] * 4
+        assert [o for i, o in enumerate(out) if i != 4] == blocks[:4] + blocks[5:]
     finally:
         r.close()
         tier.close()
