@@ -2,11 +2,13 @@
 
 The server keeps nothing on disk (no RDB, no AOF) and runs in its own temporary
 directory. ``RedisServer.available()`` says why none can be started (no binary), so
-callers can skip with that reason.
+callers can skip with that reason. ``KVOFFLOAD_REDIS_SERVER`` names another binary
+that speaks Redis's protocol and flags (``valkey-server``: ``make test-valkey``).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import time
@@ -21,17 +23,26 @@ def free_port() -> int:
         return port
 
 
+def server_name() -> str:
+    """The server binary tests and benchmarks start: redis-server unless the
+    environment names another (valkey-server)."""
+    return os.environ.get("KVOFFLOAD_REDIS_SERVER") or "redis-server"
+
+
 class RedisServer(ServerProcess):
     def __init__(self, port: int | None = None, maxmemory: str = "0") -> None:
-        self.binary = shutil.which("redis-server") or ""
+        self.binary = shutil.which(server_name()) or ""
         self.port = port or free_port()
         self.maxmemory = maxmemory
 
     @staticmethod
     def available() -> str:
         """Empty when redis-server can be started, else the reason it cannot."""
-        if shutil.which("redis-server") is None:
-            return "redis-server is not installed (make test installs Debian's redis-server)"
+        name = server_name()
+        if shutil.which(name) is None:
+            if name == "redis-server":
+                return "redis-server is not installed (make test installs Debian's redis-server)"
+            return f"{name} (KVOFFLOAD_REDIS_SERVER) is not installed"
         return ""
 
     @property
@@ -48,12 +59,12 @@ class RedisServer(ServerProcess):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {proc.returncode}")
+                raise RuntimeError(f"{self.binary} exited with {proc.returncode}")
             if self.ping():
                 return self
             time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+        raise RuntimeError(f"{self.binary} did not answer on port {self.port}")
 
     def ping(self) -> bool:
         try:
