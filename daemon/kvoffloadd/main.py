@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     # a full collection no longer walks ~35,000 start-up objects, a 10 ms pause of the
     # loop (and of every thread that needs the GIL) measured as 0.2 ms after.
     gc.freeze()
+    server.service.loop.frozen_objects = gc.get_freeze_count()
     notifier.notify(READY=1, STATUS="serving; pre-faulting region", MAINPID=os.getpid())
     try:
         server.serve_forever()
