@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     # Everything built so far lives as long as the daemon: out of the collector's sight,
-    # a full collection no longer walks ~35,000 start-up objects, a 10 ms pause of the
+    # a full collection no longer walks ~32,000 start-up objects, a 10 ms pause of the
     # loop (and of every thread that needs the GIL) measured as 0.2 ms after.
     gc.freeze()
     server.service.loop.frozen_objects = gc.get_freeze_count()

@@ -258,7 +258,7 @@ class RedisTier(RemoteTier):
                 args = (data, self._idx, self._bytes_key, member(e, nbytes), nbytes)
                 touch = encode("EVALSHA", self._touch_sha, 3, *args)
                 cmds.append(encode("HMGET", data, "m", "d") + touch)
-            window = max(1, LOAD_WINDOW_BYTES // max(1, nbytes))
+            window = max(1, LOAD_WINDOW_BYTES // nbytes)
             conn.send(cmds[:window])
             for i, out in enumerate(job.buffers):
                 if i + window < len(cmds):
