@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-gpu test-vllm test-valkey bench bench-engine bench-submit bench-canonical bench-report soak lint clean
+.PHONY: setup run test test-gpu test-vllm bench bench-engine bench-submit bench-canonical bench-report soak lint clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,7 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENTS)
 
 # Everything, the vLLM suite included (its tests skip in .venv, which has no vLLM).
 test: $(STAMP) $(VLLM_STAMP)
-	@tools/ensure-redis-server
+	@tools/ensure-redis-servers
 	@tools/ensure-mooncake-libs
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
@@ -48,13 +48,6 @@ test-gpu: $(STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
-
-# The Redis tier's tests against Valkey instead of Redis: a valkey-server on PATH, or
-# VALKEY_SERVER=/path/to/valkey-server. Not part of make test (no Debian package).
-VALKEY_SERVER ?= valkey-server
-test-valkey: $(STAMP)
-	@command -v $(VALKEY_SERVER) >/dev/null || { echo "$(VALKEY_SERVER) not found: install Valkey or set VALKEY_SERVER"; exit 2; }
-	KVOFFLOAD_REDIS_SERVER=$(VALKEY_SERVER) $(BIN)/python -m pytest -q -rs tests/integration/test_tier_stores.py tests/integration/test_tiers.py $(PYTEST_ARGS)
 
 # vLLM's real scheduler step with kvoffload vs vLLM's own CPU offloading, same run, and
 # 8 engines on one daemon; saved for `make bench-report` in docs/bench-engine.json.
@@ -70,7 +63,7 @@ bench-submit: $(STAMP)
 	$(BIN)/python -m kvoffloadbench.bench_submit $(ARGS)
 
 bench: $(STAMP)
-	@tools/ensure-redis-server
+	@tools/ensure-redis-servers
 	@tools/ensure-mooncake-libs
 	$(BIN)/python -m kvoffloadbench.bench $(ARGS)
 
@@ -81,7 +74,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench-report: $(BENCH_STAMP)
-	@tools/ensure-redis-server
+	@tools/ensure-redis-servers
 	@tools/ensure-mooncake-libs
 	$(BIN)/python -m kvoffloadbench.bench_report $(ARGS)
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.redis_server import RedisServer
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,6 +22,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=("redis-server", "valkey-server"), ids=("redis", "valkey"))
+def redis_server_name(request: pytest.FixtureRequest) -> str:
+    """Each Redis tier test runs against Redis and against Valkey (make test installs
+    both from Debian); one that is not installed skips, naming it."""
+    name: str = request.param
+    if why := RedisServer.available(name):
+        pytest.skip(why)
+    return name
 
 
 @pytest.fixture

@@ -121,11 +121,8 @@ def test_disk_tier_rejects_a_block_of_another_size(tmp_path: pathlib.Path, wake:
 
 
 @pytest.fixture
-def redis_url() -> Iterator[str]:
-    why = RedisServer.available()
-    if why:
-        pytest.skip(why)
-    with RedisServer() as server:
+def redis_url(redis_server_name: str) -> Iterator[str]:
+    with RedisServer(name=redis_server_name) as server:
         yield server.url
 
 

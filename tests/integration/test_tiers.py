@@ -76,11 +76,8 @@ def test_disk_tier_survives_a_restart_and_drops_partial_files(tmp_path: pathlib.
 
 
 @pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    why = RedisServer.available()
-    if why:
-        pytest.skip(why)
-    server = RedisServer().start()
+def redis_server(redis_server_name: str) -> Iterator[RedisServer]:
+    server = RedisServer(name=redis_server_name).start()
     yield server
     server.stop()
 

@@ -185,13 +185,11 @@ def test_an_uncertified_configuration_keeps_per_rank_blocks(
 
 
 def test_a_canonical_block_cascaded_by_one_daemon_loads_at_another_tp_elsewhere(
-    tmp_path: Path,
+    tmp_path: Path, redis_server_name: str
 ) -> None:
-    """Two nodes share a Redis tier: a TP=2 engine's blocks, cascaded by its daemon,
-    are promoted by another daemon for a TP=1 engine, byte for byte."""
-    if why := RedisServer.available():
-        pytest.skip(why)
-    with RedisServer() as redis:
+    """Two nodes share a Redis (or Valkey) tier: a TP=2 engine's blocks, cascaded by its
+    daemon, are promoted by another daemon for a TP=1 engine, byte for byte."""
+    with RedisServer(name=redis_server_name) as redis:
         cfg = tmp_path / "tier.toml"
         cfg.write_text(f'[[tiers]]\ntype = "redis"\nurl = "{redis.url}"\nrefresh_s = 0.05\n')
         args = ("--config", str(cfg), "--log-level", "warning")

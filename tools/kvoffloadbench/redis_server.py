@@ -2,8 +2,9 @@
 
 The server keeps nothing on disk (no RDB, no AOF) and runs in its own temporary
 directory. ``RedisServer.available()`` says why none can be started (no binary), so
-callers can skip with that reason. ``KVOFFLOAD_REDIS_SERVER`` names another binary
-that speaks Redis's protocol and flags (``valkey-server``: ``make test-valkey``).
+callers can skip with that reason. Any binary that speaks Redis's protocol and flags
+can be named (``valkey-server``: the tests run against both); the benchmarks start
+``KVOFFLOAD_REDIS_SERVER`` when the environment names one.
 """
 
 from __future__ import annotations
@@ -30,19 +31,19 @@ def server_name() -> str:
 
 
 class RedisServer(ServerProcess):
-    def __init__(self, port: int | None = None, maxmemory: str = "0") -> None:
-        self.binary = shutil.which(server_name()) or ""
+    def __init__(self, port: int | None = None, maxmemory: str = "0", name: str = "") -> None:
+        self.name = name or server_name()
+        self.binary = shutil.which(self.name) or ""
         self.port = port or free_port()
         self.maxmemory = maxmemory
 
     @staticmethod
-    def available() -> str:
-        """Empty when redis-server can be started, else the reason it cannot."""
-        name = server_name()
+    def available(name: str = "") -> str:
+        """Empty when the server (``server_name()`` unless named) can be started, else
+        the reason it cannot."""
+        name = name or server_name()
         if shutil.which(name) is None:
-            if name == "redis-server":
-                return "redis-server is not installed (make test installs Debian's redis-server)"
-            return f"{name} (KVOFFLOAD_REDIS_SERVER) is not installed"
+            return f"{name} is not installed (make test installs Debian's package)"
         return ""
 
     @property
@@ -51,7 +52,7 @@ class RedisServer(ServerProcess):
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         if not self.binary:
-            raise RuntimeError(self.available())
+            raise RuntimeError(self.available(self.name))
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
         args += ["--save", "", "--appendonly", "no", "--dir", "."]
         args += ["--maxmemory", self.maxmemory, "--protected-mode", "no"]
@@ -78,7 +79,7 @@ class RedisServer(ServerProcess):
 def restart_on_same_port(old: RedisServer) -> RedisServer:
     """A fresh, empty server where ``old`` was (after ``old.kill()``)."""
     old.stop()
-    return RedisServer(port=old.port, maxmemory=old.maxmemory).start()
+    return RedisServer(port=old.port, maxmemory=old.maxmemory, name=old.name).start()
 
 
 __all__ = ["RedisServer", "free_port", "restart_on_same_port"]
