@@ -36,8 +36,8 @@ import numpy as np
 from kvoffload.canonical import CanonicalPart, check, check_copy_count, check_parts
 from kvoffload.copyplan import (
     CacheGeometry,
+    JobRuns,
     Placement,
-    Runs,
     build_runs,
     check_transfer,
     has_duplicates,
@@ -246,9 +246,8 @@ class Transfers:
             placements,
             slots if is_store else None,
         )
-        region_off = np.concatenate([x.region for x in runs])
-        nbytes = np.concatenate([x.nbytes for x in runs])
-        self.pages_planned += block_ids.size * len(runs)
+        region_off, nbytes = runs.region, runs.nbytes
+        self.pages_planned += block_ids.size * len(caches)
         self.runs_planned += region_off.size
         token = next(self._tokens)
         self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns)
@@ -264,7 +263,7 @@ class Transfers:
         if w.client_copy:
             return self._client_plan(w, r, token, runs, chosen, region_off, nbytes, check)
         region_addr = region_off + self._region_addr
-        cache_addr = np.concatenate([x.cache + c.base_address for x, c in zip(runs, caches)])
+        cache_addr = runs.cache + np.array([c.base_address for c in caches])[runs.which]
         dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
         if w.device is not None and self.gpu is not None:
             self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event, check)
@@ -277,7 +276,7 @@ class Transfers:
         w: AttachedWorker,
         r: m.SubmitStore | m.SubmitLoad,
         token: int,
-        runs: list[Runs],
+        runs: JobRuns,
         chosen: list[int],
         region_off: np.ndarray,
         nbytes: np.ndarray,
@@ -292,13 +291,9 @@ class Transfers:
         if corrupt:
             empty = b""
             return m.CopyPlanReply(r.rid, empty, empty, empty, empty)
-        which = np.concatenate([np.full(x.region.size, i) for x, i in zip(runs, chosen)])
+        which = np.array(chosen, dtype=np.int64)[runs.which]
         return m.CopyPlanReply(
-            r.rid,
-            pack_ids(region_off),
-            pack_ids(np.concatenate([x.cache for x in runs])),
-            pack_ids(nbytes),
-            pack_ids(which),
+            r.rid, pack_ids(region_off), pack_ids(runs.cache), pack_ids(nbytes), pack_ids(which)
         )
 
     def wrote(self, s: Session, r: m.Wrote) -> None:

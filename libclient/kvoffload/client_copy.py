@@ -142,9 +142,8 @@ class LocalCopies:
         runs = build_runs(
             self.layout, self.rank, offsets, ids, skip, geoms, placements, slots if store else None
         )
-        region = np.concatenate([r.region for r in runs]) + self.region.base_address
-        cache = np.concatenate([r.cache + self._bases[i] for r, i in zip(runs, chosen)])
-        return region, cache, np.concatenate([r.nbytes for r in runs])
+        cache = runs.cache + self._bases[chosen][runs.which]
+        return runs.region + self.region.base_address, cache, runs.nbytes
 
     def store(self, slots: I64, ids: I64, caches: Sequence[int], lease: int) -> int:
         """Copy engine blocks into leased slots; SlotChanged if a slot is not ours."""

@@ -67,6 +67,14 @@ class Runs:
 
 
 @dataclass(frozen=True)
+class JobRuns(Runs):
+    """The merged runs of one transfer over several caches: ``which`` is the position,
+    in the transfer's list of caches, of the cache each run's ``cache`` offset is in."""
+
+    which: I64
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where one cache's page lives in a rank's area: sub-block ``s`` of the cache's
     page starts at ``tensor_offset + s * tensor_page_bytes + part_offset``. With
@@ -167,23 +175,74 @@ def build_runs(
     caches: list[CacheGeometry],
     placements: list[Placement],
     store_slots: I64 | None = None,
-) -> list[Runs]:
-    """Merged copy runs per cache for one transfer (the caller validated the inputs).
-    ``rank`` picks the rank area (0 in a canonical namespace); a store into canonical
-    pages passes its slot ids (``store_slots``), which decide whose turn each block is."""
+) -> JobRuns:
+    """Merged copy runs of one transfer over its caches, cache by cache in order (the
+    caller validated the inputs). ``rank`` picks the rank area (0 in a canonical
+    namespace); a store into canonical pages passes its slot ids (``store_slots``),
+    which decide whose turn each block is."""
     f = layout.block_size_factor
     slot_idx, sub_idx = expand_positions(block_ids.size, f, skip)
     base = slot_offsets[slot_idx] + rank * layout.rank_bytes
+    if len(placements) > 1 and all(at.canon is None for at in placements):
+        return _plain_runs(base, sub_idx, block_ids, caches, placements)
     page_ids = None if store_slots is None else store_slots[slot_idx] * f + sub_idx
-    out = []
+    parts = []
     for at, cache in zip(placements, caches):
         region = base + at.tensor_offset + at.part_offset + sub_idx * at.tensor_page_bytes
         cache_off = cache.offset_bytes + block_ids * cache.row_stride_bytes
         if at.canon is None:
-            out.append(merge_runs(region, cache_off, cache.page_bytes))
+            parts.append(merge_runs(region, cache_off, cache.page_bytes))
         else:
-            out.append(merge_runs(*expand(at.canon, region, cache_off, page_ids)))
-    return out
+            parts.append(merge_runs(*expand(at.canon, region, cache_off, page_ids)))
+    which = np.repeat(np.arange(len(parts), dtype=np.int64), [r.region.size for r in parts])
+    return JobRuns(
+        np.concatenate([r.region for r in parts]),
+        np.concatenate([r.cache for r in parts]),
+        np.concatenate([r.nbytes for r in parts]),
+        which,
+    )
+
+
+def _plain_runs(
+    base: I64,
+    sub_idx: I64,
+    block_ids: I64,
+    caches: list[CacheGeometry],
+    placements: list[Placement],
+) -> JobRuns:
+    """``build_runs`` for caches without canonical mappings, all at once: one row of
+    page copies per cache (a model has one cache per layer: a loop per cache cost
+    ~27 us each), merged within rows, never across."""
+    count = block_ids.size
+    if count == 0 or not caches:
+        empty = np.zeros(0, dtype=np.int64)
+        return JobRuns(empty, empty, empty, empty)
+    rows = [
+        (
+            at.tensor_offset + at.part_offset,
+            at.tensor_page_bytes,
+            c.offset_bytes,
+            c.row_stride_bytes,
+        )
+        for at, c in zip(placements, caches)
+    ]
+    # (caches, 1) columns, broadcast against the blocks
+    offset, tensor_page, cache_offset, stride = np.array(rows, dtype=np.int64).T[:, :, None]
+    page = np.array([c.page_bytes for c in caches], dtype=np.int64)[:, None]
+    region = base + offset + sub_idx * tensor_page  # (caches, blocks)
+    cache = cache_offset + block_ids * stride
+    goes_on = (region[:, 1:] - region[:, :-1] == page) & (cache[:, 1:] - cache[:, :-1] == page)
+    if not goes_on.any():  # nothing merges (scattered blocks, or slots wider than pages)
+        which = np.repeat(np.arange(len(caches), dtype=np.int64), count)
+        return JobRuns(region.ravel(), cache.ravel(), page.ravel()[which], which)
+    starts_here = np.ones(region.shape, dtype=bool)
+    starts_here[:, 1:] = ~goes_on
+    starts = np.flatnonzero(starts_here)
+    ends = np.append(starts[1:], region.size)
+    which = starts // count
+    return JobRuns(
+        region.ravel()[starts], cache.ravel()[starts], (ends - starts) * page.ravel()[which], which
+    )
 
 
 def select_caches(count: int, wanted: list[int]) -> list[int]:

@@ -4,6 +4,8 @@
   as one run to the next allocation of that size.
 - ``merge_runs`` maps exactly the bytes the per-page descriptors map, in the fewest
   runs: one more than the places where either side stops being contiguous.
+- ``build_runs`` plans all of a transfer's caches at once; its runs are exactly those
+  of merging each cache's page copies on its own, in cache order.
 - The vectorised submit checks (lease mirror, duplicate ids, busy marks) agree with
   their one-slot-at-a-time definitions.
 """
@@ -108,7 +110,62 @@ def test_contiguous_blocks_into_contiguous_slots_copy_in_one_run(
     runs = build_runs(
         layout, 0, slots, np.arange(n * f) + 3, 0, geoms, place_caches(layout, [4096])
     )
-    assert runs[0].region.size == 1 and runs[0].total_bytes == n * f * 4096
+    assert runs.region.size == 1 and runs.total_bytes == n * f * 4096
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from([512, 1024, 4096]), min_size=1, max_size=5),
+    st.integers(1, 3),
+    st.data(),
+)
+def test_all_caches_at_once_plan_the_runs_of_one_cache_at_a_time(
+    pages: list[int], f: int, data: st.DataObject
+) -> None:
+    world = data.draw(st.integers(1, 2))
+    layout = KVLayout(tensor_page_bytes=pages, world_size=world, block_size_factor=f)
+    rank = data.draw(st.integers(0, world - 1))
+    nslots = data.draw(st.integers(0, 6))
+    skip = data.draw(st.integers(0, f - 1)) if nslots else 0
+    count = data.draw(st.integers(max(nslots * f - skip - f + 1, 0), max(nslots * f - skip, 0)))
+    slots = data.draw(st.permutations(range(8)))[:nslots]
+    if data.draw(st.booleans()):
+        slots = sorted(slots)  # ascending slots: runs merge across blocks
+    nblocks = 3 * 8 * f
+    ids = data.draw(st.permutations(range(nblocks)))[:count]
+    if data.draw(st.booleans()):
+        ids = sorted(ids)
+    # rows padded or not, caches at an offset or not: the strides decide what merges
+    geoms = [
+        CacheGeometry(
+            nblocks, p, data.draw(st.sampled_from([0, 64])), p * data.draw(st.sampled_from([1, 2]))
+        )
+        for p in pages
+    ]
+    at = place_caches(layout, pages)
+    got = build_runs(
+        layout,
+        rank,
+        np.array(slots, dtype=np.int64) * layout.block_bytes,
+        np.array(ids, dtype=np.int64),
+        skip,
+        geoms,
+        at,
+    )
+    sub = np.arange(skip, skip + count, dtype=np.int64)
+    base = np.array(slots, dtype=np.int64)[sub // f] * layout.block_bytes + rank * layout.rank_bytes
+    want = [
+        merge_runs(
+            base + a.tensor_offset + a.part_offset + (sub % f) * a.tensor_page_bytes,
+            g.offset_bytes + np.array(ids, dtype=np.int64) * g.row_stride_bytes,
+            g.page_bytes,
+        )
+        for a, g in zip(at, geoms)
+    ]
+    assert got.region.tolist() == [x for w in want for x in w.region.tolist()]
+    assert got.cache.tolist() == [x for w in want for x in w.cache.tolist()]
+    assert got.nbytes.tolist() == [x for w in want for x in w.nbytes.tolist()]
+    assert got.which.tolist() == [i for i, w in enumerate(want) for _ in range(w.region.size)]
 
 
 @settings(max_examples=300, deadline=None)

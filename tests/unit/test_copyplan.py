@@ -61,10 +61,8 @@ def test_runs_reproduce_the_reference_layout(f: int, skip: int, world: int, rank
     at = place_caches(layout, pages)
     runs = build_runs(layout, rank, np.array(slots) * slot_bytes, ids, skip, geoms, at)
     region = np.zeros(6 * slot_bytes, dtype=np.uint8)
-    for r, cache in zip(runs, caches):
-        flat = cache.reshape(-1)
-        for ro, co, n in zip(r.region, r.cache, r.nbytes):
-            region[ro : ro + n] = flat[co : co + n]
+    for ro, co, n, i in zip(runs.region, runs.cache, runs.nbytes, runs.which):
+        region[ro : ro + n] = caches[i].reshape(-1)[co : co + n]
     ref = reference_copy(layout, rank, slot_bytes, slots, ids.tolist(), skip, caches)
     assert np.array_equal(region[: ref.size], ref)
 
@@ -74,9 +72,9 @@ def test_adjacent_pages_merge_into_one_run() -> None:
     geoms = [CacheGeometry(16, 4096, 0, 4096)]
     at = place_caches(layout, [4096])
     runs = build_runs(layout, 0, np.array([0, 8192, 16384]), np.arange(6), 0, geoms, at)
-    assert runs[0].region.tolist() == [0] and runs[0].nbytes.tolist() == [6 * 4096]
+    assert runs.region.tolist() == [0] and runs.nbytes.tolist() == [6 * 4096]
     runs = build_runs(layout, 0, np.array([0, 16384]), np.array([0, 1, 5, 6]), 0, geoms, at)
-    assert runs[0].nbytes.tolist() == [8192, 8192]
+    assert runs.nbytes.tolist() == [8192, 8192]
     empty = merge_runs(np.zeros(0, np.int64), np.zeros(0, np.int64), 4096)
     assert empty.total_bytes == 0
 
@@ -114,9 +112,8 @@ def test_caches_that_tile_one_tensor_page_land_side_by_side(
     at = place_caches(layout, parts)
     runs = build_runs(layout, rank, np.array(slots) * slot_bytes, ids, skip, geoms, at)
     region = np.zeros(5 * slot_bytes, dtype=np.uint8)
-    for r, cache in zip(runs, caches):
-        for ro, co, n in zip(r.region, r.cache, r.nbytes):
-            region[ro : ro + n] = cache.reshape(-1)[co : co + n]
+    for ro, co, n, i in zip(runs.region, runs.cache, runs.nbytes, runs.which):
+        region[ro : ro + n] = caches[i].reshape(-1)[co : co + n]
     for j, b in enumerate(ids.tolist()):
         slot, sub = divmod(j + skip, f)
         start = slots[slot] * slot_bytes + rank * layout.rank_bytes + sub * sum(parts)
