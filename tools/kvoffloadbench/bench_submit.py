@@ -4,7 +4,9 @@ The loop thread validates every transfer before an address reaches a copier
 (invariant 4): slots leased to the engine's token or pinned, no slot twice, engine
 block ids inside the caches, then the copy plan and the busy marks. This measures
 that work alone, on an in-process ``Service`` (no socket, no copy wait), for the
-three shapes an engine sends:
+three shapes an engine sends, each with one cache and with one cache per layer of a
+32-layer model (``LAYERS``: a vLLM worker registers each layer's KV tensor as a
+part of its page, and the plan covers every part):
 
 - ``store``: a store into slots the engine claimed from its lease (the engine path);
 - ``load-keys``: a load naming its keys (the engine path; resolved wherever they are);
@@ -40,7 +42,8 @@ from kvoffloadd.region import Geometry, SharedOffloadRegion
 from kvoffloadd.service import Service
 from kvoffloadd.session import Session
 
-PAGE_BYTES = 16384  # 16 blocks are past the copier's inline size: not timed
+PAGE_BYTES = 16384  # per block: 16 blocks are past the copier's inline size, not timed
+LAYERS = 32  # caches of the layered shape, PAGE_BYTES // LAYERS bytes of page each
 SIZES = (16, 256, 1024)
 
 
@@ -58,9 +61,10 @@ class _LoopCopier(CpuCopier):
 
 
 class _Rig:
-    """One Service over a small region, one engine session with a lease and a worker."""
+    """One Service over a small region, one engine session with a lease and a worker
+    with ``caches`` caches that tile one page of PAGE_BYTES."""
 
-    def __init__(self) -> None:
+    def __init__(self, caches: int) -> None:
         settings = {"instance": f"b{uuid.uuid4().hex[:8]}", "region_size": "256MiB"}
         settings["max_writing_fraction"] = 1.0  # type: ignore[assignment]
         cfg = msgspec.convert(settings, DaemonConfig).validate()
@@ -72,13 +76,24 @@ class _Rig:
         opened = self.svc.handle(self.s, m.OpenNamespace(2, "bench", m.KVLayout([PAGE_BYTES])))
         assert isinstance(opened, m.NamespaceOpened)
         self.ns, self.token = opened.ns, opened.lease
-        self.cache = kvoffload.shared_kv_cache(max(SIZES), PAGE_BYTES)
-        d, fd = describe_cache(self.cache)
-        self.s.fds.append(os.dup(fd))  # the service closes what it is sent
-        desc = m.CacheDesc(
-            d.kind, d.num_blocks, d.page_bytes, 0, d.offset_bytes, d.row_stride_bytes
-        )
-        attached = self.svc.handle(self.s, m.AttachWorker(3, self.ns, 0, [desc]))
+        self.caches = [
+            kvoffload.shared_kv_cache(max(SIZES), PAGE_BYTES // caches) for _ in range(caches)
+        ]
+        descs: list[m.CacheDesc] = []
+        for cache in self.caches:
+            d, fd = describe_cache(cache)
+            self.s.fds.append(os.dup(fd))  # the service closes what it is sent
+            descs.append(
+                m.CacheDesc(
+                    d.kind,
+                    d.num_blocks,
+                    d.page_bytes,
+                    len(descs),
+                    d.offset_bytes,
+                    d.row_stride_bytes,
+                )
+            )
+        attached = self.svc.handle(self.s, m.AttachWorker(3, self.ns, 0, descs))
         assert isinstance(attached, m.WorkerAttached)
         self.worker = attached.worker
         self.pool: list[int] = []  # granted, not claimed (an engine's lease pool)
@@ -148,31 +163,33 @@ def mean_run_blocks(slots: list[int]) -> float:
 
 
 def run_submit(quick: bool = False) -> dict[str, Any]:
-    rig = _Rig()
-    try:
-        repeats = 15 if quick else 101
-        rows = []
-        for n in SIZES:
-            samples: dict[str, list[float]] = {}
-            for rep in range(repeats):
-                for kind, v in rig.one_round(n, rep).items():
-                    samples.setdefault(kind, []).append(v)
-            row: dict[str, Any] = {"blocks": n}
-            row.update({k: statistics.median(v) * 1e6 for k, v in samples.items()})
-            row["lease_run_blocks"] = mean_run_blocks(rig.last_slots)
-            rows.append(row)
-        return {"rows": rows, "repeats": repeats}
-    finally:
-        rig.close()
+    repeats = 15 if quick else 101
+    rows = []
+    for caches in (1, LAYERS):
+        rig = _Rig(caches)
+        try:
+            for n in SIZES:
+                samples: dict[str, list[float]] = {}
+                for rep in range(repeats):
+                    for kind, v in rig.one_round(n, rep).items():
+                        samples.setdefault(kind, []).append(v)
+                row: dict[str, Any] = {"caches": caches, "blocks": n}
+                row.update({k: statistics.median(v) * 1e6 for k, v in samples.items()})
+                row["lease_run_blocks"] = mean_run_blocks(rig.last_slots)
+                rows.append(row)
+        finally:
+            rig.close()
+    return {"rows": rows, "repeats": repeats}
 
 
 def submit_table(r: dict[str, Any]) -> str:
     out = [
-        "| blocks/job | store | load, keys named | load, slots named | leased slots: run length |",
-        "|---|---|---|---|---|",
+        "| caches | blocks/job | store | load, keys named | load, slots named "
+        "| leased slots: run length |",
+        "|---|---|---|---|---|---|",
     ]
     out.extend(
-        f"| {x['blocks']} | {x['store']:.2f} µs | {x['load-keys']:.2f} µs | "
+        f"| {x.get('caches', 1)} | {x['blocks']} | {x['store']:.2f} µs | {x['load-keys']:.2f} µs | "
         f"{x['load-slots']:.2f} µs | {x['lease_run_blocks']:.1f} |"
         for x in r["rows"]
     )
