@@ -1,9 +1,10 @@
 """CPU copier: threads that execute copy runs and report completions to the loop.
 
 Rules:
-- The loop thread builds absolute (dst, src, nbytes) address lists and hands them to
-  ``submit``; copier threads only run ``memmove`` (ctypes releases the GIL during the
-  copy) and never touch daemon metadata.
+- The loop thread builds absolute (dst, src, nbytes) address arrays and hands them to
+  ``submit``, which groups them (``kvoffload.memruns``: runs that step alike are one
+  strided numpy copy); copier threads only run the copies (the GIL is released
+  during each) and never touch daemon metadata.
 - A job of at most ``INLINE_BYTES`` (without checksums) is copied at once on the
   loop thread: two thread wake-ups would cost more than the copy. Its completion still
   goes through the sink, like every other.
@@ -32,12 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload.memruns import Groups, copy_groups, copy_runs, group_runs
+
 from .crc import crc32
 
 log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
-_memmove = ctypes.memmove
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,7 @@ class CpuCopier:
     def __init__(self, threads: int) -> None:
         self.sink = CompletionSink()
         self.wake_fd = self.sink.wake_fd
-        self._queue: queue.SimpleQueue[tuple[_Job, list[int], list[int], list[int]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[tuple[_Job, Groups] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._run, name=f"kvoffload-copy-{i}", daemon=True)
             for i in range(threads)
@@ -185,8 +185,7 @@ class CpuCopier:
             # Handing a few KiB to a thread costs more than copying them (two thread
             # wake-ups per job); the completion still goes through the sink.
             t0 = time.perf_counter()
-            for d, s, n in zip(dst.tolist(), src.tolist(), nbytes.tolist()):
-                _memmove(d, s, n)
+            copy_runs(dst, src, nbytes)
             self.sink.post(finished(token, True, total, t0, None, []))
             return
         parts = len(self._threads) if total >= self.MIN_SPLIT_BYTES else 1
@@ -197,22 +196,20 @@ class CpuCopier:
         ranges = split_by_bytes(nbytes, parts)
         job = _Job(token, total, len(ranges), time.perf_counter(), check)
         for a, b in ranges:
-            self._queue.put((job, dst[a:b].tolist(), src[a:b].tolist(), nbytes[a:b].tolist()))
+            self._queue.put((job, group_runs(dst[a:b], src[a:b], nbytes[a:b])))
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            job, dst, src, sizes = item
+            job, groups = item
             ok = True
             try:
                 if job.check is not None and job.check.expected is not None:
                     job.corrupt = job.check.mismatches()
-                    if job.corrupt:
-                        dst = []
-                for d, s, n in zip(dst, src, sizes):
-                    _memmove(d, s, n)
+                if not job.corrupt:
+                    copy_groups(groups)
             except Exception:  # pragma: no cover - memmove of validated ranges
                 log.exception("copy job %d failed", job.token)
                 ok = False

@@ -15,13 +15,12 @@ Rules:
   GRAVE, and checks the record again after copying (``SlotChanged`` otherwise, and the
   bytes copied must not be used).
 - Engine block ids are bounds-checked against the caches before any copy.
-- Copies run in the calling thread with ``memmove`` (ctypes releases the GIL), or with
+- Copies run in the calling thread (``kvoffload.memruns``: the GIL is released), or with
   ``copy`` when given (CUDA caches: driver copies from the mapping).
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ import numpy.typing as npt
 
 from .canonical import CanonicalPart
 from .copyplan import CacheGeometry, Placement, build_runs, check_transfer, select_caches
+from .memruns import copy_runs
 from .protocol import messages as m
 from .protocol.errors import InvalidArgumentError, KVOffloadError
 from .protocol.messages import KVLayout, unpack_ids
@@ -46,7 +46,6 @@ from .regionfmt import (
     keys_match,
 )
 
-_memmove = ctypes.memmove
 I64 = npt.NDArray[np.int64]
 CopyFn = Callable[[I64, I64, I64], None]  # (dst addresses, src addresses, lengths)
 
@@ -73,11 +72,6 @@ def describe_plain_cache(tensor: Any) -> tuple[m.CacheDesc, int]:
     return desc, int(tensor.data_ptr())
 
 
-def memmove_runs(dst: I64, src: I64, nbytes: I64) -> None:
-    for d, s, n in zip(dst.tolist(), src.tolist(), nbytes.tolist()):
-        _memmove(d, s, n)
-
-
 class RegionMapping:
     """The region, mapped from the descriptor the daemon sent with ``WorkerAttached``."""
 
@@ -100,7 +94,7 @@ class RegionMapping:
         cache = unpack_ids(plan.cache) + (bases[which] if which.size else 0)
         nbytes = unpack_ids(plan.nbytes)
         dst, src = (region, cache) if is_store else (cache, region)
-        memmove_runs(dst, src, nbytes)
+        copy_runs(dst, src, nbytes)
         return int(nbytes.sum())
 
 
@@ -116,7 +110,7 @@ class LocalCopies:
         ns_id: int,
         slot_bytes: int,
         region: RegionMapping,
-        copy: CopyFn = memmove_runs,
+        copy: CopyFn = copy_runs,
         canonical: Sequence[CanonicalPart] = (),
     ) -> None:
         from .copyplan import place_caches

@@ -33,8 +33,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .canonical import CanonicalPart, area_of
-from .client_copy import CopyFn, LocalCopies, RegionMapping, SlotChanged, memmove_runs
+from .client_copy import CopyFn, LocalCopies, RegionMapping, SlotChanged
 from .cuda_export import current_stream
+from .memruns import copy_runs
 from .protocol import messages as m
 from .protocol.errors import DaemonUnavailableError, ErrorCode, KVOffloadError, LoadLostError
 from .protocol.messages import pack_ids, pack_keys
@@ -108,7 +109,7 @@ class StreamingWorker(Worker):
             self._local = self._local_copies(self._region)
 
     def _local_copies(self, region: RegionMapping) -> LocalCopies:
-        copy: CopyFn = memmove_runs if self._cuda is None else self._cuda_copy
+        copy: CopyFn = copy_runs if self._cuda is None else self._cuda_copy
         return LocalCopies(
             self.ns.layout,
             area_of(self.rank, self.parts),

@@ -1,0 +1,112 @@
+"""CPU copy runs, executed: strided groups of runs as one numpy copy each.
+
+Rules:
+- Runs are (destination address, source address, bytes), as the copy planner makes
+  them: no two runs write the same bytes, and their memory stays mapped while they
+  run (the callers' guarantee). Nothing here checks addresses.
+- Consecutive runs of one length whose addresses step by the same amounts on both
+  sides form a group: the rows of two strided 2-D views, copied by one ``np.copyto``
+  that holds the GIL once, not once per run. A lone run is one ``memmove``.
+- A job with one cache per layer is such groups: one per cache, a row per block.
+  Copied a run at a time, a 32 KiB page per Python call, two copier threads took
+  turns on the GIL and moved ~7 GB/s together; as groups, ~10 GB/s (2 vCPUs).
+- Grouping is numpy on the planner's arrays (no Python loop per run). It may leave
+  two runs that could pair as two memmoves (a pair with an odd step next to a
+  group), never put runs that step differently in one group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+I64 = npt.NDArray[np.int64]
+_memmove = ctypes.memmove
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Copy groups as Python lists (what a copy thread iterates): the first row's
+    addresses, the row length, the row count and each side's step between rows."""
+
+    dst: list[int]
+    src: list[int]
+    nbytes: list[int]
+    rows: list[int]
+    dst_step: list[int]
+    src_step: list[int]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(n * r for n, r in zip(self.nbytes, self.rows))
+
+
+def group_runs(dst: I64, src: I64, nbytes: I64) -> Groups:
+    """The runs, in order, as strided groups (see the module's rules)."""
+    count = nbytes.size
+    if count < 2:
+        return Groups(
+            dst.tolist(), src.tolist(), nbytes.tolist(), [1] * count, [0] * count, [0] * count
+        )
+    dst_diff, src_diff = np.diff(dst), np.diff(src)
+    # Link k joins runs k and k+1. A link can be inside a group when both runs have
+    # one length and it steps as its neighbour link does (a lone odd step between two
+    # groups is no group's). Where two groups meet, the run between goes to the left one.
+    usable = nbytes[1:] == nbytes[:-1]
+    alike = usable[1:] & usable[:-1] & (dst_diff[1:] == dst_diff[:-1])
+    alike &= src_diff[1:] == src_diff[:-1]  # alike[k]: links k and k+1 step alike
+    as_before = np.concatenate(([False], alike))
+    kept = as_before | np.concatenate((alike, [False]))
+    inside = kept & ~(~as_before & np.concatenate(([False], kept[:-1])))
+    starts = np.flatnonzero(np.concatenate(([True], ~inside)))
+    rows = np.diff(np.append(starts, count))
+    step_at = np.minimum(starts, count - 2)  # a group's first link (lone runs: unused)
+    many = rows > 1
+    dst_step = np.where(many, dst_diff[step_at], 0)
+    src_step = np.where(many, src_diff[step_at], 0)
+    return Groups(
+        dst[starts].tolist(),
+        src[starts].tolist(),
+        nbytes[starts].tolist(),
+        rows.tolist(),
+        dst_step.tolist(),
+        src_step.tolist(),
+    )
+
+
+class _Raw:
+    """Memory at an address, as numpy sees it (``np.asarray`` makes the view)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, rows: int, nbytes: int, step: int) -> None:
+        self.__array_interface__: dict[str, Any] = {
+            "data": (address, False),
+            "shape": (rows, nbytes),
+            "strides": (step, 1),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def copy_groups(g: Groups) -> None:
+    """Run the groups' copies (the GIL is released during each)."""
+    for d, s, n, rows, d_step, s_step in zip(
+        g.dst, g.src, g.nbytes, g.rows, g.dst_step, g.src_step
+    ):
+        if rows == 1:
+            _memmove(d, s, n)
+        else:
+            np.copyto(np.asarray(_Raw(d, rows, n, d_step)), np.asarray(_Raw(s, rows, n, s_step)))
+
+
+def copy_runs(dst: I64, src: I64, nbytes: I64) -> None:
+    """Group the runs and copy them."""
+    copy_groups(group_runs(dst, src, nbytes))
+
+
+__all__ = ["Groups", "copy_groups", "copy_runs", "group_runs"]
