@@ -61,6 +61,8 @@ def figures() -> dict[str, Any]:
             "load_2mib_gbps": 6.0,
             "store_32x32k_gbps": 3.0,
             "load_32x32k_gbps": 3.0,
+            "echo_p50_us": 20.0,
+            "echo_p99_us": 40.0,
             "ping_p50_us": 30.0,
             "ping_p99_us": 60.0,
             "lookup1000_p50_us": 100.0,
@@ -102,5 +104,6 @@ def test_report_renders_every_section_from_saved_figures(tmp_path: pathlib.Path)
     assert "| 1,000,000 | 239 B | 27.0 µs | 60.0 µs |" in md
     assert "| disk | 1.00 GB/s | 3.00 GB/s | 0.25 |" in md
     assert "| load, 2 MiB blocks | 6.00 GB/s | 0.50 (target >= 0.8) |" in md
+    assert "| ping p50 / p99 | 30.0 / 60.0 us | 1.50 x the floor; target p50 <= 30 |" in md
     assert "| redis | not measured | redis-server is not installed |" in md
     assert "the GPU sweep did not run" in md and "seed 7" in md and "abc1234" in md

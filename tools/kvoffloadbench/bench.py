@@ -27,6 +27,7 @@ from kvoffload.view import EngineView
 
 from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .bench_tiers import run_tiers, tier_rows
+from .echo_floor import echo_round_trip_us
 from .launch import BULK_STORES, DaemonProcess, wait_prefault
 
 MIB = 1 << 20
@@ -212,6 +213,7 @@ def run(quick: bool) -> dict[str, Any]:
         r["store_32x32k_gbps"], r["load_32x32k_gbps"] = st, ld
 
         n = 2000 if quick else 10000
+        r["echo_p50_us"], r["echo_p99_us"] = echo_round_trip_us(n)
         ping = latencies(client.ping, n)
         r["ping_p50_us"], r["ping_p99_us"] = pct(ping, 0.5) * 1e6, pct(ping, 0.99) * 1e6
         ns = client.namespace("ctl", kvoffload.KVLayout(tensor_page_bytes=[16384]))
@@ -264,9 +266,14 @@ def cpu_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append((label, f"{r[key]:.2f} GB/s", f"{ratio:.2f} (target >= {target})"))
     rows += [
         (
+            "unix-socket echo p50 / p99 (floor)",
+            f"{r['echo_p50_us']:.1f} / {r['echo_p99_us']:.1f} us",
+            "plain Python, no daemon",
+        ),
+        (
             "ping p50 / p99",
             f"{r['ping_p50_us']:.1f} / {r['ping_p99_us']:.1f} us",
-            "target p50 <= 30",
+            f"{r['ping_p50_us'] / r['echo_p50_us']:.2f} x the floor; target p50 <= 30",
         ),
         (
             "lookup 1000 keys p50 / p99",
