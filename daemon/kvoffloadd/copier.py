@@ -2,9 +2,9 @@
 
 Rules:
 - The loop thread builds absolute (dst, src, nbytes) address arrays and hands them to
-  ``submit``, which groups them (``kvoffload.memruns``: runs that step alike are one
-  strided numpy copy); copier threads only run the copies (the GIL is released
-  during each) and never touch daemon metadata.
+  ``submit``; copier threads group them (``kvoffload.memruns``: runs that step alike
+  are one strided numpy copy, off the loop) and run the copies (the GIL is released
+  during each). They never touch daemon metadata.
 - A job of at most ``INLINE_BYTES`` (without checksums) is copied at once on the
   loop thread: two thread wake-ups would cost more than the copy. Its completion still
   goes through the sink, like every other.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.memruns import Groups, copy_groups, copy_runs, group_runs
+from kvoffload.memruns import copy_runs
 
 from .crc import crc32
 
@@ -169,7 +169,7 @@ class CpuCopier:
     def __init__(self, threads: int) -> None:
         self.sink = CompletionSink()
         self.wake_fd = self.sink.wake_fd
-        self._queue: queue.SimpleQueue[tuple[_Job, Groups] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_Job, I64, I64, I64] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._run, name=f"kvoffload-copy-{i}", daemon=True)
             for i in range(threads)
@@ -196,20 +196,20 @@ class CpuCopier:
         ranges = split_by_bytes(nbytes, parts)
         job = _Job(token, total, len(ranges), time.perf_counter(), check)
         for a, b in ranges:
-            self._queue.put((job, group_runs(dst[a:b], src[a:b], nbytes[a:b])))
+            self._queue.put((job, dst[a:b], src[a:b], nbytes[a:b]))
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            job, groups = item
+            job, dst, src, sizes = item
             ok = True
             try:
                 if job.check is not None and job.check.expected is not None:
                     job.corrupt = job.check.mismatches()
                 if not job.corrupt:
-                    copy_groups(groups)
+                    copy_runs(dst, src, sizes)
             except Exception:  # pragma: no cover - memmove of validated ranges
                 log.exception("copy job %d failed", job.token)
                 ok = False
