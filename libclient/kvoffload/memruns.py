@@ -10,7 +10,8 @@ Rules:
 - A job with one cache per layer is such groups: one per cache, a row per block.
   Copied a run at a time, a 32 KiB page per Python call, two copier threads took
   turns on the GIL and moved ~7 GB/s together; as groups, ~10 GB/s (2 vCPUs).
-- Grouping is numpy on the planner's arrays (no Python loop per run). It may leave
+- Grouping is numpy on the planner's arrays (no Python loop per run), for jobs of at
+  least ``GROUP_MIN_RUNS`` runs: below, its fixed cost exceeds the memmoves'. It may leave
   two runs that could pair as two memmoves (a pair with an odd step next to a
   group), never put runs that step differently in one group.
 """
@@ -26,6 +27,9 @@ import numpy.typing as npt
 
 I64 = npt.NDArray[np.int64]
 _memmove = ctypes.memmove
+# Grouping costs ~30 us of numpy whatever the count (2 vCPUs); a memmove from Python
+# ~1 us: fewer runs than this are copied one by one.
+GROUP_MIN_RUNS = 32
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,12 @@ def copy_groups(g: Groups) -> None:
 
 
 def copy_runs(dst: I64, src: I64, nbytes: I64) -> None:
-    """Group the runs and copy them."""
-    copy_groups(group_runs(dst, src, nbytes))
+    """Copy the runs: grouped when there are enough to pay for grouping."""
+    if nbytes.size < GROUP_MIN_RUNS:
+        for d, s, n in zip(dst.tolist(), src.tolist(), nbytes.tolist()):
+            _memmove(d, s, n)
+    else:
+        copy_groups(group_runs(dst, src, nbytes))
 
 
 __all__ = ["Groups", "copy_groups", "copy_runs", "group_runs"]

@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.memruns import Groups, copy_runs, group_runs
+from kvoffload.memruns import GROUP_MIN_RUNS, Groups, copy_groups, copy_runs, group_runs
 
 PAGE = 64
 
@@ -79,11 +79,34 @@ def test_grouped_copies_write_what_one_by_one_copies_write(data: st.DataObject) 
     ]
     if data.draw(st.booleans()):
         runs.reverse()  # negative steps
-    copy_runs(*arrays(runs))
+    copy_groups(group_runs(*arrays(runs)))
     base = int(got.ctypes.data)
     for d, s, n in runs:
         ctypes.memmove(int(want.ctypes.data) + (d - base), s, n)
     assert np.array_equal(got, want)
+
+
+def test_copy_runs_groups_only_jobs_of_many_runs() -> None:
+    """Below GROUP_MIN_RUNS the runs go one by one; at and above, as groups: the
+    same bytes either way (a cache per layer, a page per block, strided slots)."""
+    for blocks in (GROUP_MIN_RUNS // 4, GROUP_MIN_RUNS):
+        caches = 4
+        rng = np.random.default_rng(blocks)
+        src = [rng.integers(0, 256, blocks * PAGE, dtype=np.uint8) for _ in range(caches)]
+        got = np.zeros(blocks * caches * PAGE, dtype=np.uint8)
+        runs = [
+            (
+                int(got.ctypes.data) + (b * caches + c) * PAGE,
+                int(src[c].ctypes.data) + b * PAGE,
+                PAGE,
+            )
+            for c in range(caches)
+            for b in range(blocks)
+        ]
+        copy_runs(*arrays(runs))
+        # slot b holds page b of every cache, in cache order
+        want = np.stack([x.reshape(blocks, PAGE) for x in src], axis=1).reshape(-1)
+        assert np.array_equal(got, want)
 
 
 def test_no_runs_copy_nothing() -> None:
