@@ -246,9 +246,8 @@ class Transfers:
             placements,
             slots if is_store else None,
         )
-        region_off, nbytes = runs.region, runs.nbytes
         self.pages_planned += block_ids.size * len(caches)
-        self.runs_planned += region_off.size
+        self.runs_planned += runs.region.size
         token = next(self._tokens)
         self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns)
         index.slots.mark_busy(slots)
@@ -261,8 +260,9 @@ class Transfers:
             else self._checksum_check(index, w.area, slots, is_store)
         )
         if w.client_copy:
-            return self._client_plan(w, r, token, runs, chosen, region_off, nbytes, check)
-        region_addr = region_off + self._region_addr
+            return self._client_plan(w, r, token, runs, chosen, check)
+        nbytes = runs.nbytes
+        region_addr = runs.region + self._region_addr
         cache_addr = runs.cache + np.array([c.base_address for c in caches])[runs.which]
         dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
         if w.device is not None and self.gpu is not None:
@@ -278,22 +278,24 @@ class Transfers:
         token: int,
         runs: JobRuns,
         chosen: list[int],
-        region_off: np.ndarray,
-        nbytes: np.ndarray,
         check: ChecksumCheck | None,
     ) -> m.Reply:
         """The runs a client-copy worker copies itself; a load whose blocks fail their
         checksum gets no runs and fails when the client reports it done."""
         corrupt = check.mismatches() if check is not None and check.expected else []
         w.client_jobs[r.job_id] = ClientJob(
-            token, int(nbytes.sum()), time.perf_counter(), check, corrupt
+            token, runs.total_bytes, time.perf_counter(), check, corrupt
         )
         if corrupt:
             empty = b""
             return m.CopyPlanReply(r.rid, empty, empty, empty, empty)
         which = np.array(chosen, dtype=np.int64)[runs.which]
         return m.CopyPlanReply(
-            r.rid, pack_ids(region_off), pack_ids(runs.cache), pack_ids(nbytes), pack_ids(which)
+            r.rid,
+            pack_ids(runs.region),
+            pack_ids(runs.cache),
+            pack_ids(runs.nbytes),
+            pack_ids(which),
         )
 
     def wrote(self, s: Session, r: m.Wrote) -> None:
