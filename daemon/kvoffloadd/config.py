@@ -88,7 +88,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     local_hostname: str = "127.0.0.1"  # mooncake: the address other nodes reach this one at
     protocol: str = "tcp"  # mooncake: "tcp" or "rdma"
     device: str = ""  # mooncake: RDMA device names, with protocol "rdma"
-    segment_size: int | str = "512MiB"  # mooncake: memory this daemon lends the store
+    segment_size: int | str = "512MiB"  # mooncake: memory this daemon lends the store (0: none)
     local_buffer_size: int | str = "16MiB"  # mooncake: the client's staging buffer
     admin_url: str = ""  # mooncake: http://host:port of the master's admin server
 
@@ -97,6 +97,13 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.capacity in (0, "0"):
             return 0
         return parse_size(self.capacity, f"tiers.{self.name}.capacity")
+
+    @property
+    def segment_bytes(self) -> int:
+        """Memory a mooncake tier lends the store; 0: none (it uses others' segments)."""
+        if self.segment_size in (0, "0"):
+            return 0
+        return parse_size(self.segment_size, f"tiers.{self.name}.segment_size")
 
     @property
     def chunk_bytes(self) -> int:
@@ -138,7 +145,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"{where}.admin_url: {self.admin_url!r} is not an http:// URL")
         if not self.local_hostname:
             raise ConfigError(f"{where}.local_hostname: empty")
-        parse_size(self.segment_size, f"{where}.segment_size")
+        self.segment_bytes  # noqa: B018 - parse for the error message
         if parse_size(self.local_buffer_size, f"{where}.local_buffer_size") <= 0:
             raise ConfigError(f"{where}.local_buffer_size: must be positive")
 

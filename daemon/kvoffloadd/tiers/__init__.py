@@ -42,7 +42,7 @@ def build_tier(cfg: TierConfig, wake: Any) -> SecondaryTier:
             local_hostname=cfg.local_hostname,
             protocol=cfg.protocol,
             device=cfg.device,
-            segment_bytes=parse_size(cfg.segment_size, f"{where}.segment_size"),
+            segment_bytes=cfg.segment_bytes,
             local_buffer_bytes=parse_size(cfg.local_buffer_size, f"{where}.local_buffer_size"),
             prefix=cfg.prefix,
             admin_url=cfg.admin_url,
