@@ -91,6 +91,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     segment_size: int | str = "512MiB"  # mooncake: memory this daemon lends the store (0: none)
     local_buffer_size: int | str = "16MiB"  # mooncake: the client's staging buffer
     admin_url: str = ""  # mooncake: http://host:port of the master's admin server
+    lease_ttl_s: float = 10.0  # mooncake: the master's -default_kv_lease_ttl (0: off)
 
     @property
     def capacity_bytes(self) -> int:
@@ -123,7 +124,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"{where}.url: {self.url!r} is not a redis:// URL")
         if not 1 <= self.threads <= 64:
             raise ConfigError(f"{where}.threads: {self.threads} is not in 1..64")
-        for key in ("ttl_s", "timeout_s", "refresh_s", "full_sync_s"):
+        for key in ("ttl_s", "timeout_s", "refresh_s", "full_sync_s", "lease_ttl_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{where}.{key}: {getattr(self, key)} is negative")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):

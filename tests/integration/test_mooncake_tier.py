@@ -34,10 +34,12 @@ def master(mooncake_ready: None) -> Iterator[MooncakeMaster]:
     m.stop()
 
 
-def mooncake_toml(m: MooncakeMaster, admin: bool = True, full_sync_s: float = 0.5) -> str:
+def mooncake_toml(
+    m: MooncakeMaster, admin: bool = True, full_sync_s: float = 0.5, segment: str = "32MiB"
+) -> str:
     out = (
         f'[[tiers]]\ntype = "mooncake"\nmaster = "{m.master}"\n'
-        f'metadata_server = "{m.metadata_url}"\nsegment_size = "32MiB"\n'
+        f'metadata_server = "{m.metadata_url}"\nsegment_size = "{segment}"\n'
         f"refresh_s = 0.05\nfull_sync_s = {full_sync_s}\ntimeout_s = 1.0\n"
     )
     return out + (f'admin_url = "{m.admin_url}"\n' if admin else "")
@@ -61,6 +63,7 @@ def test_store_evict_promote_is_byte_identical(tmp_path: pathlib.Path, master: M
         assert e.load(a) == data
         st = e.tier("mooncake")
         assert st["promoted_blocks_total"] == 4 and st["loads_total"] == 4
+        assert st["own_segment_reads_total"] == 4  # its one segment: copied by its threads
         assert st["stores_total"] == 8 and st["promotion_failures_total"] == 0
         assert st["kind"] == "mooncake" and st["master"] == master.master
         e.close()
@@ -88,6 +91,36 @@ def test_two_daemons_share_blocks_through_one_master(
         assert other.ns.probe(a) == [kvoffload.KEY_ABSENT]
         assert len(ours(master)) == 4
         for e in (ea, eb, other):
+            e.close()
+        assert da.stop() == 0 and db.stop() == 0
+
+
+def test_blocks_in_another_daemons_segment_come_through_the_transfer_engine(
+    tmp_path: pathlib.Path, master: MooncakeMaster
+) -> None:
+    """a lends no memory, so its blocks lie in b's segment: b copies them itself, a
+    reads them back over Mooncake's transfer engine; both byte-identical."""
+    lender = mooncake_toml(master, segment="32MiB")
+    with (
+        tier_daemon(tmp_path, mooncake_toml(master, segment="0"), "a") as da,
+        tier_daemon(tmp_path, lender, "b") as db,
+    ):
+        ea, eb = Engine(da), Engine(db)
+        for e in (ea, eb):
+            poll(lambda e=e: e.tier("mooncake")["healthy"], "the tiers to connect")
+        a = keys(b"a", 4)
+        data = ea.store(a, seed=5)
+        poll(lambda: ea.tier("mooncake")["stores_total"] == 4, "the cascade")
+        poll(lambda: eb.ns.lookup(a) == 4, "b to promote the blocks")
+        assert eb.load(a) == data
+        assert eb.tier("mooncake")["own_segment_reads_total"] == 4
+        evict_by_storing_more(ea, "mooncake")
+        assert ea.ns.lookup(a) is None
+        poll(lambda: ea.ns.lookup(a) == 4, "a to promote them back")
+        assert ea.load(a) == data
+        st = ea.tier("mooncake")
+        assert st["own_segment_reads_total"] == 0 and st["promotion_failures_total"] == 0
+        for e in (ea, eb):
             e.close()
         assert da.stop() == 0 and db.stop() == 0
 

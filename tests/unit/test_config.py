@@ -93,6 +93,7 @@ MC = '[[tiers]]\ntype = "mooncake"\n' + MC_MASTER
         (MC + MC_META + 'admin_url = "h:1"', r"\.admin_url"),
         (MC + MC_META + 'local_hostname = ""', r"\.local_hostname"),
         (MC + MC_META + "refresh_s = -1", r"\.refresh_s"),
+        (MC + MC_META + "lease_ttl_s = -1", r"\.lease_ttl_s"),
         (MC + MC_META + 'segment_size = "-1MiB"', r"\.segment_size"),
         (MC + MC_META + "threads = 99", r"\.threads"),
         (MC + MC_META + "segment = 1", "segment"),  # a typo of segment_size: unknown
@@ -129,9 +130,10 @@ def test_a_mooncake_tier_takes_its_settings(tmp_path: Path) -> None:
         "mlx5_0",
     )
     assert t.metadata_server == "http://10.0.0.1:8080/metadata" and t.segment_bytes == 1 << 30
-    f.write_text(MC + MC_META + "segment_size = 0\n")
+    assert t.lease_ttl_s == 10.0  # mooncake_master's -default_kv_lease_ttl
+    f.write_text(MC + MC_META + "segment_size = 0\nlease_ttl_s = 2.5\n")
     (t,) = load_config(str(f), {}).tiers
-    assert t.segment_bytes == 0  # lends none: uses others' segments
+    assert (t.segment_bytes, t.lease_ttl_s) == (0, 2.5)  # lends none: uses others' segments
 
 
 def test_the_readme_and_example_tier_configs_validate(tmp_path: Path) -> None:

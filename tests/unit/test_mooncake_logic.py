@@ -1,42 +1,106 @@
 """The Mooncake tier's own rules against a fake Mooncake client (no master needed):
-objects with their headers, verification, the view, and the hold on slots after a
-transfer that failed mid-way. The real master is in tests/integration."""
+objects with their headers, verification, the view, the hold on slots after a
+transfer that failed mid-way, and promotions from the daemon's own segment. The real
+master is in tests/integration."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import pathlib
 import select
 import socket
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
+from kvoffloadd.crc import crc32
 from kvoffloadd.tiers.base import TierJob, TierNamespace, TierResult, WakeFd
+from kvoffloadd.tiers.mooncake_local import read_own_segment, segment_span
 from kvoffloadd.tiers.mooncake_tier import HEADER_BYTES, MooncakeSettings, MooncakeTier
 
 BLOCK = 4096
 NS = TierNamespace.of("llama", "fp", BLOCK)
+SEGMENT_BYTES = 8 << 20  # the fake's own segment: one warm-up object of 4 MiB
+
+
+class ReplicateConfig:
+    """Mooncake's placement options, as the tier's warm-up uses them."""
+
+    preferred_segment = ""
+
+
+def replica(address: int, size: int, endpoint: str, status: str = "COMPLETE") -> Any:
+    """A ReplicaDescriptor of a memory replica, as ``batch_get_replica_desc`` answers."""
+    buffer = SimpleNamespace(buffer_address=address, size=size, transport_endpoint=endpoint)
+    memory = SimpleNamespace(buffer_descriptor=buffer)
+    return SimpleNamespace(
+        is_memory_replica=lambda: True,
+        status=SimpleNamespace(name=status),
+        get_memory_descriptor=lambda: memory,
+    )
 
 
 class FakeStore:
     """MooncakeDistributedStore's calls the tier uses, over a dict of objects.
-    ``fail_next``: codes the next get or put answers per key, instead of moving bytes."""
+    ``fail_next``: codes the next get or put answers per key, instead of moving bytes.
+    ``batch_get_replica_desc`` places the objects asked for in this client's own segment
+    (or, with ``elsewhere``, says they lie in another node's). ``gets``: keys read
+    through Mooncake's copy."""
 
     objects: dict[str, bytes] = {}
     fail_next: list[int] = []
     healthy = 0
+    elsewhere = False
+    gets = 0
     instances: list[FakeStore] = []
 
     def __init__(self) -> None:
         self.registered: list[tuple[int, int]] = []
         self.closed = False
+        self.segment = np.zeros(0, np.uint8)
+        self.next_offset = 0
         FakeStore.instances.append(self)
 
-    def setup(self, *args: Any) -> int:
+    def setup(self, host: str, metadata: str, segment_bytes: int, *rest: Any) -> int:
+        self.segment = np.zeros(segment_bytes, np.uint8)
         return 0
+
+    def get_hostname(self) -> str:
+        return f"127.0.0.1:{id(self) % 60000}"
+
+    def batch_put_from(
+        self, names: list[str], ptrs: list[int], sizes: list[int], config: Any
+    ) -> list[int]:
+        assert config.preferred_segment == self.get_hostname()
+        for name, p, n in zip(names, ptrs, sizes):
+            self._check([p], [n])
+            FakeStore.objects[name] = ctypes.string_at(p, n)
+        return [0] * len(names)
+
+    def batch_remove(self, names: list[str], force: bool) -> int:
+        for name in names:
+            FakeStore.objects.pop(name, None)
+        return len(names)
+
+    def batch_get_replica_desc(self, names: list[str]) -> dict[str, list[Any]]:
+        out = {}
+        for name in names:
+            data = FakeStore.objects.get(name)
+            if data is None:
+                continue
+            if self.next_offset + len(data) > self.segment.nbytes:
+                self.next_offset = 0
+            off, self.next_offset = self.next_offset, self.next_offset + len(data)
+            self.segment[off : off + len(data)] = np.frombuffer(data, np.uint8)
+            mine = "/warm/" in name or not FakeStore.elsewhere
+            endpoint = self.get_hostname() if mine else "10.0.0.9:12345"
+            out[name] = [replica(self.segment.ctypes.data + off, len(data), endpoint)]
+        return out
 
     def register_buffer(self, address: int, nbytes: int) -> int:
         self.registered.append((address, nbytes))
@@ -62,6 +126,7 @@ class FakeStore:
     def batch_get_into_multi_buffers(
         self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
     ) -> list[int]:
+        FakeStore.gets += len(names)
         if FakeStore.fail_next:
             out, FakeStore.fail_next = FakeStore.fail_next, []
             return out
@@ -90,19 +155,18 @@ class FakeStore:
         return 0
 
 
-@pytest.fixture
-def tier() -> Iterator[tuple[MooncakeTier, WakeFd, np.ndarray]]:
+@contextlib.contextmanager
+def make_tier(**settings: Any) -> Iterator[tuple[MooncakeTier, WakeFd, np.ndarray]]:
     FakeStore.objects, FakeStore.fail_next, FakeStore.healthy = {}, [], 0
-    FakeStore.instances = []
+    FakeStore.instances, FakeStore.gets = [], 0
     wake = WakeFd()
     # the tier knocks on the master's and the metadata server's ports before setup
     ports = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
     master, meta = (p.getsockname()[1] for p in ports)
-    settings = MooncakeSettings(
-        f"127.0.0.1:{master}", f"http://127.0.0.1:{meta}/metadata", refresh_s=0.01
-    )
-    settings = MooncakeSettings(**{**settings.__dict__, "timeout_s": 0.3, "threads": 2})
-    t = MooncakeTier("mooncake", settings, 0, wake, client_class=FakeStore)
+    s = MooncakeSettings(f"127.0.0.1:{master}", f"http://127.0.0.1:{meta}/metadata")
+    fields = {"refresh_s": 0.01, "timeout_s": 0.3, "threads": 2, "segment_bytes": SEGMENT_BYTES}
+    s = MooncakeSettings(**{**s.__dict__, **fields, **settings})
+    t = MooncakeTier("mooncake", s, 0, wake, client_class=FakeStore)
     region = np.zeros(16 * BLOCK, np.uint8)
     t.attach_region(region.ctypes.data, region.nbytes)
     t.open_namespace(NS)
@@ -112,6 +176,14 @@ def tier() -> Iterator[tuple[MooncakeTier, WakeFd, np.ndarray]]:
     wake.close()
     for p in ports:
         p.close()
+
+
+@pytest.fixture(params=[False, True], ids=["own-segment", "elsewhere"])
+def tier(request: pytest.FixtureRequest) -> Iterator[tuple[MooncakeTier, WakeFd, np.ndarray]]:
+    """The tier, with the blocks it reads in its own segment or in another node's."""
+    FakeStore.elsewhere = request.param
+    with make_tier() as t:
+        yield t
 
 
 def settle(t: MooncakeTier, wake: WakeFd, predicate: Any, deadline_s: float = 10.0) -> None:
@@ -253,3 +325,122 @@ def test_reachable_knocks_on_host_ports_and_urls_and_skips_the_rest() -> None:
     assert not reachable(f"http://127.0.0.1:{port}/metadata", 0.5)
     assert reachable("P2PHANDSHAKE", 0.5)  # nothing to knock on
     assert reachable("redis://somewhere:1", 0.5)  # not a scheme it checks
+
+
+def test_blocks_in_the_own_segment_are_copied_by_the_tier_not_by_mooncake(tier: Any) -> None:
+    t, wake, region = tier
+    region[: 2 * BLOCK] = np.arange(2 * BLOCK) % 253
+    job(t, wake, region, True, [0, 1], [b"k0", b"k1"])
+    r, _ = job(t, wake, region, False, [5, 6], [b"k0", b"k1"])
+    assert r.ok == [True, True]
+    assert np.array_equal(region[5 * BLOCK : 7 * BLOCK], region[: 2 * BLOCK])
+    own = t.statistics()["own_segment_reads_total"]
+    assert (own, FakeStore.gets) == ((0, 2) if FakeStore.elsewhere else (2, 0))
+
+
+@pytest.mark.parametrize(
+    "settings", [{"lease_ttl_s": 1e-9}, {"lease_ttl_s": 0.0}, {"verify": False}]
+)
+def test_without_a_lease_to_cover_the_copies_or_a_check_mooncake_copies(
+    settings: dict[str, Any],
+) -> None:
+    """Copies that outlast half the lease are redone by Mooncake (which checks its own
+    lease); lease_ttl_s = 0 or verify = false leave every promotion to Mooncake."""
+    FakeStore.elsewhere = False
+    with make_tier(**settings) as (t, wake, region):
+        region[: 2 * BLOCK] = 7
+        job(t, wake, region, True, [0, 1], [b"a", b"b"])
+        r, _ = job(t, wake, region, False, [8, 9], [b"a", b"b"])
+        assert r.ok == [True, True]
+        assert np.array_equal(region[8 * BLOCK : 10 * BLOCK], region[: 2 * BLOCK])
+        assert t.statistics()["own_segment_reads_total"] == 0
+        assert FakeStore.gets == 2
+
+
+class Answering:
+    """A client whose ``batch_get_replica_desc`` gives fixed replicas."""
+
+    def __init__(self, answer: dict[str, list[Any]]) -> None:
+        self.answer = answer
+
+    def get_hostname(self) -> str:
+        return "me:1"
+
+    def batch_get_replica_desc(self, names: list[str]) -> dict[str, list[Any]]:
+        return self.answer
+
+
+def test_only_complete_replicas_of_the_right_size_inside_the_own_span_are_copied() -> None:
+    n, h = BLOCK, HEADER_BYTES
+    segment = np.arange(8 * (n + h), dtype=np.uint32).astype(np.uint8)
+    base = segment.ctypes.data
+    span = (base, base + 4 * (n + h))  # the own segment: its first half
+    answer = {
+        "good": [replica(base + (n + h), n + h, "me:1")],
+        "other-node": [replica(base, n + h, "you:2")],
+        "resized": [replica(base, n + h + 1, "me:1")],
+        "unfinished": [replica(base, n + h, "me:1", status="PROCESSING")],
+        "outside": [replica(base + 5 * (n + h), n + h, "me:1")],
+        "both": [replica(base, n + h, "you:2"), replica(base + 2 * (n + h), n + h, "me:1")],
+    }
+    names = [*answer, "absent"]
+    dest = np.zeros((len(names), n), np.uint8)
+    headers = np.zeros((len(names), h), np.uint8)
+    got = read_own_segment(
+        Answering(answer),
+        names,
+        [memoryview(row) for row in dest],
+        [row.ctypes.data for row in dest],
+        [row.ctypes.data for row in headers],
+        h,
+        span,
+        lease_ttl_s=10.0,
+    )
+    assert got.rest == [1, 2, 3, 4, 6]
+    assert sorted(got.crcs) == [0, 5]
+    for j, at in ((0, n + h), (5, 2 * (n + h))):
+        assert np.array_equal(dest[j], segment[at : at + n])
+        assert np.array_equal(headers[j], segment[at + n : at + n + h])
+        assert got.crcs[j] == crc32(dest[j])
+    assert not dest[1:5].any() and not dest[6].any()  # nothing copied for the others
+
+
+def test_copies_that_end_after_half_the_lease_are_all_handed_back() -> None:
+    n, h = BLOCK, HEADER_BYTES
+    segment = np.ones(n + h, np.uint8)
+    base = segment.ctypes.data
+    dest, header = np.zeros(n, np.uint8), np.zeros(h, np.uint8)
+    ticks = iter([100.0, 105.01])  # the question sent, the copies done: 5.01 s later
+    got = read_own_segment(
+        Answering({"a": [replica(base, n + h, "me:1")]}),
+        ["a"],
+        [memoryview(dest)],
+        [dest.ctypes.data],
+        [header.ctypes.data],
+        h,
+        (base, base + n + h),
+        lease_ttl_s=10.0,
+        clock=lambda: next(ticks),
+    )
+    assert got.rest == [0] and got.crcs == {}
+
+
+def test_the_segment_span_never_reaches_past_the_mapping_that_holds_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    a = np.zeros(1 << 20, np.uint8)
+    lo, hi = segment_span(a.ctypes.data, 1 << 50) or (0, 0)
+    assert lo == a.ctypes.data and a.ctypes.data + a.nbytes <= hi < a.ctypes.data + (1 << 50)
+    assert segment_span(a.ctypes.data, 4096) == (a.ctypes.data, a.ctypes.data + 4096)
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "1000-3000 rw-p 00000000 00:00 0\n"
+        "3000-4000 rw-p 00000000 00:00 0\n"  # split from the one before (madvise)
+        "5000-6000 r--p 00000000 00:00 0 [x]\n"
+        "6000-7000 ---p 00000000 00:00 0\n"  # a guard page
+        "7000-8000 rw-p 00000000 00:00 0\n"
+    )
+    assert segment_span(0x2000, 1 << 20, str(maps)) == (0x2000, 0x4000)
+    assert segment_span(0x2000, 0x1800, str(maps)) == (0x2000, 0x3800)
+    assert segment_span(0x5800, 1 << 20, str(maps)) == (0x5800, 0x6000)  # not past the guard
+    assert segment_span(0x4000, 16, str(maps)) is None  # not mapped: no own reads

@@ -51,6 +51,7 @@ def build_tier(cfg: TierConfig, wake: Any) -> SecondaryTier:
             full_sync_s=cfg.full_sync_s,
             verify=cfg.verify,
             threads=cfg.threads,
+            lease_ttl_s=cfg.lease_ttl_s,
         )
         return MooncakeTier(cfg.name, settings, cfg.capacity_bytes, wake)
     from .redis_tier import RedisTier

@@ -6,11 +6,12 @@ Rules:
   share its blocks. An object is the block followed by a 32-byte header (magic, CRC-32,
   block bytes); both are moved by Mooncake's transfer engine straight between the
   store and the region slot (the region is registered with ``register_buffer``) and a
-  registered header area, so no block is copied by Python.
+  registered header area, so no block passes through a Python object.
 - The daemon mounts a segment of ``segment_size`` bytes into the cluster (its share of
   the store's memory; 0: it only reads and writes others' segments) and writes it once
-  at start (``_warm_segment``). Mooncake places, replicates, leases and evicts the
-  blocks; the daemon never removes one.
+  at start. Mooncake places, replicates, leases and evicts the blocks; the daemon never
+  removes one. Blocks that lie in this segment are promoted by the tier's threads
+  (``mooncake_local``), others by Mooncake's transfer engine.
 - View: a block the daemon wrote or read is in it; a lookup that misses queues the key
   for an existence check (``batch_is_exist``) by the poller, so a block another daemon
   wrote hits from the next probe on. Every ``full_sync_s`` the poller re-reads what the
@@ -28,7 +29,6 @@ Rules:
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
@@ -46,6 +46,7 @@ import numpy as np
 
 from ..crc import crc32
 from .base import TierError, TierJob, TierNamespace
+from .mooncake_local import WARM_CHUNK_BYTES, OwnSegmentRead, Span, read_own_segment, warm_segment
 from .remote import Entry, RemoteTier
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ _HEADER = struct.Struct("<8sIQ")  # magic, crc32, block bytes
 HEADER_BYTES = 32  # one slot of the header area per key
 MAX_JOB_KEYS = 256  # header slots per job thread; longer jobs go in pieces
 EXIST_BATCH = 4096  # keys per existence check
-WARM_CHUNK_BYTES = 4 << 20  # objects that write the lent segment once at start
-WARM_FRACTION = 0.85  # of the segment: below Mooncake's eviction watermark (0.9)
 MAX_WANTED = 65_536  # misses queued for an existence check
 
 # Mooncake's ErrorCode values (mooncake-store types.h) that reject a transfer before
@@ -87,6 +86,7 @@ class MooncakeSettings:
     full_sync_s: float = 10.0
     verify: bool = True
     threads: int = 4
+    lease_ttl_s: float = 10.0  # the master's -default_kv_lease_ttl (0: no own-segment reads)
 
 
 def _load_client_class() -> Any:
@@ -129,6 +129,8 @@ class MooncakeTier(RemoteTier):
         self._client: Any = None  # replaced by the poller only
         self._poisoned: list[Any] = []  # clients a transfer may still use: kept alive
         self._lock = threading.Lock()
+        self._own_reads_total = 0  # blocks promoted from this daemon's own segment
+        self._spans: dict[int, Span] = {}  # id(client) -> its own segment (poller writes)
         self._wanted: dict[Entry, None] = {}  # loop thread fills, poller swaps out
         self._stop = threading.Event()
         self._want_full = threading.Event()
@@ -162,7 +164,10 @@ class MooncakeTier(RemoteTier):
 
     def statistics(self) -> dict[str, Any]:
         return self.remote_statistics(
-            master=self.s.master, protocol=self.s.protocol, poisoned_clients=len(self._poisoned)
+            master=self.s.master,
+            protocol=self.s.protocol,
+            poisoned_clients=len(self._poisoned),
+            own_segment_reads_total=self._own_reads_total,
         )
 
     def close(self) -> None:
@@ -234,20 +239,50 @@ class MooncakeTier(RemoteTier):
                 crc = crc32(job.buffers[i])
                 _HEADER.pack_into(view, base + j * HEADER_BYTES, MAGIC, crc, n)
             return [min(c, 0) for c in client.batch_put_from_multi_buffers(names, ptrs, sizes)]
-        got = client.batch_get_into_multi_buffers(names, ptrs, sizes)
+        own = self._read_own_segment(client, job, names, part, hdr)
+        counts = dict.fromkeys(own.crcs, n + HEADER_BYTES)
+        if own.rest:
+            rest = own.rest
+            got = client.batch_get_into_multi_buffers(
+                [names[j] for j in rest], [ptrs[j] for j in rest], [sizes[j] for j in rest]
+            )
+            counts.update(zip(rest, got))
         codes = []
-        for j, (i, count) in enumerate(zip(part, got)):
+        for j, i in enumerate(part):
+            count = counts[j]
             if count < 0:
                 codes.append(count)
                 continue
             magic, crc, size = _HEADER.unpack_from(view, base + j * HEADER_BYTES)
             good = count == n + HEADER_BYTES and magic == MAGIC and size == n
-            if good and self.s.verify and crc32(job.buffers[i]) != crc:
-                good = False
+            if good and self.s.verify:
+                good = crc == (own.crcs[j] if j in own.crcs else crc32(job.buffers[i]))
             if not good:
                 log.warning("tier %s: block %s failed its check; not loaded", self.name, names[j])
             codes.append(0 if good else OBJECT_NOT_FOUND)
         return codes
+
+    def _read_own_segment(
+        self, client: Any, job: TierJob, names: list[str], part: range, hdr: int
+    ) -> OwnSegmentRead:
+        """The piece's blocks that lie in this daemon's own segment, copied and checked
+        here; the rest is left to Mooncake."""
+        span = self._spans.get(id(client))
+        if not (self.s.verify and self.s.lease_ttl_s > 0 and span is not None):
+            return OwnSegmentRead(rest=list(range(len(part))))
+        own = read_own_segment(
+            client,
+            names,
+            [job.buffers[i] for i in part],
+            [job.addresses[i] for i in part],
+            [hdr + j * HEADER_BYTES for j in range(len(part))],
+            HEADER_BYTES,
+            span,
+            self.s.lease_ttl_s,
+        )
+        with self._lock:
+            self._own_reads_total += len(own.crcs)
+        return own
 
     def _poison(self, client: Any, hold_s: float) -> None:
         """A transfer may still use this client's registrations: keep it alive forever,
@@ -295,34 +330,18 @@ class MooncakeTier(RemoteTier):
         return client
 
     def _warm_segment(self, client: Any) -> None:
-        """Write the segment this daemon lends once, as the region is prefaulted:
-        Mooncake maps it lazily, and the first write of each page cost cascades into
-        a fresh segment 40x (0.3 against 12 GB/s here). Objects of zeros placed in
-        this node's own segment fill most of it (below Mooncake's eviction
-        watermark), then go."""
-        module = importlib.import_module(type(client).__module__)
-        config_class = getattr(module, "ReplicateConfig", None)
-        if not self.s.segment_bytes or config_class is None:
-            return
-        config = config_class()
-        config.preferred_segment = client.get_hostname()
-        chunk = self._zeros.nbytes
-        names = [
-            f"{self.s.prefix}/warm/{config.preferred_segment}/{i}"
-            for i in range(int(self.s.segment_bytes * WARM_FRACTION) // chunk)
-        ]
         t0 = time.monotonic()
-        for a in range(0, len(names), 64):
-            part = names[a : a + 64]
-            ptr = int(self._zeros.ctypes.data)
-            client.batch_put_from(part, [ptr] * len(part), [chunk] * len(part), config)
-        client.batch_remove(names, True)
-        log.info(
-            "tier %s: wrote the %d MiB segment once in %.1f s",
-            self.name,
-            self.s.segment_bytes >> 20,
-            time.monotonic() - t0,
-        )
+        span = warm_segment(client, self.s.prefix, self.s.segment_bytes, self._zeros)
+        if span is not None:
+            self._spans[id(client)] = span
+        if self.s.segment_bytes:
+            log.info(
+                "tier %s: wrote the %d MiB segment once in %.1f s%s",
+                self.name,
+                self.s.segment_bytes >> 20,
+                time.monotonic() - t0,
+                "" if span else "; its blocks are promoted through Mooncake's own copy",
+            )
 
     def _poll(self) -> None:
         next_full = 0.0
