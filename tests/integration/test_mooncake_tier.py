@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from helpers import poll
-from tiered import Engine, evict_by_storing_more, keys, tier_daemon
+from tiered import Engine, evict_by_storing_more, keys, shared_by_two, tier_daemon
 
 import kvoffload
 from kvoffloadbench.mooncake_master import MooncakeMaster
@@ -76,16 +76,8 @@ def test_two_daemons_share_blocks_through_one_master(
 ) -> None:
     toml = mooncake_toml(master, admin)
     with tier_daemon(tmp_path, toml, "a") as da, tier_daemon(tmp_path, toml, "b") as db:
-        ea, eb = Engine(da), Engine(db)
-        for e in (ea, eb):
-            poll(lambda e=e: e.tier("mooncake")["healthy"], "the tiers to connect")
-        a = keys(b"a", 4)
-        data = ea.store(a, seed=3)
-        poll(lambda: ea.tier("mooncake")["stores_total"] == 4, "the cascade")
         # b learns of a's blocks from the master, promotes them over the transfer engine
-        poll(lambda: eb.ns.lookup(a) == 4, "the other daemon to promote the blocks")
-        assert eb.load(a) == data
-        assert eb.tier("mooncake")["promoted_blocks_total"] == 4
+        ea, eb, a, _ = shared_by_two(da, db, "mooncake", seed=3)
         assert eb.tier("mooncake")["stores_total"] == 0  # the store had them: not written
         other = Engine(db, "mistral")  # same layout, another model: shares nothing
         assert other.ns.probe(a) == [kvoffload.KEY_ABSENT]
@@ -105,14 +97,7 @@ def test_blocks_in_another_daemons_segment_come_through_the_transfer_engine(
         tier_daemon(tmp_path, mooncake_toml(master, segment="0"), "a") as da,
         tier_daemon(tmp_path, lender, "b") as db,
     ):
-        ea, eb = Engine(da), Engine(db)
-        for e in (ea, eb):
-            poll(lambda e=e: e.tier("mooncake")["healthy"], "the tiers to connect")
-        a = keys(b"a", 4)
-        data = ea.store(a, seed=5)
-        poll(lambda: ea.tier("mooncake")["stores_total"] == 4, "the cascade")
-        poll(lambda: eb.ns.lookup(a) == 4, "b to promote the blocks")
-        assert eb.load(a) == data
+        ea, eb, a, data = shared_by_two(da, db, "mooncake", seed=5)
         assert eb.tier("mooncake")["own_segment_reads_total"] == 4
         evict_by_storing_more(ea, "mooncake")
         assert ea.ns.lookup(a) is None

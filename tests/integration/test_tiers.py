@@ -13,7 +13,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 from helpers import ctl, poll
-from tiered import Engine, disk_toml, evict_by_storing_more, keys, redis_toml, scrape, tier_daemon
+from tiered import (
+    Engine,
+    disk_toml,
+    evict_by_storing_more,
+    keys,
+    redis_toml,
+    scrape,
+    shared_by_two,
+    tier_daemon,
+)
 
 import kvoffload
 from kvoffloadbench.redis_server import RedisServer, free_port, restart_on_same_port
@@ -87,13 +96,7 @@ def test_two_daemons_share_blocks_through_one_redis(
 ) -> None:
     toml = redis_toml(redis_server.url)
     with tier_daemon(tmp_path, toml, "a") as da, tier_daemon(tmp_path, toml, "b") as db:
-        ea, eb = Engine(da), Engine(db)
-        a = keys(b"a", 4)
-        data = ea.store(a, seed=3)
-        poll(lambda: ea.tier("redis")["stores_total"] == 4, "the cascade to Redis")
-        poll(lambda: eb.ns.lookup(a) == 4, "the other daemon to promote the blocks")
-        assert eb.load(a) == data
-        assert eb.tier("redis")["promoted_blocks_total"] == 4
+        ea, eb, a, _ = shared_by_two(da, db, "redis", seed=3)
         assert eb.tier("redis")["stores_total"] == 0  # Redis had them: not written again
         other = Engine(db, "mistral")  # same layout, another model: shares nothing
         assert other.ns.probe(a) == [kvoffload.KEY_ABSENT]

@@ -96,6 +96,23 @@ def redis_toml(url: str) -> str:
     )
 
 
+def shared_by_two(
+    da: DaemonProcess, db: DaemonProcess, tier: str, seed: int
+) -> tuple[Engine, Engine, list[bytes], bytes]:
+    """An engine on each daemon; a's stores 4 blocks, they cascade to ``tier``, and b's
+    daemon promotes them from it byte-identical. The engines, the keys and the bytes."""
+    ea, eb = Engine(da), Engine(db)
+    for e in (ea, eb):
+        poll(lambda e=e: e.tier(tier)["healthy"], "the tiers to connect")
+    a = keys(b"a", 4)
+    data = ea.store(a, seed=seed)
+    poll(lambda: ea.tier(tier)["stores_total"] == 4, "the cascade")
+    poll(lambda: eb.ns.lookup(a) == 4, "the other daemon to promote the blocks")
+    assert eb.load(a) == data
+    assert eb.tier(tier)["promoted_blocks_total"] == 4
+    return ea, eb, a, data
+
+
 def evict_by_storing_more(e: Engine, cascaded: str) -> bytes:
     """Store 4 other blocks: the quota evicts the first 4 from the region."""
     poll(lambda: e.tier(cascaded)["stores_total"] >= 4, "the first blocks to cascade")
