@@ -22,6 +22,8 @@ Rules:
 - ``num_free`` counts what allocation could hand out now, shared pool included.
 - A freed slot whose copy is still running (``busy``) is not reusable until the copy
   drains; it is parked in ``deferred`` (invariant 3: no two copies share a slot).
+  Store copies are counted apart as well (``is_storing``): a block becomes visible
+  only once no copy into its slot is running.
 - A namespace gives extents back from its top only (``release_free_tail``), so slot
   ids never have holes; the index evicts a whole top extent when the pool must move
   memory between namespaces.
@@ -99,6 +101,7 @@ class SlotPool:
         self._free: list[int] = []
         self._used_per_extent: list[int] = []
         self._busy: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # copies per slot
+        self._storing: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # store copies
         self.deferred: set[int] = set()
         self._extent_array: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 
@@ -150,13 +153,21 @@ class SlotPool:
     def is_busy(self, slot: int) -> bool:
         return bool(self._busy[slot]) if 0 <= slot < self._busy.size else False
 
-    def mark_busy(self, slots: npt.NDArray[np.int64]) -> None:
+    def is_storing(self, slot: int) -> bool:
+        """Whether a store copy into ``slot`` is running."""
+        return bool(self._storing[slot]) if 0 <= slot < self._storing.size else False
+
+    def mark_busy(self, slots: npt.NDArray[np.int64], store: bool = False) -> None:
         """A copy starts on ``slots`` (distinct, valid: the submit checked)."""
         self._busy[slots] += 1
+        if store:
+            self._storing[slots] += 1
 
-    def unmark_busy(self, slots: npt.NDArray[np.int64]) -> None:
+    def unmark_busy(self, slots: npt.NDArray[np.int64], store: bool = False) -> None:
         busy = self._busy
         busy[slots] -= 1
+        if store:
+            self._storing[slots] -= 1
         if self.deferred:
             idle = slots[busy[slots] == 0].tolist()
             for s in self.deferred.intersection(idle):
@@ -173,10 +184,8 @@ class SlotPool:
 
     def _extents_changed(self) -> None:
         self._extent_array = np.asarray(self.extents, dtype=np.int64)
-        busy = np.zeros(self.capacity, dtype=np.int32)
-        keep = min(busy.size, self._busy.size)
-        busy[:keep] = self._busy[:keep]
-        self._busy = busy
+        self._busy = _resized(self._busy, self.capacity)
+        self._storing = _resized(self._storing, self.capacity)
 
     def adopt(self, extents: list[int], used: set[int]) -> None:
         """Take over extents a previous daemon gave this namespace (warm restart)."""
@@ -225,3 +234,10 @@ class SlotPool:
             values = slots.tolist()
             return bool(min(values) >= 0 and max(values) < self.capacity)
         return bool(slots.min() >= 0 and slots.max() < self.capacity)
+
+
+def _resized(counts: npt.NDArray[np.int32], size: int) -> npt.NDArray[np.int32]:
+    out = np.zeros(size, dtype=np.int32)
+    keep = min(size, counts.size)
+    out[:keep] = counts[:keep]
+    return out

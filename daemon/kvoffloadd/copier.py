@@ -15,6 +15,8 @@ Rules:
   are processed on the loop thread only.
 - Memory behind the addresses must stay mapped until the job's completion has been
   drained; the daemon guarantees it by counting in-flight jobs per mapping.
+- ``run_task`` runs other work that must stay off the loop (checking what a canonical
+  store covered) on the same threads; its result comes back in the completion.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +54,13 @@ class Completion:
     seconds: float
     checksums: list[int] | None = None  # stores with verification: one per area
     corrupt: list[int] = field(default_factory=list)  # loads: areas that failed
+    result: Any = None  # what a task (``run_task``) returned
+
+
+@dataclass(frozen=True)
+class _Task:
+    token: int
+    fn: Callable[[], Any]
 
 
 @dataclass(frozen=True)
@@ -169,7 +180,9 @@ class CpuCopier:
     def __init__(self, threads: int) -> None:
         self.sink = CompletionSink()
         self.wake_fd = self.sink.wake_fd
-        self._queue: queue.SimpleQueue[tuple[_Job, I64, I64, I64] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_Job, I64, I64, I64] | _Task | None] = (
+            queue.SimpleQueue()
+        )
         self._threads = [
             threading.Thread(target=self._run, name=f"kvoffload-copy-{i}", daemon=True)
             for i in range(threads)
@@ -198,11 +211,28 @@ class CpuCopier:
         for a, b in ranges:
             self._queue.put((job, dst[a:b], src[a:b], nbytes[a:b]))
 
+    def run_task(self, token: int, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on a copier thread; its completion carries what it returned (a
+        task that raises fails)."""
+        self._queue.put(_Task(token, fn))
+
+    def _task(self, task: _Task) -> None:
+        t0 = time.perf_counter()
+        try:
+            result, ok = task.fn(), True
+        except Exception:
+            log.exception("copier task %d failed", task.token)
+            result, ok = None, False
+        self.sink.post(Completion(task.token, ok, 0, time.perf_counter() - t0, result=result))
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, _Task):
+                self._task(item)
+                continue
             job, dst, src, sizes = item
             ok = True
             try:

@@ -107,7 +107,7 @@ class NamespaceIndex(StoreIndex):
             slot = block.slot
             if not success or slot in self._void:
                 failed.append((key, block))
-            elif self._written.get(slot) == self._all_ranks:
+            elif self._whole(slot):
                 done.append((key, block))
             else:
                 self._waiting[slot] = now + self.commit_timeout_s

@@ -11,8 +11,13 @@ so that engines see exactly the behaviour of the built-in offloader:
   never a block with ``ref != 0`` (invariant 2); ``None`` means no space.
 - Events are emitted only when a store completes and when blocks are evicted; stored
   events carry the blocks' slots, so an engine can plan loads without asking.
-- A store can only complete successfully once every rank's copy into its slot has
-  finished (``mark_written``): a key never becomes visible over bytes nobody wrote.
+- A block is visible only over bytes its writers wrote in that store: a store
+  completes successfully only once every rank area of its slot was written whole
+  (``mark_written``; the service accepts only store copies that write whole areas) and
+  no store copy into the slot is still running. In a canonical namespace the engine's
+  parts each write some fragments of the one area: once all of them reported
+  (``mark_parts``), the service checks that what they copied covers every page
+  (``seal``), and only then does the area count as written.
 - Every block being written belongs to the client that prepared or claimed it. One
   client may have ``max_writing_per_client`` blocks in flight (written or leased
   empty), all clients ``max_writing``: nobody holds the pool with stores it never ends.
@@ -120,8 +125,10 @@ class StoreIndex:
         self._slot_key: list[bytes | None] = []
         # keys whose store completed (ref >= 0): lookup runs on this set in C
         self._ready: set[bytes] = set()
-        self._written: dict[int, int] = {}  # slot being written -> bit mask of ranks done
-        self._parts_written: dict[int, int] = {}  # canonical slot -> bit mask of parts done
+        self._written: dict[int, int] = {}  # slot being written -> bit mask of areas done
+        # canonical slot -> (parts, {part: worker}) of the parts that reported so far
+        self._parts: dict[int, tuple[int, dict[int, int]]] = {}
+        self._sealing: dict[int, int] = {}  # canonical slot -> token of its pending seal
         self._all_ranks = (1 << layout.world_size) - 1
         self._void: set[int] = set()  # slots whose copy failed: their store never commits
         self._waiting: dict[int, float] = {}  # committed slot -> deadline for its copies
@@ -256,45 +263,91 @@ class StoreIndex:
                 raise NotLeasedError(f"key {key.hex()} is being stored by another client")
             mine.append((key, block))
         if success:
-            unwritten = [k for k, b in mine if self._written.get(b.slot) != self._all_ranks]
+            unwritten = [k for k, b in mine if not self._whole(b.slot)]
             if unwritten:
                 raise InvalidArgumentError(
                     f"{len(unwritten)} of the keys (first {unwritten[0].hex()}) have not been "
-                    f"copied by all {self.layout.world_size} ranks yet; complete them after "
-                    "their store jobs finished, or with success=False"
+                    f"copied whole by all {self.layout.world_size} ranks yet; complete them "
+                    "after their store jobs finished, or with success=False"
                 )
         self._finish_stores(mine, success)
 
-    def mark_written(self, slots: Sequence[int], rank: int, parts: int = 1) -> list[int]:
-        """A store copy of ``rank`` into these slots finished successfully. With
-        ``parts`` > 1 (canonical pages) the rank wrote its part of the one area: the
-        area counts as written once all ``parts`` ranks have reported; returns the
-        slots that became whole so (their checksum is taken then)."""
-        bit = 1 << rank
-        slot_key, token_of, written = self._slot_key, self.leases.token_of, self._written
-        done: list[tuple[bytes, Block]] = []
-        whole, pw = (1 << parts) - 1, self._parts_written
-        completed: list[int] = []
+    def _takes_copies(self, slot: int) -> bool:
+        """Whether ``slot`` is in a store (being written, or leased to an engine)."""
+        key = self._slot_key[slot] if slot < len(self._slot_key) else None
+        return key is not None or slot in self.leases.token_of
+
+    def _whole(self, slot: int) -> bool:
+        return self._written.get(slot) == self._all_ranks and not self.slots.is_storing(slot)
+
+    def mark_written(self, slots: Sequence[int], area: int) -> None:
+        """A store copy wrote rank ``area`` of these slots whole."""
+        bit, written = 1 << area, self._written
         for slot in slots:
-            key = slot_key[slot] if slot < len(slot_key) else None
-            if key is None and slot not in token_of:
-                continue  # freed meanwhile
-            area_bit = bit
-            if parts > 1:
-                if (got := pw.get(slot, 0) | bit) != whole:
-                    pw[slot] = got
-                    continue
-                pw.pop(slot, None)
-                area_bit = 1  # the canonical area (rank 0's) is whole now
-                completed.append(slot)
-            bits = written[slot] = written.get(slot, 0) | area_bit
-            if bits == self._all_ranks and slot in self._waiting and key is not None:
-                block = self._policy.get(key)
-                if block is not None and block.slot == slot and block.ref == -1:
-                    done.append((key, block))
+            if self._takes_copies(slot):
+                written[slot] = written.get(slot, 0) | bit
+        self.finish_ready(slots)
+
+    def mark_parts(
+        self, slots: Sequence[int], part: int, parts: int, worker: int
+    ) -> list[tuple[int, tuple[int, ...]]]:
+        """A canonical part's store copy landed (``part`` of ``parts``, by ``worker``).
+        Returns (slot, workers in part order) for the slots all of whose parts have now
+        reported: the caller checks their fragments cover every page, then ``seal``.
+        Parts that disagree on how many they are, or two workers of one part, fail
+        the store."""
+        whole: list[tuple[int, tuple[int, ...]]] = []
+        bad: list[int] = []
+        for slot in slots:
+            if not self._takes_copies(slot) or slot in self._sealing:
+                continue
+            want, got = self._parts.setdefault(slot, (parts, {}))
+            if want != parts or got.setdefault(part, worker) != worker:
+                bad.append(slot)
+            elif len(got) == parts:
+                del self._parts[slot]
+                whole.append((slot, tuple(got[p] for p in range(parts))))
+        if bad:
+            self.void(bad)
+        return whole
+
+    def start_seal(self, slots: Sequence[int], token: int) -> None:
+        """These canonical slots' coverage is being checked (``seal`` with ``token``)."""
+        for slot in slots:
+            self._sealing[slot] = token
+
+    def seal(self, ok: Sequence[int], bad: Sequence[int], token: int = 0) -> list[int]:
+        """Canonical slots whose parts' copies cover every page (``ok``: the area is
+        written) or do not (``bad``: the store fails). With ``token``, only slots
+        still waiting for that seal count (a freed slot may be in a new store now).
+        Returns the ok slots that were applied."""
+        if token:
+            ok = [s for s in ok if self._sealing.get(s) == token]
+            bad = [s for s in bad if self._sealing.get(s) == token]
+            for slot in (*ok, *bad):
+                del self._sealing[slot]
+        written = self._written
+        for slot in ok:
+            written[slot] = written.get(slot, 0) | 1
+        if bad:
+            self.void(bad)
+        self.finish_ready(ok)
+        return list(ok)
+
+    def finish_ready(self, slots: Sequence[int]) -> None:
+        """Complete the committed stores among ``slots`` that are whole now: every
+        area written, nothing failed, no store copy into them still running."""
+        done: list[tuple[bytes, Block]] = []
+        waiting = self._waiting
+        for slot in slots:
+            if slot not in waiting or slot in self._void or not self._whole(slot):
+                continue
+            key = self._slot_key[slot]
+            block = self._policy.get(key) if key is not None else None
+            if block is not None and block.slot == slot and block.ref == -1:
+                done.append((key, block))  # type: ignore[arg-type]
         if done:
             self._finish_stores(done, True)
-        return completed
 
     def holds_ready(self, slot: int) -> bool:
         """Whether ``slot`` holds a ready block (or one still being written)."""
@@ -392,8 +445,10 @@ class StoreIndex:
             if block is None or block.slot == slot:  # not a grave of a key stored again
                 self._ready.discard(key)
         self._written.pop(slot, None)
-        if self._parts_written:
-            self._parts_written.pop(slot, None)
+        if self._parts:
+            self._parts.pop(slot, None)
+        if self._sealing:
+            self._sealing.pop(slot, None)
         if self._void:
             self._void.discard(slot)
         if self._waiting:

@@ -7,6 +7,14 @@ Rules:
   state, no slot twice, engine block ids inside the registered caches, quotas) before
   any address reaches a copier (invariant 4); then its slots are marked busy so they
   cannot be freed under the copy.
+- A store writes each of its slots whole (``check_whole_store``: every registered
+  cache, every engine block), so a block never becomes visible over bytes of the
+  slot's earlier owner (invariant 12). A canonical part writes only its fragments:
+  once all of a slot's parts reported, the union of what they copied must cover every
+  canonical page. That is decided once per set of workers and page turn (memoised);
+  a new set is checked on a copier thread, and the job that completed the slot gets
+  its result only after the check (so a blocking client's ``complete_store`` after
+  ``wait`` finds it written).
 - A completion updates the index (written ranks, checksums, corrupt blocks), the
   counters and the worker's results, and answers the waits it ends. Push workers
   (engines that never wait for a reply) submit one-way and get their results pushed.
@@ -33,13 +41,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload.canonical import CanonicalPart, check, check_copy_count, check_parts
+from kvoffload.canonical import (
+    CanonicalPart,
+    check,
+    check_copy_count,
+    check_parts,
+    covers_pages,
+    turn_period,
+)
 from kvoffload.copyplan import (
     CacheGeometry,
     JobRuns,
     Placement,
     build_runs,
     check_transfer,
+    check_whole_store,
     has_duplicates,
     place_caches,
     select_caches,
@@ -75,6 +91,11 @@ log = logging.getLogger(__name__)
 
 
 SUM_JOB = -1  # a _Job's worker id when it only takes checksums of whole canonical slots
+SEAL_JOB = -2  # ... when it checks what the parts of canonical slots covered
+MAX_COVERAGE_MEMO = 4096  # (workers, page turn) -> covered; cleared when it grows past
+
+# (workers in part order, first page id modulo their turn period)
+CoverageKey = tuple[tuple[int, ...], int]
 
 
 @dataclass
@@ -85,6 +106,14 @@ class _Job:
     slots: np.ndarray
     is_store: bool
     deadline_ns: int = 0
+
+
+@dataclass
+class _Seal:
+    """A coverage check running on a copier thread, and what waits for it."""
+
+    keys: dict[int, CoverageKey]  # slot -> its set of workers and page turn
+    held: list[tuple[_Job, Completion]]  # store completions whose results wait
 
 
 class Transfers:
@@ -120,6 +149,12 @@ class Transfers:
         # Engine pages planned and the copy runs they merged into: pages / runs is the
         # mean run length (contiguous engine blocks into contiguous slots merge).
         self.pages_planned = self.runs_planned = 0
+        # canonical workers' parts (kept until they unmap: a slot's coverage is
+        # checked once all of its parts reported, maybe after one of them left)
+        self._canon: dict[int, tuple[CanonicalPart, ...]] = {}
+        self._coverage: dict[CoverageKey, bool] = {}
+        self._seals: dict[int, _Seal] = {}  # seal token -> its check
+        self.stores_not_covered = 0  # canonical stores whose parts left a hole
 
     @property
     def inflight_jobs(self) -> int:
@@ -172,8 +207,7 @@ class Transfers:
             caches = [ClientCache(check_desc(d)) for d in r.caches]
             w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
             w.client_copy, w.push, w.parts = True, r.push, r.parts
-            self.workers[wid] = w
-            s.workers.add(wid)
+            self._add(s, w)
             return m.WorkerAttached(r.rid, wid, region_bytes)
         if r.device_uuid:
             close_fds(fds)
@@ -189,9 +223,15 @@ class Transfers:
             caches = attach_caches(r.caches, fds)
             w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
         w.push, w.parts = r.push, r.parts
-        self.workers[wid] = w
-        s.workers.add(wid)
+        self._add(s, w)
         return m.WorkerAttached(r.rid, wid, region_bytes)
+
+    def _add(self, s: Session, w: AttachedWorker) -> None:
+        self.workers[w.worker_id] = w
+        s.workers.add(w.worker_id)
+        canon = tuple(at.canon for at in w.placements if at.canon is not None)
+        if canon:
+            self._canon[w.worker_id] = canon
 
     def submit(
         self,
@@ -231,6 +271,8 @@ class Transfers:
         if r.deadline_ns and time.monotonic_ns() > r.deadline_ns:
             raise TimedOutError(f"job {r.job_id} arrived after its deadline; not started")
         chosen = select_caches(len(w.caches), r.caches)
+        if is_store:
+            check_whole_store(index.layout, len(w.caches), len(chosen), slots.size, block_ids.size)
         caches = [w.caches[i] for i in chosen]
         geometries: list[CacheGeometry] = [c.geometry for c in caches]
         check_transfer(index.layout, slots.size, block_ids, skip, geometries)
@@ -250,7 +292,7 @@ class Transfers:
         self.runs_planned += runs.region.size
         token = next(self._tokens)
         self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns)
-        index.slots.mark_busy(slots)
+        index.slots.mark_busy(slots, is_store)
         w.active_jobs.add(r.job_id)
         # Parts of one canonical slot land from several ranks: no rank's copy sees the
         # whole page, so its checksum is taken once every part has landed (_sum_whole).
@@ -307,9 +349,83 @@ class Transfers:
             raise_not_leased(index, slots)
         index.check_store_slots(slots, s.session_id, r.lease)
         if r.success:
-            self._sum_whole(index, index.mark_written(slots.tolist(), w.rank, w.parts))
+            self._written(index, w, slots.tolist())
         else:
             index.void(slots.tolist())
+
+    def _written(self, index: NamespaceIndex, w: AttachedWorker, slots: list[int]) -> int:
+        """A store copy of ``w`` into ``slots`` landed; returns the token of the seal
+        its canonical slots wait for (0: none)."""
+        if w.worker_id not in self._canon:
+            index.mark_written(slots, w.area)
+            return 0
+        whole = index.mark_parts(slots, w.rank, w.parts, w.worker_id)
+        return self._seal(index, whole) if whole else 0
+
+    def _coverage_key(
+        self, slot: int, f: int, workers: tuple[int, ...]
+    ) -> tuple[CoverageKey | None, list[tuple[CanonicalPart, ...]]]:
+        parts = [self._canon[w] for w in workers if w in self._canon]
+        if len(parts) != len(workers):
+            return None, parts  # a part's worker is gone: nothing vouches for its copy
+        return (workers, slot * f % turn_period(parts)), parts
+
+    def _seal(self, index: NamespaceIndex, whole: list[tuple[int, tuple[int, ...]]]) -> int:
+        """Canonical slots all of whose parts reported: written if what the parts copied
+        covers every page. Known sets of workers are decided here; the others on a
+        copier thread (returns that seal's token, 0 if none)."""
+        f = index.layout.block_size_factor
+        ok: list[int] = []
+        bad: list[int] = []
+        todo: dict[int, CoverageKey] = {}
+        parts_of: dict[CoverageKey, tuple[int, list[tuple[CanonicalPart, ...]]]] = {}
+        for slot, workers in whole:
+            key, parts = self._coverage_key(slot, f, workers)
+            covered = self._coverage.get(key) if key is not None else False
+            if covered is None and key is not None:
+                todo[slot] = key
+                parts_of.setdefault(key, (slot * f, parts))
+            else:
+                (ok if covered else bad).append(slot)
+        self._apply_seal(index, ok, bad)
+        if not todo:
+            return 0
+        token = next(self._tokens)
+        index.start_seal(list(todo), token)
+        self._jobs[token] = _Job(SEAL_JOB, 0, index.ns_id, np.zeros(0, np.int64), True)
+        self._seals[token] = _Seal(todo, [])
+        self.copier.run_task(
+            token, lambda: {k: covers_pages(p, first, f) for k, (first, p) in parts_of.items()}
+        )
+        return token
+
+    def _apply_seal(
+        self, index: NamespaceIndex, ok: list[int], bad: list[int], token: int = 0
+    ) -> None:
+        applied = index.seal(ok, bad, token)
+        if bad:
+            self.stores_not_covered += len(bad)
+            log.warning(
+                "namespace %s: %d canonical stores failed: their parts' fragments do not "
+                "cover every page",
+                index.name,
+                len(bad),
+            )
+        self._sum_whole(index, applied)
+
+    def _sealed(self, token: int, job: _Job, c: Completion) -> list[tuple[_Job, Completion]]:
+        """A seal task finished: apply it; returns the completions it held."""
+        seal = self._seals.pop(token)
+        verdicts: dict[CoverageKey, bool] = c.result if c.success else {}
+        if len(self._coverage) + len(verdicts) > MAX_COVERAGE_MEMO:
+            self._coverage.clear()
+        self._coverage.update(verdicts)
+        index = self.namespaces.get(job.ns_id)
+        if index is not None:
+            ok = [slot for slot, key in seal.keys.items() if verdicts.get(key)]
+            bad = [slot for slot, key in seal.keys.items() if not verdicts.get(key)]
+            self._apply_seal(index, ok, bad, token)
+        return seal.held
 
     def client_copy_done(self, s: Session, r: m.ClientCopyDone) -> None:
         """A client-copy worker finished a job: complete it like a daemon copy."""
@@ -347,18 +463,22 @@ class Transfers:
                 if (summed := self.namespaces.get(job.ns_id)) is not None:
                     self._summed(summed, job, c)
                 continue
+            if job.worker_id == SEAL_JOB:
+                for held_job, held in self._sealed(c.token, job, c):
+                    self._finish_job(held_job, held, replies, pushed)
+                continue
             index = self.namespaces[job.ns_id]
-            index.slots.unmark_busy(job.slots)
+            index.slots.unmark_busy(job.slots, job.is_store)
             w = self.workers[job.worker_id]
+            seal = 0
             if job.is_store:
                 # A copy that ended after the engine may reuse its blocks, or whose
                 # worker went away, may have read reused memory: never commit it.
                 late = bool(job.deadline_ns) and now_ns > job.deadline_ns
                 if c.success and not late and not w.closing:
-                    whole = index.mark_written(job.slots.tolist(), w.rank, w.parts)
                     if c.checksums is not None:
                         index.sums.set(job.slots.tolist(), w.area, c.checksums)
-                    self._sum_whole(index, whole)
+                    seal = self._written(index, w, job.slots.tolist())
                 else:
                     index.void(job.slots.tolist())
             if c.corrupt:
@@ -369,23 +489,38 @@ class Transfers:
                     index.name,
                     len(bad),
                 )
-            w.active_jobs.discard(job.job_id)
-            self._account(w, job, c)
-            if w.closing:
-                if not w.active_jobs:
-                    self._unmap(w)
-                    if w.session_id in self.sessions:
-                        replies.extend((w.session_id, m.OkReply(r)) for r in w.detach_rids)
-                continue
-            result = m.JobResult(job.job_id, c.success, c.nbytes, c.seconds)
-            if w.push:
-                pushed.setdefault(w.worker_id, []).append(result)
+            if seal:  # its result waits for the check of what the slots' parts covered
+                self._seals[seal].held.append((job, c))
             else:
-                w.finished.append(result)
-            replies.extend(self._resolve_waits(w, job.job_id))
+                self._finish_job(job, c, replies, pushed)
         for wid, results in pushed.items():
             replies.append((self.workers[wid].session_id, m.JobsDone(0, wid, results)))
         return replies
+
+    def _finish_job(
+        self,
+        job: _Job,
+        c: Completion,
+        replies: list[tuple[int, m.Reply]],
+        pushed: dict[int, list[m.JobResult]],
+    ) -> None:
+        """A job is over: count it, hand out its result, end the waits on it, and
+        unmap a closing worker's caches after its last job."""
+        w = self.workers[job.worker_id]
+        w.active_jobs.discard(job.job_id)
+        self._account(w, job, c)
+        if w.closing:
+            if not w.active_jobs:
+                self._unmap(w)
+                if w.session_id in self.sessions:
+                    replies.extend((w.session_id, m.OkReply(r)) for r in w.detach_rids)
+            return
+        result = m.JobResult(job.job_id, c.success, c.nbytes, c.seconds)
+        if w.push:
+            pushed.setdefault(w.worker_id, []).append(result)
+        else:
+            w.finished.append(result)
+        replies.extend(self._resolve_waits(w, job.job_id))
 
     def _sum_whole(self, index: NamespaceIndex, slots: list[int]) -> None:
         """Canonical slots whose parts all landed: their checksum is taken now, by a
@@ -454,6 +589,7 @@ class Transfers:
     def _unmap(self, w: AttachedWorker) -> None:
         w.close()
         del self.workers[w.worker_id]
+        self._canon.pop(w.worker_id, None)
 
 
 def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:

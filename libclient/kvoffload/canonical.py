@@ -20,13 +20,18 @@ Rules:
   (``slot * block_size_factor + sub-block``) is ``writer`` modulo ``writers``: the
   same slots go to every rank of a store, so exactly one of the ranks holding those
   bytes writes each block. Loads always copy every fragment.
+- A stored page is whole only when the fragments its writers actually copied cover
+  every byte of every cache's canonical page (``covers_pages``): parts that report a
+  block but copied less, or that overlap and leave a hole, never make it visible.
 - Pure: numpy only, unit-tested without a daemon.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -53,6 +58,23 @@ class CanonicalPart:
 
     def pack(self) -> bytes:
         return np.ascontiguousarray(self.frags, dtype="<i8").tobytes()
+
+    @cached_property
+    def spans(self) -> I64:
+        """The canonical bytes this part writes: sorted, merged (start, end) rows."""
+        start = self.frags[:, 1]
+        order = np.argsort(start, kind="stable")
+        lo, hi = start[order], (start + self.frags[:, 2])[order]
+        reach = np.maximum.accumulate(hi)
+        new = np.ones(lo.size, dtype=bool)
+        new[1:] = lo[1:] > reach[:-1]
+        first = np.flatnonzero(new)
+        last = np.append(first[1:], lo.size) - 1
+        return np.stack((lo[first], reach[last]), axis=1)
+
+    def writes(self, page_id: int) -> bool:
+        """Whether this part copies the block with this page id on a store."""
+        return self.writers == 1 or page_id % self.writers == self.writer
 
     @staticmethod
     def unpack(canonical_page_bytes: int, frags: bytes, writers: int, writer: int) -> CanonicalPart:
@@ -96,6 +118,40 @@ def check_copy_count(blocks: int, placements: Sequence[Any]) -> None:
             f"{blocks} blocks of {per_block} fragments each are more than the "
             f"{MAX_JOB_COPIES} copies one transfer may take; submit fewer blocks per job"
         )
+
+
+def covered(spans: Sequence[I64], page_bytes: int) -> bool:
+    """Whether the union of (start, end) rows covers ``[0, page_bytes)``."""
+    rows = [s for s in spans if s.size]
+    if not rows:
+        return False
+    a = np.concatenate(rows)
+    a = a[np.argsort(a[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(a[:, 1])
+    return bool(a[0, 0] <= 0 and not (a[1:, 0] > reach[:-1]).any() and reach[-1] >= page_bytes)
+
+
+def covers_pages(parts: Sequence[Sequence[CanonicalPart]], first_page_id: int, f: int) -> bool:
+    """Whether the parts of one store (each the list of one worker's caches, in order)
+    together write every byte of every cache's canonical page, for each of the ``f``
+    pages from ``first_page_id``: only the fragments of the parts whose turn a page is
+    count (``CanonicalPart.writes``)."""
+    if not parts or len({len(p) for p in parts}) != 1:
+        return False
+    distinct = min(f, turn_period(parts))  # pages further on repeat these turns
+    for c in range(len(parts[0])):
+        page_bytes = parts[0][c].canonical_page_bytes
+        if any(p[c].canonical_page_bytes != page_bytes for p in parts):
+            return False
+        for page in range(first_page_id, first_page_id + distinct):
+            if not covered([p[c].spans for p in parts if p[c].writes(page)], page_bytes):
+                return False
+    return True
+
+
+def turn_period(parts: Sequence[Sequence[CanonicalPart]]) -> int:
+    """Page ids equal modulo this have the same writers (``covers_pages`` agrees)."""
+    return math.lcm(*(c.writers for p in parts for c in p)) if parts else 1
 
 
 def area_of(rank: int, parts: int) -> int:

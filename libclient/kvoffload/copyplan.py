@@ -155,6 +155,22 @@ def check_transfer(
             )
 
 
+def check_whole_store(
+    layout: KVLayout, num_caches: int, chosen: int, num_slots: int, num_ids: int
+) -> None:
+    """InvalidArgumentError unless a store writes each of its slots whole: every
+    registered cache (they tile the rank's area) and every engine block of every slot.
+    A store that wrote part of a slot would make the rest of it, bytes of an earlier
+    block, visible under its key."""
+    f = layout.block_size_factor
+    if chosen != num_caches or num_ids != num_slots * f:
+        raise InvalidArgumentError(
+            f"a store writes each of its slots whole: all {num_caches} registered caches "
+            f"and {f} engine block(s) per slot ({num_slots * f} block ids for {num_slots} "
+            f"slots); this one names {chosen} caches and {num_ids} block ids"
+        )
+
+
 def has_duplicates(ids: I64) -> bool:
     """Whether any id occurs twice (a sort, not a Python set, past a few dozen; one
     pass when the ids ascend, as one allocation's slots do)."""

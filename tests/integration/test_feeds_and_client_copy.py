@@ -76,8 +76,11 @@ def test_plain_cpu_tensors_copy_through_the_region_byte_for_byte(daemon: DaemonP
     c.close()
 
 
-def test_a_job_can_copy_a_subset_of_the_caches(daemon: DaemonProcess) -> None:
-    """vLLM's KV cache groups: each group's blocks live only in its own tensors."""
+def test_a_load_can_copy_a_subset_of_the_caches_a_store_writes_them_all(
+    daemon: DaemonProcess,
+) -> None:
+    """vLLM's KV cache groups load only their own tensors; a store writes its slots
+    whole (a store of some caches would leave bytes of the slot's last owner in it)."""
     c = kvoffload.connect(daemon.socket_path)
     ns = c.namespace("sub", layout())
     src = [kvoffload.shared_kv_cache(64, p) for p in PAGES]
@@ -89,7 +92,9 @@ def test_a_job_can_copy_a_subset_of_the_caches(daemon: DaemonProcess) -> None:
     assert plan is not None
     assert not w.submit_store(1, [0, 1], plan.slots, caches=[2])
     assert isinstance(w.last_error, kvoffload.InvalidArgumentError)
-    assert w.submit_store(1, [0, 1], plan.slots, caches=[1]) and wait_done(w, 1).success
+    assert not w.submit_store(1, [0, 1], plan.slots, caches=[1])
+    assert "slots whole" in str(w.last_error)
+    assert w.submit_store(1, [0, 1], plan.slots) and wait_done(w, 1).success
     ns.complete_store(ks)
     dst = [kvoffload.shared_kv_cache(64, p) for p in PAGES]
     loader = ns.attach_worker(dst)

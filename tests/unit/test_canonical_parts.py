@@ -106,7 +106,7 @@ def test_a_block_is_visible_only_once_every_part_has_landed(svc: Service) -> Non
     plan = svc.handle(s, m.PrepareStore(3, ns, kp, kb))
     assert isinstance(plan, m.StorePlanReply)
     assert run(svc, m.SubmitStore(4, w0, 1, pack_ids(range(3)), plan.slots), s).success
-    with pytest.raises(InvalidArgumentError, match="not been copied by all"):
+    with pytest.raises(InvalidArgumentError, match="not been copied whole by all"):
         svc.handle(s, m.CompleteStore(5, ns, kp, kb, True))  # rank 1's part is missing
     index = svc.namespaces[ns]
     assert index.lookup(keys) == 0

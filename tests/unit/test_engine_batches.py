@@ -43,7 +43,7 @@ def test_a_claimed_lease_commits_once_written_and_the_event_says_where() -> None
     assert len(slots) == 3 and idx.leases.unclaimed(TA) == 3
     assert idx.claim(TA, A, ks(1, 2), slots[:2]) == 0
     assert idx.lookup(ks(1)) == 0  # claimed is not stored (invariant 1)
-    idx.mark_written(slots[:2], rank=0)
+    idx.mark_written(slots[:2], area=0)
     idx.commit(TA, A, ks(1, 2), True)
     assert idx.lookup(ks(1, 2)) == 2
     assert stored_events(idx, B) == [(ks(1, 2), slots[:2])]
@@ -56,10 +56,10 @@ def test_a_commit_that_arrives_before_the_copy_waits_for_it() -> None:
     idx = make_index(world_size=2)
     slots = idx.lease(TA, 1)
     idx.claim(TA, A, ks(1), slots)
-    idx.mark_written(slots, rank=0)
+    idx.mark_written(slots, area=0)
     idx.commit(TA, A, ks(1), True)
     assert idx.lookup(ks(1)) == 0 and idx.statistics().commits_waiting == 1
-    idx.mark_written(slots, rank=1)
+    idx.mark_written(slots, area=1)
     assert idx.lookup(ks(1)) == 1 and idx.statistics().commits_waiting == 0
 
 
@@ -67,7 +67,7 @@ def test_a_copy_written_before_its_claim_counts() -> None:
     """The worker's copy into a leased slot may land before the scheduler's claim."""
     idx = make_index()
     slots = idx.lease(TA, 1)
-    idx.mark_written(slots, rank=0)
+    idx.mark_written(slots, area=0)
     idx.claim(TA, A, ks(1), slots)
     idx.commit(TA, A, ks(1), True)
     assert idx.lookup(ks(1)) == 1
@@ -79,7 +79,7 @@ def test_a_void_copy_is_never_committed_and_frees_its_slot() -> None:
     idx.claim(TA, A, ks(1, 2), slots)
     idx.commit(TA, A, ks(1, 2), True)  # committed first, copies pending
     idx.void(slots[:1])  # the copy of 1 failed (or ended after its deadline)
-    idx.mark_written(slots[1:], rank=0)
+    idx.mark_written(slots[1:], area=0)
     assert idx.lookup(ks(1)) == 0 and idx.lookup(ks(2)) == 1
     assert idx.statistics().store_failures_total == 1
     assert idx.slots.num_used == 1  # 1's slot is free again
@@ -102,7 +102,7 @@ def test_two_engines_storing_one_key_at_once_end_with_one_copy() -> None:
     idx.claim(TA, A, ks(7), sa)
     idx.claim(TB, B, ks(7), sb)  # B's mirror had not seen A's claim: a shadow copy
     for s in (sa, sb):
-        idx.mark_written(s, rank=0)
+        idx.mark_written(s, area=0)
     idx.commit(TB, B, ks(7), True)  # the shadow goes
     idx.commit(TA, A, ks(7), True)
     assert idx.lookup(ks(7)) == 1
@@ -138,7 +138,7 @@ def test_a_gone_connection_frees_its_leases_and_fails_its_claims() -> None:
     idx = make_index()
     slots = idx.lease(TA, 3)
     idx.claim(TA, A, ks(1), slots[:1])
-    idx.mark_written(slots[:1], rank=0)
+    idx.mark_written(slots[:1], area=0)
     assert idx.release_client(A, TA) == (1, 0)
     assert idx.slots.num_used == 0 and idx.leases.unclaimed(TA) == 0
     idx.commit(TA, A, ks(1), True)  # a late commit of a dead connection does nothing
@@ -149,7 +149,7 @@ def test_leasing_evicts_outside_requests_but_never_pinned_blocks() -> None:
     idx = make_index(blocks=4)
     slots = idx.lease(TA, 4)
     idx.claim(TA, A, ks(1, 2, 3, 4), slots)
-    idx.mark_written(slots, rank=0)
+    idx.mark_written(slots, area=0)
     idx.commit(TA, A, ks(1, 2, 3, 4), True)
     idx.pin(ks(1), A)
     # everything evictable goes, 1 is pinned; the space frees once both mirrors saw it
@@ -165,7 +165,7 @@ def test_a_local_pin_reaches_the_daemon_before_the_ack_so_the_slot_stays() -> No
     idx = make_index(blocks=4)
     slots = idx.lease(TA, 4)
     idx.claim(TA, A, ks(1, 2, 3, 4), slots)
-    idx.mark_written(slots, rank=0)
+    idx.mark_written(slots, area=0)
     idx.commit(TA, A, ks(1, 2, 3, 4), True)
     idx.ack(A, idx.events.seq), idx.ack(B, idx.events.seq)
     idx.evict(ks(1))  # pressure: 1 is evicted while B's mirror still says HIT

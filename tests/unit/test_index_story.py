@@ -31,7 +31,7 @@ class CopyingIndex(NamespaceIndex):
     def prepare_store(self, keys, client):  # type: ignore[no-untyped-def]
         plan = super().prepare_store(keys, client)
         if plan is not None:
-            self.mark_written(plan.slots, rank=0)
+            self.mark_written(plan.slots, area=0)
         return plan
 
 
@@ -214,10 +214,10 @@ def test_store_cannot_complete_before_every_rank_copied() -> None:
     assert plan is not None
     with pytest.raises(InvalidArgumentError):
         idx.complete_store(ks(1), True, CLIENT)
-    idx.mark_written(plan.slots, rank=0)
+    idx.mark_written(plan.slots, area=0)
     with pytest.raises(InvalidArgumentError):
         idx.complete_store(ks(1), True, CLIENT)
     assert idx.lookup(ks(1)) == 0
-    idx.mark_written(plan.slots, rank=1)
+    idx.mark_written(plan.slots, area=1)
     idx.complete_store(ks(1), True, CLIENT)
     assert idx.lookup(ks(1)) == 1

@@ -1,0 +1,166 @@
+"""Tenants of one daemon: what another local user can read, and what it can hold.
+
+Each attack runs as a second uid (a forked child that drops to ``nobody``) against a
+real daemon, as an allowed client that lies in every field it can. Reading: no
+client reads another's KV, not even bytes left in a slot it took over. Holding:
+everything a client makes the daemon keep is bounded per connection, per uid and in
+total, and goes when it leaves (``docs/security.md``, the resource table).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hostile import NOBODY, as_uid, requires_root
+
+import kvoffload
+from kvoffload.canonical import CanonicalPart
+from kvoffload.protocol.errors import KVOffloadError
+from kvoffloadbench.launch import DaemonProcess
+
+MIB = 1 << 20
+A_PAGE = 64 * 1024  # tenant A's blocks
+PATTERN = 0x5A  # every byte tenant A stores
+
+
+@pytest.fixture
+def shared_sock() -> Iterator[str]:
+    """A socket path other uids can reach (its directory 0755)."""
+    requires_root()
+    run = Path(tempfile.mkdtemp(prefix="kvoffload-tenants-"))
+    run.chmod(0o755)
+    yield str(run / "k.sock")
+    shutil.rmtree(run, ignore_errors=True)
+
+
+def fill_region(sock: str, blocks: int) -> int:
+    """Tenant A stores ``blocks`` blocks of PATTERN and leaves; returns how many."""
+    with kvoffload.connect(sock) as a:
+        ns = a.namespace("tenant-a", kvoffload.KVLayout(tensor_page_bytes=[A_PAGE]))
+        src = kvoffload.shared_kv_cache(64, A_PAGE)
+        src.fill_(PATTERN)
+        w = ns.attach_worker([src])
+        stored = 0
+        for start in range(0, blocks, 64):
+            keys = [b"a-%06d" % i for i in range(start, min(blocks, start + 64))]
+            plan = ns.prepare_store(keys)
+            if plan is None or not plan.slots:
+                break
+            assert w.submit_store(start + 1, np.arange(len(plan.slots)), plan.slots)
+            w.wait([start + 1])
+            assert all(r.success for r in w.get_finished())
+            ns.complete_store(plan.keys_to_store)
+            stored += len(plan.slots)
+        w.close()
+    return stored
+
+
+def read_back_as_b(sock: str) -> dict[str, int]:
+    """Tenant B (another uid) takes over A's space and tries to read what was there:
+    stores that write part of a slot (one cache of two; one byte of a canonical page),
+    then full loads. Returns, per attempt, how many bytes of A's pattern it saw
+    (-1: the attempt was refused or its block never became visible)."""
+    seen: dict[str, int] = {}
+    with kvoffload.connect(sock) as b:
+        # one tensor of two: a plain store naming caches=[0]
+        two = b.namespace("tenant-b-two", kvoffload.KVLayout(tensor_page_bytes=[A_PAGE] * 2))
+        caches = [kvoffload.shared_kv_cache(16, A_PAGE) for _ in range(2)]
+        w = two.attach_worker(caches)
+        keys = [b"b2-%03d" % i for i in range(16)]
+        plan = two.prepare_store(keys)
+        assert plan is not None
+        ok = w.submit_store(1, np.arange(16), plan.slots, caches=[0])
+        if ok:
+            w.wait([1])
+            w.get_finished()
+        seen["one cache of two"] = load_pattern(two, w, keys, caches, ok)
+        w.close()
+        # canonical, one part, one byte of each page
+        canon = b.namespace("tenant-b-canon", kvoffload.KVLayout(tensor_page_bytes=[A_PAGE]))
+        cache = kvoffload.shared_kv_cache(16, A_PAGE)
+        lie = CanonicalPart(A_PAGE, np.array([[0, 0, 1]], dtype=np.int64))
+        w = canon.attach_worker([cache], rank=0, canonical=[lie], parts=1)
+        keys = [b"bc-%03d" % i for i in range(16)]
+        plan = canon.prepare_store(keys)
+        assert plan is not None
+        assert w.submit_store(1, np.arange(16), plan.slots)
+        w.wait([1])
+        w.get_finished()
+        full = canon.attach_worker(
+            [kvoffload.shared_kv_cache(16, A_PAGE)],
+            canonical=[CanonicalPart(A_PAGE, np.array([[0, 0, A_PAGE]], dtype=np.int64))],
+        )
+        seen["one byte of a canonical page"] = load_pattern(canon, full, keys, full.caches, True)
+        w.close()
+        full.close()
+    return seen
+
+
+def load_pattern(
+    ns: kvoffload.Namespace, w: kvoffload.Worker, keys: list[bytes], caches: list, stored: bool
+) -> int:
+    try:
+        ns.complete_store(keys)
+    except KVOffloadError:
+        ns.complete_store(keys, success=False)
+        return -1
+    hits = ns.lookup(keys)
+    if not stored or not hits:
+        return -1
+    plan = ns.prepare_load(keys[:hits])
+    assert w.submit_load(9, plan.slots, np.arange(hits))
+    w.wait([9])
+    assert all(r.success for r in w.get_finished())
+    ns.complete_load(keys[:hits])
+    return sum(int((c.numpy()[:hits] == PATTERN).sum()) for c in caches)
+
+
+def test_another_tenants_bytes_never_show_through_a_partial_store(shared_sock: str) -> None:
+    """uid A fills the region and leaves; uid B's stores reclaim A's extents and write
+    only part of each slot. B's full loads must never return A's bytes (today's code
+    returned them: 38,720 and 19,328 fragments of A's pattern)."""
+    with DaemonProcess("32MiB", "--log-level", "warning", socket_path=shared_sock) as d:
+        assert fill_region(shared_sock, 4096) > 300
+        seen = as_uid(lambda: read_back_as_b(shared_sock), NOBODY, gid=0)
+        assert seen == {"one cache of two": -1, "one byte of a canonical page": -1}
+        with kvoffload.connect(shared_sock) as c:
+            stats = c.stats()
+        assert stats["errors"].get("INVALID_ARGUMENT", 0) >= 1
+        assert d.alive() and d.stop() == 0
+
+
+def test_an_honest_store_still_reads_back_whole(shared_sock: str) -> None:
+    """The same takeover with whole stores: B reads exactly its own bytes."""
+    with DaemonProcess("32MiB", "--log-level", "warning", socket_path=shared_sock) as d:
+        fill_region(shared_sock, 4096)
+
+        def honest() -> bool:
+            with kvoffload.connect(shared_sock) as b:
+                ns = b.namespace("tenant-b", kvoffload.KVLayout(tensor_page_bytes=[A_PAGE] * 2))
+                caches = [kvoffload.shared_kv_cache(16, A_PAGE) for _ in range(2)]
+                for i, c in enumerate(caches):  # numpy: torch's threads hang after fork
+                    n = c.numel()
+                    c.numpy().ravel()[:] = (np.arange(n) * 31 + i * 7) % 251 - 125
+                    c.numpy()[:, 0] = i  # never all PATTERN
+                w = ns.attach_worker(caches)
+                keys = [b"b-%03d" % i for i in range(16)]
+                plan = ns.prepare_store(keys)
+                assert plan is not None and w.submit_store(1, np.arange(16), plan.slots)
+                w.wait([1])
+                w.get_finished()
+                ns.complete_store(keys)
+                out = [kvoffload.shared_kv_cache(16, A_PAGE) for _ in range(2)]
+                r = ns.attach_worker(out)
+                lp = ns.prepare_load(keys)
+                assert r.submit_load(2, lp.slots, np.arange(16))
+                r.wait([2])
+                assert all(x.success for x in r.get_finished())
+                return all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(caches, out))
+
+        assert as_uid(honest, NOBODY, gid=0)
+        assert d.stop() == 0
