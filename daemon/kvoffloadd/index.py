@@ -84,7 +84,7 @@ class NamespaceIndex(StoreIndex):
                 refused += 1  # not (or no longer) this engine's lease
                 continue
             if get(key) is not None:  # stored by someone else meanwhile: a shadow copy
-                self.leases.shadows[(token, key)] = slot
+                self.leases.add_shadow(token, key, slot)
                 self._journal.writing(slot, key, token)
                 continue
             self._insert_writing(key, slot, client, token)
@@ -96,11 +96,9 @@ class NamespaceIndex(StoreIndex):
         done: list[tuple[bytes, Block]] = []
         failed: list[tuple[bytes, Block]] = []
         for key in dict.fromkeys(keys):
-            shadow = self.leases.shadows.pop((token, key), None)
-            if shadow is not None:
+            for shadow in self.leases.pop_shadows(token, key) if token else ():
                 self._duplicates += 1
                 self._free_slot(shadow)  # one copy of the key stays
-                continue
             block = get(key)
             if block is None or block.ref != -1 or self._writers.get(key) != client:
                 continue  # not this engine's store (or of an earlier connection)
@@ -397,9 +395,8 @@ class NamespaceIndex(StoreIndex):
         writes = [(k, self._policy.get(k)) for k, c in self._writers.items() if c == client]
         self._finish_stores([(k, b) for k, b in writes if b is not None], success=False)
         if token:
-            for _, slot in self.leases.shadows_of(token):
+            for slot in self.leases.release_shadows(token):
                 self._free_slot(slot)
-            self.leases.shadows = {k: s for k, s in self.leases.shadows.items() if k[0] != token}
             for slot in self.leases.release(token):
                 self._free_slot(slot)
         pins = self._pins.pop(client, Counter())

@@ -12,7 +12,9 @@ Rules:
   reused, so a token of a dead connection or an earlier daemon matches nothing.
 - A slot is in exactly one of: leased (granted, not claimed), claimed (``writing``,
   or a ``shadow``: the key was stored by someone else meanwhile, so this copy is
-  dropped at commit and one copy stays), or neither.
+  dropped at commit and one copy stays), or neither. Shadows are kept by slot: a
+  token that claims one key into many slots holds each of them, counted
+  (``shadow_count``), until it commits the key or goes away.
 - A connection that goes away frees its unclaimed slots at once; its claimed ones
   fail like any store of a dead client.
 - ``token_of`` is changed only through ``assign``/``release``/``forget``: its numpy
@@ -37,7 +39,10 @@ class LeaseBook:
     def __init__(self) -> None:
         self.token_of: dict[int, int] = {}  # slot -> token, leased or claimed under a lease
         self._unclaimed: dict[int, set[int]] = {}  # token -> slots granted, not claimed
-        self.shadows: dict[tuple[int, bytes], int] = {}  # (token, key) -> duplicate's slot
+        # token -> key -> slots of duplicates of a key someone else stored meanwhile
+        self._shadows: dict[int, dict[bytes, list[int]]] = {}
+        self._shadow_counts: dict[int, int] = {}  # token -> its duplicates
+        self._num_shadows = 0
         self.owner: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)  # token_of, by slot
 
     def assign(self, slot: int, token: int) -> None:
@@ -97,8 +102,33 @@ class LeaseBook:
         self.owner[slots] = 0
         return slots
 
-    def shadows_of(self, token: int) -> list[tuple[bytes, int]]:
-        return [(key, slot) for (t, key), slot in self.shadows.items() if t == token]
+    def add_shadow(self, token: int, key: bytes, slot: int) -> None:
+        """``token`` claimed ``slot`` for ``key``, which is stored already."""
+        self._shadows.setdefault(token, {}).setdefault(key, []).append(slot)
+        self._shadow_counts[token] = self._shadow_counts.get(token, 0) + 1
+        self._num_shadows += 1
+
+    def pop_shadows(self, token: int, key: bytes) -> list[int]:
+        """The slots of ``token``'s duplicates of ``key`` (taken out: to be freed)."""
+        mine = self._shadows.get(token)
+        slots = mine.pop(key, []) if mine else []
+        if slots:
+            self._num_shadows -= len(slots)
+            self._shadow_counts[token] -= len(slots)
+            if not mine:
+                del self._shadows[token], self._shadow_counts[token]
+        return slots
+
+    def release_shadows(self, token: int) -> list[int]:
+        """Every duplicate's slot of ``token`` (its connection is gone: to be freed)."""
+        slots = [s for group in self._shadows.pop(token, {}).values() for s in group]
+        self._num_shadows -= len(slots)
+        self._shadow_counts.pop(token, None)
+        return slots
+
+    def shadow_count(self, token: int | None = None) -> int:
+        """Duplicates held by ``token``, or by every token."""
+        return self._num_shadows if token is None else self._shadow_counts.get(token, 0)
 
     def forget(self, slot: int) -> None:
         """The slot was freed."""

@@ -241,13 +241,17 @@ class StoreIndex:
         return self._free_within_quota() < self.slots.num_free
 
     def writing_room(self, client: int, token: int) -> int:
-        """How many more blocks ``client`` may have in flight (written or leased)."""
+        """How many more blocks ``client`` may have in flight (written, leased empty,
+        or claimed as a duplicate)."""
         room = 1 << 62
+        leases = self.leases
         if self.max_writing_per_client is not None:
-            mine = self._writing_by[client] + self.leases.unclaimed(token)
+            mine = self._writing_by[client]
+            if token:
+                mine += leases.unclaimed(token) + leases.shadow_count(token)
             room = self.max_writing_per_client - mine
         if self.max_writing is not None:
-            total = len(self._writers) + self.leases.total_unclaimed()
+            total = len(self._writers) + leases.total_unclaimed() + leases.shadow_count()
             room = min(room, self.max_writing - total)
         return max(0, room)
 

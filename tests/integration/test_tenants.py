@@ -16,10 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import poll
 from hostile import NOBODY, as_uid, requires_root
+from liar import Liar, packed
 
 import kvoffload
 from kvoffload.canonical import CanonicalPart
+from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import KVOffloadError
 from kvoffloadbench.launch import DaemonProcess
 
@@ -163,4 +166,47 @@ def test_an_honest_store_still_reads_back_whole(shared_sock: str) -> None:
                 return all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(caches, out))
 
         assert as_uid(honest, NOBODY, gid=0)
+        assert d.stop() == 0
+
+
+def claim_one_key_everywhere(sock: str, rounds: int) -> dict[str, int]:
+    """Issue scenario: claim one key into every slot leased, and ask for more."""
+    liar = Liar(sock)
+    ns = liar.open("hog", m.KVLayout([A_PAGE])).ns
+    key = b"k" * 8
+    claimed = 0
+    for _ in range(rounds):
+        before = len(liar.granted.get(ns, []))
+        slots = liar.want_leases(ns, 1 << 20)[before:]
+        if not slots:
+            break
+        liar.step(ns, 8, claim_keys=key * len(slots), claim_slots=packed(slots))
+        claimed += len(slots)
+    liar.call(m.Ping(0))  # everything sent has been applied
+    stats = liar.call(m.GetStats(0))
+    assert isinstance(stats, m.StatsReply)
+    hog = stats.sections["namespaces"]["hog"]
+    liar.close()
+    return {"claimed": claimed, "writing": hog["writing_blocks"], "leased": hog["leased_blocks"]}
+
+
+def test_one_key_claimed_into_every_leased_slot_holds_a_bounded_share(shared_sock: str) -> None:
+    """Each duplicate of one key counts against what a connection may have in flight,
+    and all of them go when it leaves (today: 100% of the region, still held after)."""
+    with DaemonProcess("32MiB", "--log-level", "warning", socket_path=shared_sock) as d:
+        held = as_uid(lambda: claim_one_key_everywhere(shared_sock, 64), NOBODY, gid=0)
+        with kvoffload.connect(shared_sock) as c:
+            s = c.stats()
+            region = s["region"]
+            capacity = region["extents_total"] * (region["extent_bytes"] // A_PAGE)
+            assert 0 < held["claimed"] <= capacity // 2 + 1  # max_writing_fraction
+            hog = s["namespaces"]["hog"]
+            assert hog["writing_blocks"] == 0 and hog["leased_blocks"] == 0
+
+            def all_free() -> bool:  # the next cron turn gives the empty extents back
+                region = c.stats()["region"]
+                return bool(region["extents_free"] == region["extents_total"])
+
+            poll(all_free, "every extent free again", deadline_s=5)
+            assert fill_region(shared_sock, 64) == 64  # everyone else can store again
         assert d.stop() == 0

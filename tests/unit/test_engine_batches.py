@@ -220,3 +220,27 @@ def test_a_subscriber_that_never_takes_holds_a_bounded_number_of_bytes() -> None
     events, lost = feed.take(A)
     assert lost and 0 < len(events) < 1000
     assert feed.take(B)[1] is False  # the one that keeps up never loses any
+
+
+def test_one_key_claimed_into_every_leased_slot_holds_each_and_frees_all() -> None:
+    """Issue scenario: a client claims one key into every slot it leased (all but the
+    first are duplicates). Each duplicate is held and counted against what it may
+    have in flight, its commit frees them all, and so does its leaving."""
+    idx = make_index(blocks=16)
+    idx.max_writing_per_client = 8
+    free0 = idx.slots.num_free
+    slots = idx.lease(TA, 8)
+    assert len(slots) == 8
+    assert idx.claim(TA, A, ks(1) * 8, slots) == 0  # the first writes, 7 duplicates
+    assert idx.leases.shadow_count(TA) == 7 and idx.lease(TA, 4, A) == []  # no more
+    assert idx.writing_room(A, TA) == 0
+    idx.mark_written(slots[:1], 0)
+    idx.commit(TA, A, ks(1), True)  # the one copy stays, every duplicate goes
+    assert idx.leases.shadow_count() == 0 and idx.lookup(ks(1)) == 1
+    assert idx.slots.num_free == free0 - 1
+    more = idx.lease(TA, 8, A)
+    assert idx.claim(TA, A, ks(1) * len(more), more) == 0
+    assert idx.leases.shadow_count(TA) == len(more)
+    assert idx.release_client(A, TA) == (0, 0)
+    assert idx.leases.shadow_count() == 0 and idx.slots.num_free == free0 - 1
+    assert idx.statistics().writing_blocks == 0 and not idx.leases.token_of
