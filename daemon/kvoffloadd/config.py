@@ -186,7 +186,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_gids: list[int] | None = None
     namespace_access: list[NamespaceRule] = msgspec.field(default_factory=list)
     namespace_quotas: list[NamespaceQuota] = msgspec.field(default_factory=list)
-    max_inflight_jobs_per_client: int = 0  # 0: unlimited
+    # copy jobs one connection may have in flight (a uid 4x, everyone 16x; 0: no limit)
+    max_inflight_jobs_per_client: int = 4096
+    # pins one connection may hold on blocks (a uid 4x, everyone 16x; 0: no limit)
+    max_pins_per_client: int = 1 << 20
     verify_checksums: bool = False  # CRC32 per stored block, checked on every load
     # evicted blocks stay loadable this long for engines' key mirrors (graves.py)
     mirror_grace_s: float = 1.0
@@ -265,10 +268,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(
                     f"namespace_quotas.max_pinned_blocks: {q.max_pinned_blocks} is negative"
                 )
-        if self.max_inflight_jobs_per_client < 0:
-            raise ConfigError(
-                f"max_inflight_jobs_per_client: {self.max_inflight_jobs_per_client} is negative"
-            )
+        for key in ("max_inflight_jobs_per_client", "max_pins_per_client"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: {getattr(self, key)} is negative")
         if self.max_clients < 1:
             raise ConfigError(f"max_clients: {self.max_clients} is below 1")
         seen: dict[str, int] = {}

@@ -90,17 +90,18 @@ class Graveyard:
         self.by_slot[slot].block.ref += 1
         self._pins.setdefault(conn, Counter())[slot] += 1
 
-    def pinned_by(self, conn: int) -> dict[bytes, list[int]]:
-        """Key -> grave slots the connection pinned (one entry per pin)."""
-        out: dict[bytes, list[int]] = {}
-        for slot in self._pins.get(conn, Counter()).elements():
-            out.setdefault(self.by_slot[slot].key, []).append(slot)
+    def pinned_by(self, conn: int) -> dict[bytes, dict[int, int]]:
+        """Key -> {grave slot: pins} of the connection (its distinct slots, whatever
+        the number of pins)."""
+        out: dict[bytes, dict[int, int]] = {}
+        for slot, n in self._pins.get(conn, Counter()).items():
+            out.setdefault(self.by_slot[slot].key, {})[slot] = n
         return out
 
-    def unpin(self, conn: int, slot: int) -> None:
-        self.by_slot[slot].block.ref -= 1
+    def unpin(self, conn: int, slot: int, n: int = 1) -> None:
+        self.by_slot[slot].block.ref -= n
         pins = self._pins[conn]
-        pins[slot] -= 1
+        pins[slot] -= n
         if not pins[slot]:
             del pins[slot]
         if not pins:

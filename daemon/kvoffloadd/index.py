@@ -129,10 +129,16 @@ class NamespaceIndex(StoreIndex):
         return len(blocks)
 
     def pin(self, keys: Sequence[bytes], client: int) -> None:
-        """Pins an engine took locally: each key's block, wherever it is now."""
+        """Pins an engine took locally: each key's block, wherever it is now. Pins
+        past the client's share (``pin_ledger``) are missed, like pins of keys gone."""
         pins = self._pins.setdefault(client, Counter())
         limit = self.max_pinned_blocks
+        room = self.pin_ledger.room(client)
+        taken = 0
         for key in keys:
+            if taken >= room:
+                self._pins_missed += 1
+                continue
             block = self._policy.get(key)
             if block is not None and block.ref >= 0 and key not in self.sums.corrupt:
                 if block.ref == 0:
@@ -143,22 +149,33 @@ class NamespaceIndex(StoreIndex):
                     self._num_pinned += 1
                 block.ref += 1
                 pins[key] += 1
+                taken += 1
             elif (grave := self.graves.loadable(key)) is not None:
                 self.graves.pin(client, grave.block.slot)
+                taken += 1
             else:
                 self._pins_missed += 1
+        self.pin_ledger.add(client, taken)
         if not pins:
             del self._pins[client]
 
     def unpin(self, keys: Sequence[bytes], client: int) -> None:
         """An engine's completed loads: drop one pin per key (lenient)."""
         pins = self._pins.get(client, Counter())
-        graves = self.graves.pinned_by(client)
+        graves = self.graves.pinned_by(client) if self.graves.by_slot else {}
+        dropped = 0
         for key in keys:
             if pins[key]:
                 self._unpin(key, pins)
-            elif graves.get(key):
-                self.graves.unpin(client, graves[key].pop())
+                dropped += 1
+            elif held := graves.get(key):
+                slot = next(iter(held))
+                self.graves.unpin(client, slot)
+                dropped += 1
+                held[slot] -= 1
+                if not held[slot]:
+                    del held[slot]
+        self.pin_ledger.give(client, dropped)
         if client in self._pins and not pins:
             del self._pins[client]
         self.free_graves()
@@ -188,6 +205,12 @@ class NamespaceIndex(StoreIndex):
                     f"namespace {self.name!r} has {self._num_pinned} blocks pinned; "
                     f"{new} more would pass its quota of {self.max_pinned_blocks}"
                 )
+        if not self.pin_ledger.take(client, len(keys)):
+            raise QuotaExceededError(
+                f"this client holds {self.pin_ledger.held(client)} pins; {len(keys)} more "
+                "would pass what one client, its uid or all clients may hold; complete "
+                "some loads first"
+            )
         pins = self._pins.setdefault(client, Counter())
         for key, block in zip(keys, blocks):
             if id(block) in buried:
@@ -207,14 +230,15 @@ class NamespaceIndex(StoreIndex):
         pins = self._pins.get(client, Counter())
         graves = self.graves.pinned_by(client)
         for key, count in Counter(keys).items():
-            if pins[key] + len(graves.get(key, ())) < count:
+            if pins[key] + sum(graves.get(key, {}).values()) < count:
                 raise NotLeasedError(f"key {key.hex()} is not pinned by this client")
         self.unpin(keys, client)
 
-    def _unpin(self, key: bytes, pins: Counter[bytes]) -> None:
+    def _unpin(self, key: bytes, pins: Counter[bytes], n: int = 1) -> None:
+        """Drop ``n`` of the client's pins of ``key`` (one step, whatever ``n``)."""
         block = self._policy.get(key)
-        assert block is not None and block.ref > 0, f"pinned key {key.hex()} lost its block"
-        block.ref -= 1
+        assert block is not None and block.ref >= n, f"pinned key {key.hex()} lost its block"
+        block.ref -= n
         if block.ref == 0:
             self._num_evictable += 1
             self._num_pinned -= 1
@@ -222,7 +246,7 @@ class NamespaceIndex(StoreIndex):
                 self.sums.corrupt.discard(key)
                 self._policy.remove(key)
                 self._drop([(key, block)], bury=False)
-        pins[key] -= 1
+        pins[key] -= n
         if not pins[key]:
             del pins[key]
 
@@ -401,9 +425,10 @@ class NamespaceIndex(StoreIndex):
                 self._free_slot(slot)
         pins = self._pins.pop(client, Counter())
         dropped = sum(pins.values())
-        for key in list(pins.elements()):
-            self._unpin(key, pins)
+        for key, n in list(pins.items()):  # one step per key, however many pins
+            self._unpin(key, pins, n)
         dropped += self.graves.release(client)
+        self.pin_ledger.give(client, dropped)
         self.free_graves()
         return len(writes), dropped
 

@@ -42,6 +42,7 @@ from .engines import EngineChannel
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .leases import new_token
+from .ledger import Ledger, Limits
 from .namespaces import NamespaceTable
 from .region import SharedOffloadRegion
 from .session import Session
@@ -73,6 +74,9 @@ class Service:
         self.gpu_unavailable = gpu_unavailable
         self.tiering = tiering
         self.access = config.access_policy()
+        # what each connection holds, per uid and in total (ledger.py)
+        self.pins = Ledger("pins", Limits.scaled(config.max_pins_per_client))
+        self.jobs = Ledger("jobs", Limits.scaled(config.max_inflight_jobs_per_client))
         self.table = NamespaceTable(config, region, self._namespace_new, self._namespace_dropped)
         self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
         self.sessions: dict[int, Session] = {}
@@ -87,6 +91,7 @@ class Service:
             self.sessions,
             self.count_error,
             self.access,
+            self.jobs,
         )
         self.engines = EngineChannel(self.namespaces, config.max_frame_bytes)
         self.loop = LoopTurns()
@@ -273,6 +278,7 @@ class Service:
     # ------------------------------------------------------------ namespaces
 
     def _namespace_new(self, index: NamespaceIndex) -> None:
+        index.pin_ledger = self.pins
         if self.tiering is not None:
             self.tiering.namespace_opened(index)
 
@@ -341,6 +347,8 @@ class Service:
         if not s.allowed:
             log.warning("refused connection from uid %d gid %d (pid %d)", uid, gid, pid)
         self.sessions[session_id] = s
+        for ledger in (self.pins, self.jobs):
+            ledger.join(session_id, uid)
         return s
 
     def close_session(self, s: Session) -> None:
@@ -362,6 +370,8 @@ class Service:
         close_fds(s.fds)  # descriptors no message claimed
         s.fds = []
         del self.sessions[s.session_id]
+        self.pins.leave(s.session_id)  # all released above
+        self.jobs.leave(s.session_id)  # its copies still drain, charged to nobody
 
     def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
         """Apply finished copies; returns deferred replies as (session id, reply)."""

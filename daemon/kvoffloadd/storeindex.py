@@ -45,6 +45,7 @@ from .checksums import BlockChecksums
 from .events import EventFeed
 from .graves import Graveyard
 from .leases import LeaseBook
+from .ledger import Ledger, Limits
 from .policies import Block, make_policy
 
 
@@ -139,6 +140,8 @@ class StoreIndex:
         self.max_writing_per_client: int | None = None
         self.max_writing: int | None = None
         self._pins: dict[int, Counter[bytes]] = {}
+        # pins held per client, per uid and in total (the service's; unlimited alone)
+        self.pin_ledger = Ledger("pins", Limits.scaled(0))
         self.leases = LeaseBook()
         self.creator_uid = 0  # who created the namespace (per-uid limits)
         self.events = EventFeed()

@@ -75,6 +75,7 @@ from .config import DaemonConfig
 from .copier import ChecksumCheck, Completion, CpuCopier, finished
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
+from .ledger import Ledger
 from .region import SharedOffloadRegion
 from .session import Session
 from .workers import (
@@ -128,6 +129,7 @@ class Transfers:
         sessions: dict[int, Session],
         count_error: Callable[[str], None],
         access: AccessPolicy,
+        jobs: Ledger,
     ) -> None:
         self.config = config
         self.region = region
@@ -139,6 +141,7 @@ class Transfers:
         self.sessions = sessions
         self._count_error = count_error
         self.access = access
+        self.jobs = jobs  # copy jobs in flight per connection, per uid, in total
         self.workers: dict[int, AttachedWorker] = {}
         self._jobs: dict[int, _Job] = {}
         self._tokens = itertools.count(1)
@@ -248,10 +251,11 @@ class Transfers:
         index = self.namespaces[w.ns_id]
         if r.job_id in w.active_jobs:
             raise InvalidArgumentError(f"job {r.job_id} is already in flight")
-        limit = self.config.max_inflight_jobs_per_client
-        if limit and sum(len(self.workers[x].active_jobs) for x in s.workers) >= limit:
+        if not self.jobs.room(s.session_id):
             raise QuotaExceededError(
-                f"client has {limit} jobs in flight, the max_inflight_jobs_per_client quota"
+                f"this client has {self.jobs.held(s.session_id)} jobs in flight; one more "
+                "would pass what one client, its uid or all clients may have "
+                "(max_inflight_jobs_per_client)"
             )
         if has_duplicates(slots):
             raise InvalidArgumentError("a transfer names the same slot twice")
@@ -294,6 +298,7 @@ class Transfers:
         self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns)
         index.slots.mark_busy(slots, is_store)
         w.active_jobs.add(r.job_id)
+        self.jobs.add(s.session_id, 1)
         # Parts of one canonical slot land from several ranks: no rank's copy sees the
         # whole page, so its checksum is taken once every part has landed (_sum_whole).
         check = (
@@ -508,6 +513,7 @@ class Transfers:
         unmap a closing worker's caches after its last job."""
         w = self.workers[job.worker_id]
         w.active_jobs.discard(job.job_id)
+        self.jobs.give(w.session_id, 1)
         self._account(w, job, c)
         if w.closing:
             if not w.active_jobs:

@@ -244,3 +244,30 @@ def test_one_key_claimed_into_every_leased_slot_holds_each_and_frees_all() -> No
     assert idx.release_client(A, TA) == (0, 0)
     assert idx.leases.shadow_count() == 0 and idx.slots.num_free == free0 - 1
     assert idx.statistics().writing_blocks == 0 and not idx.leases.token_of
+
+
+def test_a_million_pins_of_one_key_go_in_one_step_and_past_the_cap_are_missed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue scenario: 9.8 M pins of one key, then a disconnect, stalled the loop for
+    seconds (one unpin per pin). Pins are now dropped one step per key, and what a
+    client may hold is capped (the rest are missed, as pins of keys gone)."""
+    from kvoffloadd.ledger import Ledger, Limits
+
+    idx = make_index()
+    idx.pin_ledger = ledger = Ledger("pins", Limits(1_000_000, 4_000_000, 16_000_000))
+    ledger.join(A, 1000)
+    slots = idx.lease(TA, 1)
+    idx.claim(TA, A, ks(1), slots)
+    idx.mark_written(slots, 0)
+    idx.commit(TA, A, ks(1), True)
+    for _ in range(16):
+        idx.pin(ks(1) * 65536, A)
+    assert ledger.held(A) == 1_000_000 and idx.pinned_by(A) == 1_000_000
+    assert idx.statistics().pins_missed_total == 16 * 65536 - 1_000_000
+    calls = []
+    unpin = type(idx)._unpin
+    monkeypatch.setattr(type(idx), "_unpin", lambda self, *a: calls.append(1) or unpin(self, *a))
+    assert idx.release_client(A, TA) == (0, 1_000_000)
+    assert len(calls) == 1 and ledger.held(A) == 0
+    assert idx.statistics().pinned_blocks == 0
