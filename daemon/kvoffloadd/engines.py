@@ -12,8 +12,12 @@ of the namespace (keys and their slots), a pool of leased empty slots, and sends
 - ``LeaseGrant``: empty slots, whenever a connection holds fewer than it asked for
   (``want_leases``) and the namespace has room, evicting to make room outside any
   request, one refill ahead (evicted space frees only once every engine's mirror has
-  seen the eviction). A connection may hold at most ``LEASE_SHARE`` of the
-  namespace's largest possible size, shared among the connections that lease in it.
+  seen the eviction). All connections together hold at most 1/``LEASE_SHARE`` of the
+  namespace's largest possible size (its lease budget), checked at every grant; one
+  connection at most an equal share among the connections holding leases, one uid an
+  equal share among the uids. A connection over its share (more holders came) gets
+  no refill until it is under it; one that finds the budget spent stores through
+  ``prepare_store`` meanwhile.
 
 Rules:
 - A batch is applied in field order (claims, pins, unpins, commits, failures, touches,
@@ -79,21 +83,36 @@ class EngineChannel:
         token = s.leases.get(index.ns_id)
         if token is None:
             return
-        want = min(s.want_leases.get(index.ns_id, 0), self.lease_cap(index))
-        short = want - index.leases.unclaimed(token)
+        leases = index.leases
+        want = min(s.want_leases.get(index.ns_id, 0), self.lease_cap(index, token))
+        short = min(
+            want - leases.unclaimed(token),
+            self.uid_lease_cap(index, s.uid) - leases.unclaimed_by_uid(s.uid),
+            self.lease_budget(index) - leases.total_unclaimed(),
+        )
         if short > 0 and (slots := index.lease(token, short, s.session_id)):
             s.pushes.append(m.LeaseGrant(0, index.ns_id, pack_ids(slots)))
         # Evicted blocks stay in graves until every engine has seen the eviction, a
         # step or more: evict for the next refill now, so it finds the space free.
         index.reserve(want)
 
-    def lease_cap(self, index: NamespaceIndex) -> int:
-        """How many empty slots one connection may hold in this namespace."""
+    @staticmethod
+    def lease_budget(index: NamespaceIndex) -> int:
+        """How many empty slots all connections together may hold in this namespace."""
         largest = index.slots.pool.num_extents * index.slots.slots_per_extent
         if index.max_blocks is not None:
             largest = min(largest, index.max_blocks)
-        holders = max(1, len(index.leases.holders()))
-        return max(MIN_LEASE_CAP, largest // (LEASE_SHARE * holders))
+        return max(MIN_LEASE_CAP, largest // LEASE_SHARE)
+
+    def lease_cap(self, index: NamespaceIndex, token: int = 0) -> int:
+        """How many empty slots one connection may hold in this namespace."""
+        holders = index.leases.holders(token)
+        return max(MIN_LEASE_CAP, self.lease_budget(index) // holders)
+
+    def uid_lease_cap(self, index: NamespaceIndex, uid: int) -> int:
+        """How many empty slots all connections of one uid may hold in this namespace."""
+        uids = index.leases.holder_uids(uid)
+        return max(MIN_LEASE_CAP, self.lease_budget(index) // uids)
 
     # ------------------------------------------------------------ feeds
 

@@ -61,7 +61,8 @@ class NamespaceIndex(StoreIndex):
             return []
         self.reserve(n)
         slots = self._allocate(min(n, self._free_within_quota()))
-        self.leases.grant(token, slots)
+        self.leases.grant(token, slots, self.uid_of(client))
+        self._charge(client, len(slots))
         for slot in slots:
             self._journal.leased(slot, token)
         return slots
@@ -98,6 +99,7 @@ class NamespaceIndex(StoreIndex):
         for key in dict.fromkeys(keys):
             for shadow in self.leases.pop_shadows(token, key) if token else ():
                 self._duplicates += 1
+                self._uncharge(client, 1)
                 self._free_slot(shadow)  # one copy of the key stays
             block = get(key)
             if block is None or block.ref != -1 or self._writers.get(key) != client:
@@ -419,9 +421,9 @@ class NamespaceIndex(StoreIndex):
         writes = [(k, self._policy.get(k)) for k, c in self._writers.items() if c == client]
         self._finish_stores([(k, b) for k, b in writes if b is not None], success=False)
         if token:
-            for slot in self.leases.release_shadows(token):
-                self._free_slot(slot)
-            for slot in self.leases.release(token):
+            held = self.leases.release_shadows(token) + self.leases.release(token)
+            self._uncharge(client, len(held))
+            for slot in held:
                 self._free_slot(slot)
         pins = self._pins.pop(client, Counter())
         dropped = sum(pins.values())

@@ -17,6 +17,9 @@ Rules:
   (``shadow_count``), until it commits the key or goes away.
 - A connection that goes away frees its unclaimed slots at once; its claimed ones
   fail like any store of a dead client.
+- Unclaimed slots are counted per token, per uid (``grant`` names it) and in total,
+  so the channel can hold every grant to the namespace's lease budget however many
+  connections ask (engines.py).
 - ``token_of`` is changed only through ``assign``/``release``/``forget``: its numpy
   mirror ``owner`` (0: no token) lets a store's submit check all its slots at once.
 - Pure bookkeeping, loop thread only; the index allocates and frees the slots.
@@ -39,6 +42,10 @@ class LeaseBook:
     def __init__(self) -> None:
         self.token_of: dict[int, int] = {}  # slot -> token, leased or claimed under a lease
         self._unclaimed: dict[int, set[int]] = {}  # token -> slots granted, not claimed
+        self._uid_of: dict[int, int] = {}  # token -> the uid it was granted to
+        self._tokens_of_uid: dict[int, int] = {}  # uid -> its tokens holding leases
+        self._unclaimed_by_uid: dict[int, int] = {}
+        self._num_unclaimed = 0
         # token -> key -> slots of duplicates of a key someone else stored meanwhile
         self._shadows: dict[int, dict[bytes, list[int]]] = {}
         self._shadow_counts: dict[int, int] = {}  # token -> its duplicates
@@ -54,20 +61,38 @@ class LeaseBook:
             self.owner = grown
         self.owner[slot] = token
 
-    def grant(self, token: int, slots: list[int]) -> None:
+    def grant(self, token: int, slots: list[int], uid: int = -1) -> None:
         self._unclaimed.setdefault(token, set()).update(slots)
+        if token not in self._uid_of:
+            self._uid_of[token] = uid
+            self._tokens_of_uid[uid] = self._tokens_of_uid.get(uid, 0) + 1
+        self._count(token, len(slots))
         for s in slots:
             self.assign(s, token)
 
-    def holders(self) -> list[int]:
-        """Tokens that hold (or held) leases and are still alive."""
-        return list(self._unclaimed)
+    def _count(self, token: int, n: int) -> None:
+        uid = self._uid_of.get(token, -1)
+        self._unclaimed_by_uid[uid] = self._unclaimed_by_uid.get(uid, 0) + n
+        if not self._unclaimed_by_uid[uid]:
+            del self._unclaimed_by_uid[uid]
+        self._num_unclaimed += n
+
+    def holders(self, token: int = 0) -> int:
+        """Tokens that hold (or held) leases and are still alive, ``token`` included."""
+        return len(self._unclaimed) + (token not in self._unclaimed)
+
+    def holder_uids(self, uid: int) -> int:
+        """Uids whose tokens hold leases, ``uid`` included."""
+        return len(self._tokens_of_uid) + (uid not in self._tokens_of_uid)
 
     def unclaimed(self, token: int) -> int:
         return len(self._unclaimed.get(token, ()))
 
+    def unclaimed_by_uid(self, uid: int) -> int:
+        return self._unclaimed_by_uid.get(uid, 0)
+
     def total_unclaimed(self) -> int:
-        return sum(len(v) for v in self._unclaimed.values())
+        return self._num_unclaimed
 
     def is_unclaimed(self, token: int, slot: int) -> bool:
         return slot in self._unclaimed.get(token, ())
@@ -78,6 +103,7 @@ class LeaseBook:
         if pool is None or slot not in pool:
             return False
         pool.discard(slot)
+        self._count(token, -1)
         return True
 
     def may_write(self, token: int, slot: int) -> bool:
@@ -97,6 +123,14 @@ class LeaseBook:
     def release(self, token: int) -> list[int]:
         """The token's connection is gone: its unclaimed slots, to be freed."""
         slots = sorted(self._unclaimed.pop(token, set()))
+        self._count(token, -len(slots))
+        uid = self._uid_of.pop(token, None)
+        if uid is not None:
+            left = self._tokens_of_uid[uid] - 1
+            if left:
+                self._tokens_of_uid[uid] = left
+            else:
+                del self._tokens_of_uid[uid]
         for s in slots:
             self.token_of.pop(s, None)
         self.owner[slots] = 0
@@ -136,5 +170,6 @@ class LeaseBook:
         if token is not None:
             self.owner[slot] = 0
             pool = self._unclaimed.get(token)
-            if pool is not None:
+            if pool is not None and slot in pool:
                 pool.discard(slot)
+                self._count(token, -1)

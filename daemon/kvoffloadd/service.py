@@ -279,12 +279,19 @@ class Service:
 
     def _namespace_new(self, index: NamespaceIndex) -> None:
         index.pin_ledger = self.pins
+        index.uid_of = self.uid_of
         if self.tiering is not None:
             self.tiering.namespace_opened(index)
 
     def _namespace_dropped(self, index: NamespaceIndex) -> None:
         if self.tiering is not None:
             self.tiering.namespace_dropped(index)
+
+    def uid_of(self, session_id: int) -> int:
+        """A connection's uid; the daemon's own clients (tiers) count as uids of
+        their own (negative)."""
+        s = self.sessions.get(session_id)
+        return s.uid if s is not None else -1 - session_id
 
     def _ns(self, s: Session, ns_id: int) -> NamespaceIndex:
         if ns_id not in s.namespaces:

@@ -19,8 +19,10 @@ so that engines see exactly the behaviour of the built-in offloader:
   (``mark_parts``), the service checks that what they copied covers every page
   (``seal``), and only then does the area count as written.
 - Every block being written belongs to the client that prepared or claimed it. One
-  client may have ``max_writing_per_client`` blocks in flight (written or leased
-  empty), all clients ``max_writing``: nobody holds the pool with stores it never ends.
+  client, and all clients of one uid together, may have ``max_writing_per_client``
+  blocks in flight (being written, leased empty, or claimed as a duplicate), all
+  clients ``max_writing``: nobody holds the pool with stores it never ends, however
+  many connections it opens.
 - Evicted blocks go to graves (graves.py) while other engines' key mirrors may still
   hit them; their slots are freed once every mirror has seen the eviction.
 
@@ -135,6 +137,10 @@ class StoreIndex:
         self._waiting: dict[int, float] = {}  # committed slot -> deadline for its copies
         self._writers: dict[bytes, int] = {}
         self._writing_by: Counter[int] = Counter()  # client -> blocks it is writing
+        # blocks in flight per uid (written, leased empty, duplicates); ``uid_of`` is
+        # the service's (alone, every client is a uid of its own)
+        self._inflight_by_uid: Counter[int] = Counter()
+        self.uid_of: Callable[[int], int] = lambda client: -1 - client
         # blocks in flight (being written, or leased empty): per client and in total;
         # None: no limit (set from max_writing_fraction)
         self.max_writing_per_client: int | None = None
@@ -208,6 +214,7 @@ class StoreIndex:
                 assign(slot, token)
             journal_writing(slot, key, token)
         self._writing_by[client] += need
+        self._inflight_by_uid[self.uid_of(client)] += need
         self._stores_prepared += need
         return StorePlan(to_store, slots, evicted)
 
@@ -233,6 +240,18 @@ class StoreIndex:
         self._journal.writing(slot, key, token)
         self._stores_prepared += 1
 
+    def _charge(self, client: int, n: int) -> None:
+        """``client`` holds ``n`` more (or, negative, fewer) blocks in flight."""
+        self._inflight_by_uid[self.uid_of(client)] += n
+
+    def _uncharge(self, client: int, n: int) -> None:
+        uid = self.uid_of(client)
+        left = self._inflight_by_uid[uid] - n
+        if left > 0:
+            self._inflight_by_uid[uid] = left
+        else:
+            del self._inflight_by_uid[uid]
+
     def _free_within_quota(self) -> int:
         """Free slots this namespace may still take (region space and its quota)."""
         free = self.slots.num_free
@@ -245,14 +264,15 @@ class StoreIndex:
 
     def writing_room(self, client: int, token: int) -> int:
         """How many more blocks ``client`` may have in flight (written, leased empty,
-        or claimed as a duplicate)."""
+        or claimed as a duplicate), within its own share, its uid's and everyone's."""
         room = 1 << 62
         leases = self.leases
         if self.max_writing_per_client is not None:
             mine = self._writing_by[client]
             if token:
                 mine += leases.unclaimed(token) + leases.shadow_count(token)
-            room = self.max_writing_per_client - mine
+            uid = self._inflight_by_uid[self.uid_of(client)]
+            room = self.max_writing_per_client - max(mine, uid)
         if self.max_writing is not None:
             total = len(self._writers) + leases.total_unclaimed() + leases.shadow_count()
             room = min(room, self.max_writing - total)
@@ -388,6 +408,7 @@ class StoreIndex:
                 writing_by[client] = left
             else:
                 del writing_by[client]
+            self._uncharge(client, 1)
         if not success:
             remove, free = self._policy.remove, self._free_slot
             for key, block in blocks:

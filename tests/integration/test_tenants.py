@@ -258,3 +258,32 @@ def test_pins_are_capped_and_dropped_in_one_step_when_their_client_leaves(
         assert missed == 150 * 65536 - (1 << 20)
         assert canary.worst_s < STALL_LIMIT_S
         assert d.stop() == 0
+
+
+def lease_from_many(sock: str, connections: int) -> int:
+    """Issue scenario: many connections of one uid each ask for every slot."""
+    liars = [Liar(sock) for _ in range(connections)]
+    ns = [liar.open("leased", m.KVLayout([A_PAGE])).ns for liar in liars]
+    for _ in range(3):  # refills too
+        for liar, n in zip(liars, ns):
+            liar.send(m.StepBatch(0, n, 8, want_leases=1 << 20))
+        for liar in liars:
+            liar.drain(0.05)
+    held = sum(len(set(liar.granted.get(n, []))) for liar, n in zip(liars, ns))
+    for liar in liars:
+        liar.close()
+    return held
+
+
+def test_lease_shares_hold_across_any_number_of_connections(shared_sock: str) -> None:
+    """All connections together lease at most 1/8 of a namespace (today: 100
+    connections leased 75% of it: each cap was divided by the holders of the moment)."""
+    with DaemonProcess("32MiB", "--log-level", "warning", socket_path=shared_sock) as d:
+        held = as_uid(lambda: lease_from_many(shared_sock, 100), NOBODY, gid=0)
+        with kvoffload.connect(shared_sock) as c:
+            region = c.stats()["region"]
+            largest = region["extents_total"] * (region["extent_bytes"] // A_PAGE)
+            ns = c.namespace("leased", kvoffload.KVLayout(tensor_page_bytes=[A_PAGE]))
+            assert ns.prepare_store([b"another uid"]) is not None  # others still store
+        assert 0 < held <= largest // 8
+        assert d.stop() == 0

@@ -158,15 +158,17 @@ def test_a_full_table_drops_an_idle_namespace_and_refuses_only_when_all_are_busy
 def test_no_client_holds_the_region_with_stores_it_never_completes() -> None:
     """Item 10: one namespace leased the whole region with prepare_store."""
     with service(config(max_writing_fraction=0.25)) as svc:
-        index = svc.namespaces[open_ns(svc, session(svc, 1), "w")]
+        index = svc.namespaces[open_ns(svc, session(svc, 1, 1001), "w")]
         per_client, total = index.max_writing_per_client, index.max_writing
         assert per_client is not None and total is not None and per_client < total
-        hog, second, third = session(svc, 1), session(svc, 2), session(svc, 3)
-        for s in (second, third):
+        hog, second, third = session(svc, 1), session(svc, 2, 1002), session(svc, 3, 1003)
+        hog_too = session(svc, 4, 1001)  # another connection of the hog's uid
+        for s in (second, third, hog_too):
             open_ns(svc, s, "w")
         held = prepare(svc, hog, index.ns_id, [b"hog-%04d" % i for i in range(per_client)])
-        with pytest.raises(QuotaExceededError, match="max_writing_fraction"):
-            prepare(svc, hog, index.ns_id, [b"hog-more"])
+        for s in (hog, hog_too):  # the share is the uid's, however many connections
+            with pytest.raises(QuotaExceededError, match="max_writing_fraction"):
+                prepare(svc, s, index.ns_id, [b"hog-more"])
         rest = total - per_client
         prepare(svc, second, index.ns_id, [b"two-%04d" % i for i in range(rest)])
         with pytest.raises(QuotaExceededError):  # the namespace's total is spent too
