@@ -24,6 +24,8 @@ Rules:
   the feed ack, the lease wish), so pins taken before an ack are seen before it.
 - Nothing in a batch can fail the engine: what does not apply (a claim of a slot no
   longer leased, a pin of a key gone) is counted, never answered.
+- A connection pages through one key snapshot at a time (starting another drops the
+  first), and connections that start one at the same feed position share it.
 - Loop thread only, as part of the service.
 """
 
@@ -121,7 +123,8 @@ class EngineChannel:
         event feed at that instant (pushed from then on with ``push``)."""
         ns = index.ns_id
         if r.offset == 0:
-            s.snapshots[ns] = index.ready_keys()
+            s.snapshots.clear()  # one at a time per connection
+            s.snapshots[ns] = index.snapshot()
             index.events.subscribe(s.session_id)
             index.add_mirror(s.session_id)
             if r.push:

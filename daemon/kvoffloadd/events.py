@@ -1,27 +1,29 @@
 """Store/evict events of one namespace, fanned out to every connection that opened it.
 
 Rules:
-- Each subscriber (a client connection) has its own bounded queue, so several engines
-  sharing a namespace each see every event — their own stores, other engines' stores
-  and every eviction — exactly once. An event object is shared by all queues.
-- A queue is bounded in bytes (``MAX_PENDING_EVENT_BYTES``: keys, slots and a fixed
-  overhead per event), not only in events, so a subscriber that never takes cannot
-  hold more. One that overflows drops its oldest events and remembers it: the next
-  ``take`` says so, and the subscriber rebuilds its view from a key snapshot
-  (``SyncKeys``) instead of trusting a feed with holes.
-- ``subscribe`` restarts a queue empty; the service calls it together with taking a
-  key snapshot, which makes snapshot + later events exact.
+- One log per namespace, and a cursor per subscriber (a client connection): several
+  engines sharing a namespace each see every event — their own stores, other
+  engines' stores and every eviction — exactly once, and what the daemon keeps does
+  not grow with the number of subscribers (an idle subscriber costs one cursor).
+- The log is bounded in events and bytes (``MAX_PENDING_EVENTS``,
+  ``MAX_PENDING_EVENT_BYTES``: keys, slots and a fixed overhead per event), and all
+  logs together by a ``FeedBudget``: past it, the largest log drops its older half.
+  Events every subscriber has taken are dropped too (``compact``, from the cron).
+- A subscriber whose cursor is older than the log's oldest event lost events: its
+  next ``take`` says so, and it rebuilds its view from a key snapshot (``SyncKeys``)
+  instead of trusting a feed with holes.
+- ``subscribe`` starts a cursor at the current event; the service calls it together
+  with taking a key snapshot, which makes snapshot + later events exact.
 - Loop thread only, like the index that owns it.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 from kvoffload.plans import OffloadEvent
 
 MAX_PENDING_EVENTS = 65536
 MAX_PENDING_EVENT_BYTES = 4 << 20
+FEED_BUDGET_BYTES = 64 << 20  # all namespaces' logs together
 EVENT_OVERHEAD_BYTES = 96
 
 
@@ -30,62 +32,129 @@ def event_bytes(e: OffloadEvent) -> int:
     return EVENT_OVERHEAD_BYTES + (len(keys[0]) + 8) * len(keys) if keys else EVENT_OVERHEAD_BYTES
 
 
-class _Queue:
-    __slots__ = ("bytes", "events", "lost")
+class FeedBudget:
+    """The bytes all namespaces' event logs hold together."""
 
-    def __init__(self) -> None:
-        self.events: deque[tuple[OffloadEvent, int]] = deque()
-        self.bytes = 0
-        self.lost = False
+    def __init__(self, max_bytes: int = FEED_BUDGET_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.total_bytes = 0
+        self._feeds: set[EventFeed] = set()
+        self.trims_total = 0
+
+    def add(self, feed: EventFeed) -> None:
+        self._feeds.add(feed)
+
+    def remove(self, feed: EventFeed) -> None:
+        self._feeds.discard(feed)
+        self.total_bytes -= feed.pending_bytes()
+
+    def charge(self, n: int) -> None:
+        self.total_bytes += n
+        if self.total_bytes > self.max_bytes and self._feeds:
+            largest = max(self._feeds, key=EventFeed.pending_bytes)
+            self.trims_total += 1
+            largest.trim(largest.pending_bytes() // 2)
 
 
 class EventFeed:
     def __init__(
-        self, max_pending: int = MAX_PENDING_EVENTS, max_bytes: int = MAX_PENDING_EVENT_BYTES
+        self,
+        max_pending: int = MAX_PENDING_EVENTS,
+        max_bytes: int = MAX_PENDING_EVENT_BYTES,
+        budget: FeedBudget | None = None,
     ) -> None:
         self._max_pending = max_pending
         self._max_bytes = max_bytes
-        self._queues: dict[int, _Queue] = {}
-        self.dropped_total = 0
+        self._budget = budget
+        self._log: list[tuple[OffloadEvent, int]] = []  # from index _head on: live
+        self._head = 0
+        self._first = 1  # seq of the oldest live event
+        self._bytes = 0
+        self._cursors: dict[int, int] = {}  # subscriber -> seq it has taken up to
+        self.dropped_total = 0  # events subscribers lost
         self.seq = 0  # events emitted so far: a subscriber that took them all is at seq
+        if budget is not None:
+            budget.add(self)
+
+    def close(self) -> None:
+        """The namespace is gone: give the budget back."""
+        if self._budget is not None:
+            self._budget.remove(self)
+            self._budget = None
+        self._log, self._head, self._bytes = [], 0, 0
 
     def subscribe(self, subscriber: int) -> None:
-        """Start (or restart) a subscriber's queue, empty and complete."""
-        self._queues[subscriber] = _Queue()
+        """Start (or restart) a subscriber at the current event, complete from now."""
+        self._cursors[subscriber] = self.seq
 
     def unsubscribe(self, subscriber: int) -> None:
-        self._queues.pop(subscriber, None)
+        self._cursors.pop(subscriber, None)
 
     def emit(self, event: OffloadEvent) -> None:
         self.seq += 1
+        if not self._cursors:  # nobody will read it
+            self._drop_to(len(self._log), self._bytes)
+            self._first = self.seq + 1
+            return
         size = event_bytes(event)
-        for q in self._queues.values():
-            while q.events and (
-                len(q.events) >= self._max_pending or q.bytes + size > self._max_bytes
-            ):
-                q.bytes -= q.events.popleft()[1]
-                q.lost = True
-                self.dropped_total += 1
-            q.events.append((event, size))
-            q.bytes += size
+        self._log.append((event, size))
+        self._bytes += size
+        if self._budget is not None:
+            self._budget.charge(size)
+        live = len(self._log) - self._head
+        if live > self._max_pending or self._bytes > self._max_bytes:
+            self.trim(self._max_bytes)
+
+    def trim(self, keep_bytes: int) -> None:
+        """Drop the oldest events until at most ``keep_bytes`` (and the event count)
+        are kept; subscribers that had not taken them lose them."""
+        log, head, freed = self._log, self._head, 0
+        while head < len(log) and (
+            self._bytes - freed > keep_bytes or len(log) - head > self._max_pending
+        ):
+            freed += log[head][1]
+            head += 1
+        self._drop_to(head, freed)
+
+    def compact(self) -> None:
+        """Drop the events every subscriber has taken (the cron calls this)."""
+        if not self._cursors:
+            self._drop_to(len(self._log), self._bytes)
+            return
+        taken = min(self._cursors.values()) - self._first + 1  # events all have read
+        head = self._head + max(0, min(taken, len(self._log) - self._head))
+        self._drop_to(head, sum(size for _, size in self._log[self._head : head]))
+
+    def _drop_to(self, head: int, freed: int) -> None:
+        self._first += head - self._head
+        self._head = head
+        self._bytes -= freed
+        if self._budget is not None:
+            self._budget.charge(-freed)
+        if (head > 1024 and head * 2 > len(self._log)) or head == len(self._log):
+            del self._log[:head]
+            self._head = 0
 
     def pending_bytes(self) -> int:
-        return sum(q.bytes for q in self._queues.values())
+        return self._bytes
 
     def pending(self, subscriber: int) -> bool:
-        q = self._queues.get(subscriber)
-        return q is not None and (bool(q.events) or q.lost)
+        cursor = self._cursors.get(subscriber)
+        return cursor is not None and cursor < self.seq
 
     def take(self, subscriber: int) -> tuple[list[OffloadEvent], bool]:
         """Events since the last take, and whether some were dropped in between.
 
         A connection that never subscribed is subscribed now (and gets nothing yet)."""
-        q = self._queues.get(subscriber)
-        if q is None:
+        cursor = self._cursors.get(subscriber)
+        if cursor is None:
             self.subscribe(subscriber)
             return [], False
-        events, lost = [e for e, _ in q.events], q.lost
-        q.events.clear()
-        q.bytes = 0
-        q.lost = False
+        lost = cursor < self._first - 1
+        if lost:
+            self.dropped_total += self._first - 1 - cursor
+            cursor = self._first - 1
+        start = self._head + cursor - (self._first - 1)
+        events = [e for e, _ in self._log[start:]]
+        self._cursors[subscriber] = self.seq
         return events, lost

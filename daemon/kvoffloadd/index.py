@@ -297,6 +297,7 @@ class NamespaceIndex(StoreIndex):
                 continue  # free, or a grave whose key was stored again elsewhere
             keys.append(key)
             self._ready.discard(key)
+            self._snapshot = None  # no feed event says so
             if block.ref == 0:
                 self._policy.remove(key)
                 self._drop([(key, block)], bury=False)
@@ -362,6 +363,13 @@ class NamespaceIndex(StoreIndex):
         """Every key a lookup would hit right now, with its slot (a mirror snapshot)."""
         get = self._policy.get
         return [(k, b.slot) for k in self._ready if (b := get(k)) is not None]
+
+    def snapshot(self) -> list[tuple[bytes, int]]:
+        """``ready_keys``, shared by every caller at the same feed position (never
+        changed: callers only page through it)."""
+        if self._snapshot is None or self._snapshot[0] != self.events.seq:
+            self._snapshot = (self.events.seq, self.ready_keys())
+        return self._snapshot[1]
 
     # ------------------------------------------------------------ leases (data path)
 

@@ -39,6 +39,7 @@ from .budgets import Budgets
 from .config import DaemonConfig
 from .copier import Completion, CpuCopier
 from .engines import EngineChannel
+from .events import EventFeed, FeedBudget
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .leases import new_token
@@ -77,6 +78,7 @@ class Service:
         # what each connection holds, per uid and in total (ledger.py)
         self.pins = Ledger("pins", Limits.scaled(config.max_pins_per_client))
         self.jobs = Ledger("jobs", Limits.scaled(config.max_inflight_jobs_per_client))
+        self.feeds = FeedBudget()  # every namespace's event log together
         self.table = NamespaceTable(config, region, self._namespace_new, self._namespace_dropped)
         self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
         self.sessions: dict[int, Session] = {}
@@ -280,10 +282,12 @@ class Service:
     def _namespace_new(self, index: NamespaceIndex) -> None:
         index.pin_ledger = self.pins
         index.uid_of = self.uid_of
+        index.events = EventFeed(budget=self.feeds)
         if self.tiering is not None:
             self.tiering.namespace_opened(index)
 
     def _namespace_dropped(self, index: NamespaceIndex) -> None:
+        index.events.close()
         if self.tiering is not None:
             self.tiering.namespace_dropped(index)
 
@@ -387,6 +391,7 @@ class Service:
     def cron(self) -> None:
         now = time.monotonic()
         for ns in self.namespaces.values():
+            ns.events.compact()
             ns.free_graves()
             if late := ns.expire_commits(now):
                 log.warning(

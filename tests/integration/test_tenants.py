@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import poll
-from hostile import NOBODY, as_uid, requires_root
+from hostile import NOBODY, as_uid, requires_root, rss_bytes
 from liar import Liar, packed
 from test_abuse import STALL_LIMIT_S, Canary
 
@@ -286,4 +286,48 @@ def test_lease_shares_hold_across_any_number_of_connections(shared_sock: str) ->
             ns = c.namespace("leased", kvoffload.KVLayout(tensor_page_bytes=[A_PAGE]))
             assert ns.prepare_store([b"another uid"]) is not None  # others still store
         assert 0 < held <= largest // 8
+        assert d.stop() == 0
+
+
+def subscribe_and_idle(sock: str, connections: int) -> list[Liar]:
+    liars = [Liar(sock) for _ in range(connections)]
+    for liar in liars:
+        liar.open("feeds", m.KVLayout([4096]))  # subscribed; never takes
+    return liars
+
+
+def churn(sock: str, rounds: int) -> None:
+    """Stores that evict: two events per round, each of 64 keys."""
+    with kvoffload.connect(sock) as c:
+        ns = c.namespace("feeds", kvoffload.KVLayout(tensor_page_bytes=[4096]))
+        w = ns.attach_worker([kvoffload.shared_kv_cache(64, 4096)])
+        for r in range(rounds):
+            keys = [b"r%05d-%03d" % (r, i) for i in range(64)]
+            plan = ns.prepare_store(keys)
+            assert plan is not None and w.submit_store(r, np.arange(64), plan.slots)
+            w.wait([r])
+            w.get_finished()
+            ns.complete_store(keys)
+            c.evict("feeds", keys)
+        w.close()
+
+
+def test_idle_subscribers_hold_no_more_than_the_feed_budget(shared_sock: str) -> None:
+    """400 subscribers that never read their events: what the events cost the daemon
+    does not grow with the subscribers (today: a queue each, +837 MiB at worst)."""
+    with DaemonProcess("32MiB", "--log-level", "warning", socket_path=shared_sock) as d:
+        liars = subscribe_and_idle(shared_sock, 400)
+        rss0 = rss_bytes(d.pid)
+        canary = Canary(shared_sock)
+        churn(shared_sock, 3000)
+        rss1 = rss_bytes(d.pid)
+        canary.stop()
+        print(
+            f"\n400 idle subscribers, 6,000 events: RSS {rss0 / MIB:.0f} -> {rss1 / MIB:.0f} MiB, "
+            f"worst canary round trip {canary.worst_s * 1e3:.1f} ms"
+        )
+        assert rss1 - rss0 < 32 * MIB
+        assert canary.worst_s < STALL_LIMIT_S
+        for liar in liars:
+            liar.close()
         assert d.stop() == 0
