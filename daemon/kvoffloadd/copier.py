@@ -15,6 +15,10 @@ Rules:
   are processed on the loop thread only.
 - Memory behind the addresses must stay mapped until the job's completion has been
   drained; the daemon guarantees it by counting in-flight jobs per mapping.
+- A large transfer comes as a ``JobPlan`` (``submit_planned``): a copier thread
+  builds its runs a piece of whole slots at a time (``PIECE_COPIES``) and copies each
+  piece before building the next, so neither the loop nor memory pays for the copies
+  it expands to.
 - ``run_task`` runs other work that must stay off the loop (checking what a canonical
   store covered) on the same threads; its result comes back in the completion.
 """
@@ -31,12 +35,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload.copyplan import JobPlan
 from kvoffload.memruns import copy_runs
 
 from .crc import crc32
@@ -55,12 +60,20 @@ class Completion:
     checksums: list[int] | None = None  # stores with verification: one per area
     corrupt: list[int] = field(default_factory=list)  # loads: areas that failed
     result: Any = None  # what a task (``run_task``) returned
+    runs: int = 0  # runs a copier built (``submit_planned``)
 
 
 @dataclass(frozen=True)
 class _Task:
     token: int
     fn: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class _Planned:
+    token: int
+    plan: JobPlan
+    check: ChecksumCheck | None
 
 
 @dataclass(frozen=True)
@@ -180,7 +193,7 @@ class CpuCopier:
     def __init__(self, threads: int) -> None:
         self.sink = CompletionSink()
         self.wake_fd = self.sink.wake_fd
-        self._queue: queue.SimpleQueue[tuple[_Job, I64, I64, I64] | _Task | None] = (
+        self._queue: queue.SimpleQueue[tuple[_Job, I64, I64, I64] | _Task | _Planned | None] = (
             queue.SimpleQueue()
         )
         self._threads = [
@@ -211,6 +224,29 @@ class CpuCopier:
         for a, b in ranges:
             self._queue.put((job, dst[a:b], src[a:b], nbytes[a:b]))
 
+    PIECE_COPIES = 1 << 16  # copies one piece of a planned job builds at most
+
+    def submit_planned(self, token: int, plan: JobPlan, check: ChecksumCheck | None) -> None:
+        """Copy a transfer whose runs a copier thread builds, piece by piece."""
+        self._queue.put(_Planned(token, plan, check))
+
+    def _planned(self, item: _Planned) -> None:
+        t0 = time.perf_counter()
+        ok, corrupt, nbytes, runs = True, [], 0, 0
+        try:
+            if item.check is not None and item.check.expected is not None:
+                corrupt = item.check.mismatches()
+            if not corrupt:
+                for dst, src, sizes in item.plan.pieces(self.PIECE_COPIES):
+                    copy_runs(dst, src, sizes)
+                    nbytes += int(sizes.sum())
+                    runs += sizes.size
+        except Exception:  # pragma: no cover - memmove of validated ranges
+            log.exception("copy job %d failed", item.token)
+            ok = False
+        done = finished(item.token, ok, nbytes, t0, item.check, corrupt)
+        self.sink.post(replace(done, runs=runs))
+
     def run_task(self, token: int, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on a copier thread; its completion carries what it returned (a
         task that raises fails)."""
@@ -232,6 +268,9 @@ class CpuCopier:
                 return
             if isinstance(item, _Task):
                 self._task(item)
+                continue
+            if isinstance(item, _Planned):
+                self._planned(item)
                 continue
             job, dst, src, sizes = item
             ok = True

@@ -16,6 +16,8 @@ Rules:
   else a cuMemcpyAsync loop. A completion is posted only after the stream passed the
   job's event, so memory is never released under a running copy, even after errors.
 - Only the loop thread calls ``attach``/``submit``; lane threads touch no metadata.
+  A transfer comes as a ``JobPlan``: its issuing thread builds the runs and cuts them
+  at pinning-chunk boundaries, off the loop.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.copyplan import CacheGeometry, split_at_boundaries
+from kvoffload.copyplan import CacheGeometry, JobPlan, split_at_boundaries
 from kvoffload.cuda_driver import (
     IPC_HANDLE_BYTES,
     CudaApi,
@@ -51,6 +53,7 @@ from .workers import ImportedCache, check_desc
 log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
+_NONE: I64 = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -82,6 +85,7 @@ class GpuJob:
     started_s: float
     check: ChecksumCheck | None = None
     corrupt: list[int] = field(default_factory=list)
+    plan: JobPlan | None = None  # built into dst/src/nbytes by the issuing thread
 
 
 class CopyLane:
@@ -98,9 +102,10 @@ class CopyLane:
         to_host: bool,
         sink: CompletionSink,
         batch_ok: Callable[[GpuJob], bool],
+        prepare: Callable[[GpuJob], None] = lambda job: None,
     ) -> None:
         self._api, self.ordinal, self.to_host = api, ordinal, to_host
-        self._sink, self._batch_ok = sink, batch_ok
+        self._sink, self._batch_ok, self._prepare = sink, batch_ok, prepare
         self._jobs: queue.SimpleQueue[GpuJob | None] = queue.SimpleQueue()
         # (job, completion event or 0, enqueued without error)
         self._issued: queue.SimpleQueue[tuple[GpuJob, int, bool] | None] = queue.SimpleQueue()
@@ -123,6 +128,7 @@ class CopyLane:
 
     def _enqueue(self, job: GpuJob, stream: int) -> None:
         api = self._api
+        self._prepare(job)
         if job.check is not None and job.check.expected is not None:
             job.corrupt = job.check.mismatches()  # verify the region before loading
             if job.corrupt:
@@ -148,6 +154,9 @@ class CopyLane:
                 self._enqueue(job, stream)
             except CudaError as exc:
                 log.error("GPU %d copy job %d failed: %s", self.ordinal, job.token, exc)
+                ok = False
+            except Exception:  # building its runs failed: the job fails, the lane goes on
+                log.exception("GPU %d copy job %d could not be planned", self.ordinal, job.token)
                 ok = False
             try:  # even after a failure: completion waits for what was enqueued
                 event = self._event()
@@ -294,7 +303,7 @@ class GpuRuntime:
     def _lane(self, ordinal: int, to_host: bool) -> CopyLane:
         lane = self._lanes.get((ordinal, to_host))
         if lane is None:
-            lane = CopyLane(self.api, ordinal, to_host, self._sink, self._batch_ok)
+            lane = CopyLane(self.api, ordinal, to_host, self._sink, self._batch_ok, self._prepare)
             self._lanes[(ordinal, to_host)] = lane
         return lane
 
@@ -303,28 +312,29 @@ class GpuRuntime:
         return self.api.has_batch and job.region_end_bytes <= self.pinner.pinned_bytes
 
     def submit(
-        self,
-        ordinal: int,
-        token: int,
-        dst: I64,
-        src: I64,
-        nbytes: I64,
-        to_host: bool,
-        wait: int,
-        check: ChecksumCheck | None = None,
+        self, ordinal: int, token: int, plan: JobPlan, wait: int, check: ChecksumCheck | None
     ) -> None:
-        """Queue one transfer; addresses are absolute (region side: host addresses)."""
+        """Queue one transfer (``plan``'s addresses are absolute: host ones for the
+        region); its lane builds the runs."""
+        to_host = plan.is_store
+        t0 = time.perf_counter()
+        job = GpuJob(token, _NONE, _NONE, _NONE, wait if to_host else 0, 0, t0, check, plan=plan)
+        self._lane(ordinal, to_host).submit(job)
+
+    def _prepare(self, job: GpuJob) -> None:
+        """On the lane's thread: the job's runs, cut where pinning chunks meet."""
+        if job.plan is None:
+            return
+        dst, src, nbytes = job.plan.addresses()
+        to_host = job.plan.is_store
         region, other = (dst, src) if to_host else (src, dst)
         rel, other, nbytes = split_at_boundaries(
             region - self._region_base, other, nbytes, self._boundary_bytes
         )
-        end = int((rel + nbytes).max()) if rel.size else 0
+        job.region_end_bytes = int((rel + nbytes).max()) if rel.size else 0
         region = rel + self._region_base
-        dst, src = (region, other) if to_host else (other, region)
-        job = GpuJob(
-            token, dst, src, nbytes, wait if to_host else 0, end, time.perf_counter(), check
-        )
-        self._lane(ordinal, to_host).submit(job)
+        job.dst, job.src = (region, other) if to_host else (other, region)
+        job.nbytes = nbytes
 
     def lane_counts(self) -> tuple[int, int]:
         """(jobs copied with one batched call, jobs copied with a cuMemcpyAsync loop)."""

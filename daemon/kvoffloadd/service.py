@@ -358,7 +358,7 @@ class Service:
         if not s.allowed:
             log.warning("refused connection from uid %d gid %d (pid %d)", uid, gid, pid)
         self.sessions[session_id] = s
-        for ledger in (self.pins, self.jobs):
+        for ledger in (self.pins, self.jobs, self.transfers.copies):
             ledger.join(session_id, uid)
         return s
 
@@ -382,7 +382,8 @@ class Service:
         s.fds = []
         del self.sessions[s.session_id]
         self.pins.leave(s.session_id)  # all released above
-        self.jobs.leave(s.session_id)  # its copies still drain, charged to nobody
+        for ledger in (self.jobs, self.transfers.copies):
+            ledger.leave(s.session_id)  # its copies still drain, charged to nobody
 
     def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
         """Apply finished copies; returns deferred replies as (session id, reply)."""

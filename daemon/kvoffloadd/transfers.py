@@ -10,11 +10,13 @@ Rules:
 - A store writes each of its slots whole (``check_whole_store``: every registered
   cache, every engine block), so a block never becomes visible over bytes of the
   slot's earlier owner (invariant 12). A canonical part writes only its fragments:
-  once all of a slot's parts reported, the union of what they copied must cover every
-  canonical page. That is decided once per set of workers and page turn (memoised);
-  a new set is checked on a copier thread, and the job that completed the slot gets
-  its result only after the check (so a blocking client's ``complete_store`` after
-  ``wait`` finds it written).
+  the slot is written once its parts' fragments cover every page (seals.py); the job
+  that completed a slot whose check runs on a copier thread gets its result only
+  after it (so a blocking client's ``complete_store`` after ``wait`` finds it
+  written).
+- What a job holds is charged to its connection (jobs and the copies they expand
+  to, ledger.py) until it completes. A job expanding to more than
+  ``LOOP_PLAN_COPIES`` copies has its runs built by the copier, a piece at a time.
 - A completion updates the index (written ranks, checksums, corrupt blocks), the
   counters and the worker's results, and answers the waits it ends. Push workers
   (engines that never wait for a reply) submit one-way and get their results pushed.
@@ -41,19 +43,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload.canonical import (
-    CanonicalPart,
-    check,
-    check_copy_count,
-    check_parts,
-    covers_pages,
-    turn_period,
-)
+from kvoffload.canonical import MAX_JOB_COPIES, check_copy_count
 from kvoffload.copyplan import (
     CacheGeometry,
+    JobPlan,
     JobRuns,
     Placement,
-    build_runs,
     check_transfer,
     check_whole_store,
     has_duplicates,
@@ -68,15 +63,16 @@ from kvoffload.protocol.errors import (
     QuotaExceededError,
     TimedOutError,
 )
-from kvoffload.protocol.messages import KVLayout, pack_ids, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import pack_ids, unpack_ids, unpack_keys
 
 from .access import AccessPolicy
 from .config import DaemonConfig
 from .copier import ChecksumCheck, Completion, CpuCopier, finished
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
-from .ledger import Ledger
+from .ledger import Ledger, Limits
 from .region import SharedOffloadRegion
+from .seals import Sealer, canonical_placements
 from .session import Session
 from .workers import (
     AttachedWorker,
@@ -91,12 +87,10 @@ from .workers import (
 log = logging.getLogger(__name__)
 
 
-SUM_JOB = -1  # a _Job's worker id when it only takes checksums of whole canonical slots
-SEAL_JOB = -2  # ... when it checks what the parts of canonical slots covered
-MAX_COVERAGE_MEMO = 4096  # (workers, page turn) -> covered; cleared when it grows past
+LOOP_PLAN_COPIES = 8192  # a job expanding to more is planned by a copier thread
+COPIES_PER_CLIENT = 2 * MAX_JOB_COPIES  # expanded copies one client may have in flight
 
-# (workers in part order, first page id modulo their turn period)
-CoverageKey = tuple[tuple[int, ...], int]
+SUM_JOB = -1  # a _Job's worker id when it only takes checksums of whole canonical slots
 
 
 @dataclass
@@ -107,14 +101,7 @@ class _Job:
     slots: np.ndarray
     is_store: bool
     deadline_ns: int = 0
-
-
-@dataclass
-class _Seal:
-    """A coverage check running on a copier thread, and what waits for it."""
-
-    keys: dict[int, CoverageKey]  # slot -> its set of workers and page turn
-    held: list[tuple[_Job, Completion]]  # store completions whose results wait
+    copies: int = 0  # charged to its connection until it completes
 
 
 class Transfers:
@@ -142,6 +129,8 @@ class Transfers:
         self._count_error = count_error
         self.access = access
         self.jobs = jobs  # copy jobs in flight per connection, per uid, in total
+        # copies those jobs expand to (what building and running them costs)
+        self.copies = Ledger("copies", Limits.scaled(COPIES_PER_CLIENT))
         self.workers: dict[int, AttachedWorker] = {}
         self._jobs: dict[int, _Job] = {}
         self._tokens = itertools.count(1)
@@ -152,16 +141,11 @@ class Transfers:
         # Engine pages planned and the copy runs they merged into: pages / runs is the
         # mean run length (contiguous engine blocks into contiguous slots merge).
         self.pages_planned = self.runs_planned = 0
-        # canonical workers' parts (kept until they unmap: a slot's coverage is
-        # checked once all of its parts reported, maybe after one of them left)
-        self._canon: dict[int, tuple[CanonicalPart, ...]] = {}
-        self._coverage: dict[CoverageKey, bool] = {}
-        self._seals: dict[int, _Seal] = {}  # seal token -> its check
-        self.stores_not_covered = 0  # canonical stores whose parts left a hole
+        self.sealer = Sealer(copier, self._tokens, namespaces, self._sum_whole)
 
     @property
     def inflight_jobs(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + self.sealer.pending
 
     def worker(self, s: Session, worker_id: int) -> AttachedWorker:
         w = self.workers.get(worker_id)
@@ -232,9 +216,7 @@ class Transfers:
     def _add(self, s: Session, w: AttachedWorker) -> None:
         self.workers[w.worker_id] = w
         s.workers.add(w.worker_id)
-        canon = tuple(at.canon for at in w.placements if at.canon is not None)
-        if canon:
-            self._canon[w.worker_id] = canon
+        self.sealer.add(w.worker_id, w.placements)
 
     def submit(
         self,
@@ -282,7 +264,7 @@ class Transfers:
         check_transfer(index.layout, slots.size, block_ids, skip, geometries)
         placements = [w.placements[i] for i in chosen]
         check_copy_count(block_ids.size, placements)
-        runs = build_runs(
+        plan = JobPlan(
             index.layout,
             w.area,
             index.slots.region_offsets(slots),
@@ -291,11 +273,20 @@ class Transfers:
             geometries,
             placements,
             slots if is_store else None,
+            self._region_addr,
+            np.array([c.base_address for c in caches], dtype=np.int64),
         )
+        if not self.copies.take(s.session_id, plan.copies):
+            raise QuotaExceededError(
+                f"this job expands to {plan.copies} copies; with the "
+                f"{self.copies.held(s.session_id)} this client has in flight that passes "
+                "what one client, its uid or all clients may have; wait for some jobs"
+            )
         self.pages_planned += block_ids.size * len(caches)
-        self.runs_planned += runs.region.size
         token = next(self._tokens)
-        self._jobs[token] = _Job(r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns)
+        self._jobs[token] = _Job(
+            r.worker, r.job_id, w.ns_id, slots.copy(), is_store, r.deadline_ns, plan.copies
+        )
         index.slots.mark_busy(slots, is_store)
         w.active_jobs.add(r.job_id)
         self.jobs.add(s.session_id, 1)
@@ -306,16 +297,18 @@ class Transfers:
             if is_store and w.parts > 1
             else self._checksum_check(index, w.area, slots, is_store)
         )
-        if w.client_copy:
+        if w.client_copy:  # a trusted peer: its runs are built here
+            runs = plan.runs()
+            self.runs_planned += runs.region.size
             return self._client_plan(w, r, token, runs, chosen, check)
-        nbytes = runs.nbytes
-        region_addr = runs.region + self._region_addr
-        cache_addr = runs.cache + np.array([c.base_address for c in caches])[runs.which]
-        dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
         if w.device is not None and self.gpu is not None:
-            self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event, check)
-        else:
+            self.gpu.submit(w.device, token, plan, w.store_event, check)
+        elif plan.copies <= LOOP_PLAN_COPIES:
+            dst, src, nbytes = plan.addresses()
+            self.runs_planned += nbytes.size
             self.copier.submit(token, dst, src, nbytes, check)
+        else:  # built by a copier thread, a piece at a time
+            self.copier.submit_planned(token, plan, check)
         return m.OkReply(r.rid) if r.rid else None
 
     def _client_plan(
@@ -361,76 +354,10 @@ class Transfers:
     def _written(self, index: NamespaceIndex, w: AttachedWorker, slots: list[int]) -> int:
         """A store copy of ``w`` into ``slots`` landed; returns the token of the seal
         its canonical slots wait for (0: none)."""
-        if w.worker_id not in self._canon:
+        if not self.sealer.is_canonical(w.worker_id):
             index.mark_written(slots, w.area)
             return 0
-        whole = index.mark_parts(slots, w.rank, w.parts, w.worker_id)
-        return self._seal(index, whole) if whole else 0
-
-    def _coverage_key(
-        self, slot: int, f: int, workers: tuple[int, ...]
-    ) -> tuple[CoverageKey | None, list[tuple[CanonicalPart, ...]]]:
-        parts = [self._canon[w] for w in workers if w in self._canon]
-        if len(parts) != len(workers):
-            return None, parts  # a part's worker is gone: nothing vouches for its copy
-        return (workers, slot * f % turn_period(parts)), parts
-
-    def _seal(self, index: NamespaceIndex, whole: list[tuple[int, tuple[int, ...]]]) -> int:
-        """Canonical slots all of whose parts reported: written if what the parts copied
-        covers every page. Known sets of workers are decided here; the others on a
-        copier thread (returns that seal's token, 0 if none)."""
-        f = index.layout.block_size_factor
-        ok: list[int] = []
-        bad: list[int] = []
-        todo: dict[int, CoverageKey] = {}
-        parts_of: dict[CoverageKey, tuple[int, list[tuple[CanonicalPart, ...]]]] = {}
-        for slot, workers in whole:
-            key, parts = self._coverage_key(slot, f, workers)
-            covered = self._coverage.get(key) if key is not None else False
-            if covered is None and key is not None:
-                todo[slot] = key
-                parts_of.setdefault(key, (slot * f, parts))
-            else:
-                (ok if covered else bad).append(slot)
-        self._apply_seal(index, ok, bad)
-        if not todo:
-            return 0
-        token = next(self._tokens)
-        index.start_seal(list(todo), token)
-        self._jobs[token] = _Job(SEAL_JOB, 0, index.ns_id, np.zeros(0, np.int64), True)
-        self._seals[token] = _Seal(todo, [])
-        self.copier.run_task(
-            token, lambda: {k: covers_pages(p, first, f) for k, (first, p) in parts_of.items()}
-        )
-        return token
-
-    def _apply_seal(
-        self, index: NamespaceIndex, ok: list[int], bad: list[int], token: int = 0
-    ) -> None:
-        applied = index.seal(ok, bad, token)
-        if bad:
-            self.stores_not_covered += len(bad)
-            log.warning(
-                "namespace %s: %d canonical stores failed: their parts' fragments do not "
-                "cover every page",
-                index.name,
-                len(bad),
-            )
-        self._sum_whole(index, applied)
-
-    def _sealed(self, token: int, job: _Job, c: Completion) -> list[tuple[_Job, Completion]]:
-        """A seal task finished: apply it; returns the completions it held."""
-        seal = self._seals.pop(token)
-        verdicts: dict[CoverageKey, bool] = c.result if c.success else {}
-        if len(self._coverage) + len(verdicts) > MAX_COVERAGE_MEMO:
-            self._coverage.clear()
-        self._coverage.update(verdicts)
-        index = self.namespaces.get(job.ns_id)
-        if index is not None:
-            ok = [slot for slot, key in seal.keys.items() if verdicts.get(key)]
-            bad = [slot for slot, key in seal.keys.items() if not verdicts.get(key)]
-            self._apply_seal(index, ok, bad, token)
-        return seal.held
+        return self.sealer.parts_landed(index, slots, w.rank, w.parts, w.worker_id)
 
     def client_copy_done(self, s: Session, r: m.ClientCopyDone) -> None:
         """A client-copy worker finished a job: complete it like a daemon copy."""
@@ -463,14 +390,14 @@ class Transfers:
         pushed: dict[int, list[m.JobResult]] = {}
         now_ns = time.monotonic_ns()
         for c in done:
+            if self.sealer.is_seal(c.token):
+                for held_job, held in self.sealer.sealed(c):
+                    self._finish_job(held_job, held, replies, pushed)
+                continue
             job = self._jobs.pop(c.token)
             if job.worker_id == SUM_JOB:
                 if (summed := self.namespaces.get(job.ns_id)) is not None:
                     self._summed(summed, job, c)
-                continue
-            if job.worker_id == SEAL_JOB:
-                for held_job, held in self._sealed(c.token, job, c):
-                    self._finish_job(held_job, held, replies, pushed)
                 continue
             index = self.namespaces[job.ns_id]
             index.slots.unmark_busy(job.slots, job.is_store)
@@ -495,7 +422,7 @@ class Transfers:
                     len(bad),
                 )
             if seal:  # its result waits for the check of what the slots' parts covered
-                self._seals[seal].held.append((job, c))
+                self.sealer.hold(seal, (job, c))
             else:
                 self._finish_job(job, c, replies, pushed)
         for wid, results in pushed.items():
@@ -514,6 +441,8 @@ class Transfers:
         w = self.workers[job.worker_id]
         w.active_jobs.discard(job.job_id)
         self.jobs.give(w.session_id, 1)
+        self.copies.give(w.session_id, job.copies)
+        self.runs_planned += c.runs
         self._account(w, job, c)
         if w.closing:
             if not w.active_jobs:
@@ -595,28 +524,9 @@ class Transfers:
     def _unmap(self, w: AttachedWorker) -> None:
         w.close()
         del self.workers[w.worker_id]
-        self._canon.pop(w.worker_id, None)
+        self.sealer.remove(w.worker_id)
 
 
 def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:
     bad = [int(x) for x in slots if not 0 <= x < index.slots.capacity][:1]
     raise NotLeasedError(f"slot {bad[0] if bad else '?'} of namespace {index.name!r} is not leased")
-
-
-def canonical_placements(layout: KVLayout, r: m.AttachWorker, pages: list[int]) -> list[Placement]:
-    """Placements of one rank's caches in a canonical namespace's slots (each cache's
-    canonical page), once its parts and fragments are sane."""
-    if layout.world_size != 1:
-        raise InvalidArgumentError(
-            "canonical parts need a namespace of world size 1 (one canonical page per slot), "
-            f"not {layout.world_size}"
-        )
-    check_parts(r.rank, r.parts)
-    if len(r.canonical) != len(r.caches):
-        raise InvalidArgumentError(
-            f"{len(r.canonical)} canonical mappings for {len(r.caches)} caches"
-        )
-    parts = [CanonicalPart.unpack(d.page_bytes, d.frags, d.writers, d.writer) for d in r.canonical]
-    for part, page in zip(parts, pages):
-        check(part, page, r.parts)
-    return place_caches(layout, pages, parts)

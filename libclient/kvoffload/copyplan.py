@@ -18,15 +18,18 @@ its first ``skip`` sub-blocks (``0 <= skip < f``); stores are always aligned. Th
 slot may be partly filled (a request's tail shorter than f engine blocks): the ids
 then cover fewer than ``num_slots * f - skip`` sub-blocks, but touch every slot.
 
-Descriptors are built with numpy on the loop thread, adjacent runs are merged (both
-sides contiguous), and the copier (CPU threads here, CUDA streams elsewhere) only
-executes them. Everything here is pure: it is unit-tested without a daemon.
+Descriptors are built with numpy, adjacent runs are merged (both sides contiguous),
+and the copier (CPU threads here, CUDA streams elsewhere) executes them. A validated
+transfer is a ``JobPlan``: the daemon builds small ones' runs on its loop, and lets
+the copier build a large one's, a piece of whole slots at a time
+(``JobPlan.pieces``), so no transfer costs the loop, or memory, in proportion to the
+copies it expands to. Everything here is pure: it is unit-tested without a daemon.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -259,6 +262,70 @@ def _plain_runs(
     return JobRuns(
         region.ravel()[starts], cache.ravel()[starts], (ends - starts) * page.ravel()[which], which
     )
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A validated transfer, its runs not built yet: ``addresses`` builds them all,
+    ``pieces`` a piece of whole slots at a time. Addresses are absolute: the region's
+    mapping at ``region_base``, each chosen cache at ``cache_bases[i]``."""
+
+    layout: KVLayout
+    rank: int
+    slot_offsets: I64
+    block_ids: I64
+    skip: int
+    caches: list[CacheGeometry]
+    placements: list[Placement]
+    store_slots: I64 | None  # a store's slot ids (canonical turns), None for a load
+    region_base: int
+    cache_bases: I64
+    copies_per_block: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        per = sum(1 if p.canon is None else len(p.canon.frags) for p in self.placements)
+        object.__setattr__(self, "copies_per_block", per)
+
+    @property
+    def is_store(self) -> bool:
+        return self.store_slots is not None
+
+    @property
+    def copies(self) -> int:
+        """Copies the transfer expands to before merging (what planning costs)."""
+        return int(self.block_ids.size) * self.copies_per_block
+
+    def runs(self, first: int = 0, end: int | None = None) -> JobRuns:
+        """Merged runs of the slots ``first .. end`` (all by default)."""
+        f, n = self.layout.block_size_factor, int(self.block_ids.size)
+        end = self.slot_offsets.size if end is None else end
+        a, b = max(first * f - self.skip, 0), min(end * f - self.skip, n)
+        store = self.store_slots
+        return build_runs(
+            self.layout,
+            self.rank,
+            self.slot_offsets[first:end],
+            self.block_ids[a:b],
+            self.skip if first == 0 else 0,
+            self.caches,
+            self.placements,
+            None if store is None else store[first:end],
+        )
+
+    def addresses(self, first: int = 0, end: int | None = None) -> tuple[I64, I64, I64]:
+        """(dst, src, nbytes) of the slots ``first .. end``, by direction."""
+        runs = self.runs(first, end)
+        region = runs.region + self.region_base
+        cache = runs.cache + self.cache_bases[runs.which]
+        return (region, cache, runs.nbytes) if self.is_store else (cache, region, runs.nbytes)
+
+    def pieces(self, max_copies: int) -> Iterator[tuple[I64, I64, I64]]:
+        """``addresses`` a piece at a time: whole slots, at most ``max_copies`` copies
+        each (at least one slot)."""
+        per_slot = max(1, self.layout.block_size_factor * self.copies_per_block)
+        step = max(1, max_copies // per_slot)
+        for first in range(0, self.slot_offsets.size, step):
+            yield self.addresses(first, min(first + step, self.slot_offsets.size))
 
 
 def select_caches(count: int, wanted: list[int]) -> list[int]:

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvoffload.canonical import CanonicalPart
 from kvoffload.copyplan import (
     CacheGeometry,
+    JobPlan,
     build_runs,
     check_transfer,
     merge_runs,
     place_caches,
 )
+from kvoffload.memruns import copy_runs
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 
@@ -127,3 +132,56 @@ def test_caches_must_tile_the_layout_exactly() -> None:
     for bad in ([1024], [1024, 512, 8], [768, 512], [512, 1024], [1024, 0, 512]):
         with pytest.raises(InvalidArgumentError, match=r"tile|already fill"):
             place_caches(layout, bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.integers(0, 3),
+    st.integers(1, 9),
+    st.integers(1, 64),
+    st.booleans(),
+)
+def test_a_plan_built_in_pieces_copies_the_same_bytes(
+    f: int, skip: int, num_slots: int, max_copies: int, canonical: bool
+) -> None:
+    """A copier builds a large job's runs a piece of whole slots at a time: whatever
+    the piece size, the bytes moved are those of the whole plan."""
+    skip %= f
+    pages = [64, 32]
+    layout = KVLayout(tensor_page_bytes=pages, block_size_factor=f)
+    slot_bytes = layout.block_bytes
+    ids = np.arange(num_slots * f - skip, dtype=np.int64)[::-1].copy()
+    geoms = [CacheGeometry(64, p, 0, p) for p in pages]
+    canon: list[CanonicalPart] = []
+    if canonical:  # one-byte fragments, reversed: nothing merges
+        canon = [
+            CanonicalPart(p, np.array([[i, p - 1 - i, 1] for i in range(p)], dtype=np.int64))
+            for p in pages
+        ]
+    at = place_caches(layout, pages, canon)
+    caches = [
+        np.arange(64 * p, dtype=np.uint8).reshape(64, p) * (t + 3) for t, p in enumerate(pages)
+    ]
+    slots = np.arange(num_slots, dtype=np.int64)[::-1] * 2  # every other slot, reversed
+    region = [np.zeros(2 * num_slots * slot_bytes, dtype=np.uint8) for _ in range(2)]
+    plans = [
+        JobPlan(
+            layout,
+            0,
+            slots * slot_bytes,
+            ids,
+            skip,
+            geoms,
+            at,
+            slots,
+            int(r.ctypes.data),
+            np.array([c.ctypes.data for c in caches], dtype=np.int64),
+        )
+        for r in region
+    ]
+    copy_runs(*plans[0].addresses())
+    for piece in plans[1].pieces(max_copies):
+        copy_runs(*piece)
+    assert plans[0].copies == ids.size * (sum(pages) if canonical else 2)
+    assert np.array_equal(region[0], region[1]) and region[0].any()

@@ -133,7 +133,7 @@ def test_canonical_parts_that_leave_a_hole_fail_the_store(
         svc.handle(s, m.CompleteStore(5, ns, kp, kb, True))
     index = svc.namespaces[ns]
     failed = 4 if name != "a lazy writer" else 2  # even blocks were written whole
-    assert svc.transfers.stores_not_covered == failed
+    assert svc.transfers.sealer.stores_not_covered == failed
     svc.handle(s, m.CompleteStore(6, ns, kp, kb, False))
     assert index.lookup(keys) == 0 and index.statistics().writing_blocks == 0
     settle(svc)
@@ -157,7 +157,7 @@ def test_parts_that_cover_the_page_together_make_it_visible_at_once(svc: Service
         kp, kb = pack_keys(keys)
         assert isinstance(svc.handle(s, m.CompleteStore(5, ns, kp, kb, True)), m.OkReply)
         assert svc.namespaces[ns].lookup(keys) == 3
-    assert len(svc.transfers._coverage) == 1  # one check for both rounds
+    assert svc.transfers.sealer.memo_size == 1  # one check for both rounds
     settle(svc)
 
 
