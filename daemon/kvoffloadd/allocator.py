@@ -10,8 +10,8 @@ Memory is split like memcached's slab allocator:
 
 A namespace owns whole extents and cuts each into slots of its own ``slot_bytes``
 (``extent_bytes // slot_bytes`` slots per extent, the tail unused). Slot ids are local
-to the namespace: slot ``s`` lives in the namespace's ``s // slots_per_extent``-th
-extent at ``(s % slots_per_extent) * slot_bytes``.
+to the namespace: slot ``s`` lives in the extent of the namespace's chunk
+``s // slots_per_extent``, at ``(s % slots_per_extent) * slot_bytes``.
 
 Rules:
 - Allocation order (vLLM's CPU manager): fresh ids of the extents already owned first,
@@ -24,14 +24,16 @@ Rules:
   drains; it is parked in ``deferred`` (invariant 3: no two copies share a slot).
   Store copies are counted apart as well (``is_storing``): a block becomes visible
   only once no copy into its slot is running.
-- A namespace gives extents back from its top only (``release_free_tail``), so slot
-  ids never have holes; the index evicts a whole top extent when the pool must move
-  memory between namespaces.
+- Any unused extent can go back to the pool (``release_chunk``), wherever it is:
+  its chunk becomes a hole, whose ids are never handed out until an extent fills it
+  again (the lowest hole first); ids of other chunks never change. So the index can
+  move memory to another namespace from whichever extent holds nothing pinned, busy,
+  leased or being written, not only from its top one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -96,18 +98,25 @@ class SlotPool:
         self.owner = owner
         self.slot_bytes = slot_bytes
         self.slots_per_extent = pool.extent_bytes // slot_bytes
-        self.extents: list[int] = []
-        self._fresh = 0  # ids below this have been handed out at least once
+        self.extents: list[int | None] = []  # by chunk; None: a hole
+        self._fresh = 0  # ids below this have been handed out at least once (or freed)
         self._free: list[int] = []
         self._used_per_extent: list[int] = []
         self._busy: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # copies per slot
         self._storing: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # store copies
         self.deferred: set[int] = set()
         self._extent_array: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self._has_holes = False
 
     @property
     def capacity(self) -> int:
+        """Slot ids in use by the chunk list (holes included)."""
         return len(self.extents) * self.slots_per_extent
+
+    @property
+    def num_extents(self) -> int:
+        """Extents the namespace owns (holes not counted)."""
+        return len(self.extents) - self.extents.count(None)
 
     @property
     def num_used(self) -> int:
@@ -175,35 +184,70 @@ class SlotPool:
                 self._release(s)
 
     def _grow(self) -> None:
-        ext = self.pool.take(self.owner, self.slot_bytes, len(self.extents))
+        """One more extent: into the lowest hole, else at the top (fresh ids)."""
+        hole = self.extents.index(None) if None in self.extents else len(self.extents)
+        ext = self.pool.take(self.owner, self.slot_bytes, hole)
         if ext is None:
             raise AssertionError("extent pool exhausted during allocate")
-        self.extents.append(ext)
-        self._used_per_extent.append(0)
+        if hole == len(self.extents):
+            self.extents.append(ext)
+            self._used_per_extent.append(0)
+        else:  # every id above ``_fresh`` is fresh: a hole's ids go on the free list
+            self.extents[hole] = ext
+            spe = self.slots_per_extent
+            self._free.extend(range((hole + 1) * spe - 1, hole * spe - 1, -1))
         self._extents_changed()
 
     def _extents_changed(self) -> None:
-        self._extent_array = np.asarray(self.extents, dtype=np.int64)
+        self._extent_array = np.asarray(
+            [-1 if e is None else e for e in self.extents], dtype=np.int64
+        )
+        self._has_holes = None in self.extents
         self._busy = _resized(self._busy, self.capacity)
         self._storing = _resized(self._storing, self.capacity)
 
-    def adopt(self, extents: list[int], used: set[int]) -> None:
-        """Take over extents a previous daemon gave this namespace (warm restart)."""
+    def adopt(self, extents: Sequence[int | None], used: set[int]) -> None:
+        """Take over extents a previous daemon gave this namespace, by chunk (None:
+        a hole; warm restart). ``used`` lies in owned chunks."""
         self.extents = list(extents)
         spe = self.slots_per_extent
         self._used_per_extent = [0] * len(extents)
         for slot in used:
             self._used_per_extent[slot // spe] += 1
         self._fresh = self.capacity
-        self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in used]
+        self._free = [
+            s
+            for s in range(self.capacity - 1, -1, -1)
+            if s not in used and self.extents[s // spe] is not None
+        ]
         self._extents_changed()
+        self._trim_holes()
 
-    def top_extent_slots(self) -> range:
-        """Slot ids of the namespace's last extent (empty when it owns none)."""
-        if not self.extents:
-            return range(0)
-        start = (len(self.extents) - 1) * self.slots_per_extent
-        return range(start, start + self.slots_per_extent)
+    def chunk_slots(self, chunk: int) -> range:
+        """Slot ids of one chunk."""
+        return range(chunk * self.slots_per_extent, (chunk + 1) * self.slots_per_extent)
+
+    def owned_chunks(self) -> list[int]:
+        """Chunks that hold an extent, top first."""
+        return [c for c in range(len(self.extents) - 1, -1, -1) if self.extents[c] is not None]
+
+    def release_chunk(self, chunk: int) -> bool:
+        """Give an unused chunk's extent back to the pool; False if a slot is in use."""
+        if self.extents[chunk] is None or self._used_per_extent[chunk]:
+            return False
+        spe = self.slots_per_extent
+        if self._fresh < self.capacity:  # from now on, every id is fresh no more
+            self._free.extend(range(self.capacity - 1, self._fresh - 1, -1))
+            self._fresh = self.capacity
+        start, end = chunk * spe, (chunk + 1) * spe
+        self._free = [s for s in self._free if not start <= s < end]
+        ext = self.extents[chunk]
+        assert ext is not None
+        self.extents[chunk] = None
+        self.pool.give_back(ext)
+        self._trim_holes()
+        self._extents_changed()
+        return True
 
     def release_free_tail(self) -> int:
         """Give every completely unused top extent back to the pool; returns how many."""
@@ -212,12 +256,23 @@ class SlotPool:
             start = (len(self.extents) - 1) * self.slots_per_extent
             self._free = [s for s in self._free if s < start]
             self._fresh = min(self._fresh, start)
-            self.pool.give_back(self.extents.pop())
+            ext = self.extents.pop()
             self._used_per_extent.pop()
-            released += 1
+            if ext is not None:
+                self.pool.give_back(ext)
+                released += 1
         if released:
             self._extents_changed()
         return released
+
+    def _trim_holes(self) -> None:
+        """Holes at the top are no chunk at all."""
+        while self.extents and self.extents[-1] is None:
+            start = (len(self.extents) - 1) * self.slots_per_extent
+            self.extents.pop()
+            self._used_per_extent.pop()
+            self._fresh = min(self._fresh, start)
+            self._free = [s for s in self._free if s < start]
 
     def region_offsets(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Byte offset in the region of each slot."""
@@ -228,12 +283,17 @@ class SlotPool:
         )
 
     def is_valid(self, slots: npt.NDArray[np.int64]) -> bool:
+        """Whether every slot id lies in an owned chunk."""
         if slots.size == 0:
             return True
         if slots.size <= 64:  # numpy's reductions cost more than this on small arrays
             values = slots.tolist()
-            return bool(min(values) >= 0 and max(values) < self.capacity)
-        return bool(slots.min() >= 0 and slots.max() < self.capacity)
+            ok = bool(min(values) >= 0 and max(values) < self.capacity)
+        else:
+            ok = bool(slots.min() >= 0 and slots.max() < self.capacity)
+        if ok and self._has_holes:
+            return bool((self._extent_array[slots // self.slots_per_extent] >= 0).all())
+        return ok
 
 
 def _resized(counts: npt.NDArray[np.int32], size: int) -> npt.NDArray[np.int32]:

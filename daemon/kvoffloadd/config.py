@@ -195,6 +195,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mirror_grace_s: float = 1.0
     # a committed store whose copies have not all landed by then is dropped
     commit_timeout_s: float = 30.0
+    # a pin held longer is dropped (a load takes a step): nobody keeps a block for good
+    pin_timeout_s: float = 60.0
     # who may map the region for client-copy workers; unset: root and the daemon's uid
     client_copy_uids: list[int] | None = None
     client_copy_gids: list[int] = msgspec.field(default_factory=list)
@@ -290,6 +292,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if not 0 < self.max_writing_fraction <= 1:
             raise ConfigError(f"max_writing_fraction: {self.max_writing_fraction} is not in (0, 1]")
+        if not 1 <= self.pin_timeout_s <= 3600:
+            raise ConfigError(f"pin_timeout_s: {self.pin_timeout_s} is not in [1, 3600]")
         if not 0 < self.commit_timeout_s <= 3600:
             raise ConfigError(f"commit_timeout_s: {self.commit_timeout_s} is not in (0, 3600]")
         if not 0 <= self.mirror_grace_s <= 60:

@@ -107,6 +107,23 @@ class Graveyard:
         if not pins:
             del self._pins[conn]
 
+    def expire_pins(self, now_s: float, timeout_s: float) -> list[tuple[int, int]]:
+        """Drop the pins on graves evicted more than ``timeout_s`` past their grace
+        (a load takes a step); returns (connection, pins dropped) pairs."""
+        late = {
+            s for s, g in self.by_slot.items() if g.block.ref and now_s > g.deadline_s + timeout_s
+        }
+        out: list[tuple[int, int]] = []
+        for conn, pins in list(self._pins.items()):
+            n = sum(pins.pop(slot) for slot in late & pins.keys())
+            if n:
+                out.append((conn, n))
+            if not pins:
+                del self._pins[conn]
+        for slot in late:
+            self.by_slot[slot].block.ref = 0
+        return out
+
     def release(self, conn: int) -> int:
         """A connection went away: its pins and its mirror go; returns the pins dropped."""
         pins = self._pins.pop(conn, Counter())

@@ -150,6 +150,8 @@ class NamespaceIndex(StoreIndex):
                     self._num_evictable -= 1
                     self._num_pinned += 1
                 block.ref += 1
+                if not pins[key]:
+                    self._pinned_at(client, key)
                 pins[key] += 1
                 taken += 1
             elif (grave := self.graves.loadable(key)) is not None:
@@ -168,7 +170,7 @@ class NamespaceIndex(StoreIndex):
         dropped = 0
         for key in keys:
             if pins[key]:
-                self._unpin(key, pins)
+                self._unpin(key, pins, 1, client)
                 dropped += 1
             elif held := graves.get(key):
                 slot = next(iter(held))
@@ -222,6 +224,8 @@ class NamespaceIndex(StoreIndex):
                 self._num_evictable -= 1
                 self._num_pinned += 1
             block.ref += 1
+            if not pins[key]:
+                self._pinned_at(client, key)
             pins[key] += 1
         if not pins:
             del self._pins[client]
@@ -236,8 +240,8 @@ class NamespaceIndex(StoreIndex):
                 raise NotLeasedError(f"key {key.hex()} is not pinned by this client")
         self.unpin(keys, client)
 
-    def _unpin(self, key: bytes, pins: Counter[bytes], n: int = 1) -> None:
-        """Drop ``n`` of the client's pins of ``key`` (one step, whatever ``n``)."""
+    def _unpin(self, key: bytes, pins: Counter[bytes], n: int = 1, client: int = 0) -> None:
+        """Drop ``n`` of ``client``'s pins of ``key`` (one step, whatever ``n``)."""
         block = self._policy.get(key)
         assert block is not None and block.ref >= n, f"pinned key {key.hex()} lost its block"
         block.ref -= n
@@ -251,6 +255,45 @@ class NamespaceIndex(StoreIndex):
         pins[key] -= n
         if not pins[key]:
             del pins[key]
+            self._pin_since.pop((client, key), None)
+
+    def _pinned_at(self, client: int, key: bytes) -> None:
+        """``client`` pinned ``key`` (its first pin of it): from now its pin ages."""
+        if client >= 0:  # the daemon's own pins (tiers) end by their jobs' deadlines
+            since = self.clock()
+            self._pin_since[(client, key)] = since
+            self._pin_order.append((since, client, key))
+
+    def expire_pins(self, now_s: float) -> int:
+        """Drop pins held longer than ``pin_timeout_s`` (a load takes a step, not a
+        minute): a client cannot keep a block, or the extent it lies in, for good.
+        Returns how many pins went."""
+        order, since_of, dropped = self._pin_order, self._pin_since, 0
+        while order and order[0][0] <= now_s - self.pin_timeout_s:
+            since, client, key = order.popleft()
+            if since_of.get((client, key)) != since:
+                continue  # unpinned (and maybe pinned again) since
+            pins = self._pins.get(client)
+            n = pins[key] if pins is not None else 0
+            if n and pins is not None:
+                self._unpin(key, pins, n, client)
+                self.pin_ledger.give(client, n)
+                dropped += n
+                if not pins:
+                    del self._pins[client]
+            since_of.pop((client, key), None)
+        dropped += self._expire_grave_pins(now_s)
+        self._pins_expired += dropped
+        return dropped
+
+    def _expire_grave_pins(self, now_s: float) -> int:
+        dropped = 0
+        for conn, n in self.graves.expire_pins(now_s, self.pin_timeout_s):
+            self.pin_ledger.give(conn, n)
+            dropped += n
+        if dropped:
+            self.free_graves(now_s)
+        return dropped
 
     def resolve_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[int]:
         """Where to read each key now: its planned slot while that still holds the key
@@ -436,7 +479,7 @@ class NamespaceIndex(StoreIndex):
         pins = self._pins.pop(client, Counter())
         dropped = sum(pins.values())
         for key, n in list(pins.items()):  # one step per key, however many pins
-            self._unpin(key, pins, n)
+            self._unpin(key, pins, n, client)
         dropped += self.graves.release(client)
         self.pin_ledger.give(client, dropped)
         self.free_graves()
@@ -462,15 +505,22 @@ class NamespaceIndex(StoreIndex):
         self.slots.release_free_tail()
         return len(victims)
 
-    def evict_top_extent(self) -> bool:
-        """Evict every block of the top extent so it can go back to the pool.
-
-        Refused (False) when any slot there is leased, being written, pinned or copied.
-        """
+    def evict_extent(self, budget: int = 1 << 30) -> int:
+        """Give one extent back to the pool: the topmost one with nothing pinned, busy,
+        leased, buried or being written, its blocks evicted. Looks at ``budget``
+        slots at most; returns how many it looked at (negative: one was released)."""
         self.free_graves()
-        slots = self.slots.top_extent_slots()
-        if not slots:
-            return False
+        looked = 0
+        for chunk in self.slots.owned_chunks():
+            if looked >= budget:
+                break
+            slots = self.slots.chunk_slots(chunk)
+            looked += len(slots)
+            if self._evict_chunk(chunk, slots):
+                return -looked
+        return looked
+
+    def _evict_chunk(self, chunk: int, slots: range) -> bool:
         victims: list[tuple[bytes, Block]] = []
         for slot in slots:
             if self.slots.is_busy(slot) or slot in self.graves.by_slot:
@@ -487,7 +537,7 @@ class NamespaceIndex(StoreIndex):
         for key, _ in victims:
             self._policy.remove(key)
         self._drop(victims, bury=False)  # the extent goes elsewhere: nothing to keep
-        return self.slots.release_free_tail() > 0
+        return self.slots.release_chunk(chunk)
 
     def add_mirror(self, client: int) -> None:
         """A client took a key snapshot: from now on its mirror can hit evicted keys."""

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     server.catch_signals()
     g = region.geometry
     if region.recovered:
-        blocks = sum(len(ns.slots.extents) for ns in server.service.namespaces.values())
+        blocks = sum(ns.slots.num_extents for ns in server.service.namespaces.values())
         log.info(
             "warm restart: recovered %d namespaces over %d extents",
             len(server.service.namespaces),

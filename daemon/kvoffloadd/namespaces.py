@@ -12,7 +12,10 @@ Rules:
   cleared) to make room, least used first. Only when none is idle is the open refused
   (``NO_SPACE``).
 - Extents move to a namespace below its fair share (extents / active namespaces) from
-  the fattest one above it, only by evicting a whole top extent nobody uses.
+  the fattest one above it, by evicting a whole extent of it that holds nothing
+  pinned, busy, leased or being written, wherever it lies (``evict_extent``), so a
+  few pinned blocks keep their own extents only; one reclaim looks at
+  ``RECLAIM_BUDGET_SLOTS`` slots at most, so it costs the loop a bounded slice.
 - Loop thread only, as part of the service.
 """
 
@@ -45,6 +48,7 @@ PAGE_BYTES = 4096
 MAX_NAME_CHARS = 200
 MAX_NAME_BYTES = 255
 MIN_WRITING_CAP = 64
+RECLAIM_BUDGET_SLOTS = 1 << 16  # slots one reclaim may look at
 
 
 def check_name(name: str) -> None:
@@ -155,6 +159,7 @@ class NamespaceTable:
             mirror_grace_s=self.config.mirror_grace_s,
             commit_timeout_s=self.config.commit_timeout_s,
         )
+        index.pin_timeout_s = self.config.pin_timeout_s
         index.creator_uid = uid
         largest = self.region.pool.num_extents * slots.slots_per_extent
         quota = self.config.quota_for(name)
@@ -207,13 +212,19 @@ class NamespaceTable:
     def _reclaim(self, ns_id: int, need: int) -> None:
         """Move extents to a namespace below its fair share from the fattest one above it."""
         needy = self.by_id[ns_id]
-        active = [ns for ns in self.by_id.values() if ns.slots.extents] + [needy]
+        active = [ns for ns in self.by_id.values() if ns.slots.num_extents] + [needy]
         fair = self.region.pool.num_extents // len({ns.ns_id for ns in active})
-        while need > needy.slots.num_free and len(needy.slots.extents) < fair:
+        budget = RECLAIM_BUDGET_SLOTS
+        while need > needy.slots.num_free and needy.slots.num_extents < fair and budget > 0:
             donors = sorted(
-                (ns for ns in self.by_id.values() if len(ns.slots.extents) > fair),
-                key=lambda ns: len(ns.slots.extents),
+                (ns for ns in self.by_id.values() if ns.slots.num_extents > fair),
+                key=lambda ns: ns.slots.num_extents,
                 reverse=True,
             )
-            if not any(d.evict_top_extent() for d in donors):
+            for donor in donors:
+                looked = donor.evict_extent(budget)
+                budget -= abs(looked)
+                if looked < 0 or budget <= 0:
+                    break
+            else:
                 return

@@ -44,7 +44,7 @@ class RecoveredNamespace:
     fingerprint: str
     layout: KVLayout
     slot_bytes: int
-    extents: list[int]  # in slot-id order
+    extents: list[int | None]  # by chunk (slot-id order); None: a hole
     blocks: list[tuple[int, bytes]]  # (slot, key) in completion order
     creator_uid: int = 0
 
@@ -68,10 +68,13 @@ def read_namespaces(region: SharedOffloadRegion) -> list[RecoveredNamespace]:
         mine = [e for e in range(g.num_extents) if extents[e, 0] == ns_id != FREE_OWNER]
         mine.sort(key=lambda e: int(extents[e, 2]))
         slot_bytes = int(extents[mine[0], 1]) if mine else 0
+        by_chunk: list[int | None] = [None] * (int(extents[mine[-1], 2]) + 1 if mine else 0)
+        for ext in mine:
+            by_chunk[int(extents[ext, 2])] = ext
         blocks: list[tuple[int, int, bytes]] = []
         if mine:
             spe = g.extent_bytes // slot_bytes
-            for chunk, ext in enumerate(mine):
+            for chunk, ext in ((c, e) for c, e in enumerate(by_chunk) if e is not None):
                 base = ext * g.slots_per_extent_max
                 recs = table[base : base + spe]
                 stale = np.flatnonzero((recs["state"] != SLOT_READY) & (recs["state"] != SLOT_FREE))
@@ -88,7 +91,7 @@ def read_namespaces(region: SharedOffloadRegion) -> list[RecoveredNamespace]:
                 fingerprint,
                 layout,
                 slot_bytes,
-                mine,
+                by_chunk,
                 [(slot, key) for _, slot, key in blocks],
                 creator_uid,
             )

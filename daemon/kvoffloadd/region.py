@@ -414,7 +414,9 @@ class _RegionJournal(SlotJournal):
 
     def _record(self, slot: int) -> int:
         spe = self._slots.slots_per_extent
-        return self._slots.extents[slot // spe] * self._spe_max + slot % spe
+        ext = self._slots.extents[slot // spe]
+        assert ext is not None, f"slot {slot} lies in a hole"
+        return ext * self._spe_max + slot % spe
 
     def leased(self, slot: int, lease: int) -> None:
         self._region.slot_table[self._record(slot)] = (

@@ -393,6 +393,8 @@ class Service:
         now = time.monotonic()
         for ns in self.namespaces.values():
             ns.events.compact()
+            if expired := ns.expire_pins(now):
+                log.warning("namespace %s: %d pins held too long were dropped", ns.name, expired)
             ns.free_graves()
             if late := ns.expire_commits(now):
                 log.warning(

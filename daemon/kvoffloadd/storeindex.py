@@ -33,7 +33,7 @@ admin operations. Everything here runs on the daemon's loop thread only: no lock
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
@@ -79,6 +79,7 @@ class NamespaceStatistics:
     duplicate_stores_total: int  # two engines stored one key at once: one copy kept
     loads_prepared_total: int
     pins_missed_total: int  # engine pins of keys already gone (their loads resolve by key)
+    pins_expired_total: int  # pins held past pin_timeout_s, dropped
     evicted_blocks_total: int
     events_dropped_total: int
 
@@ -146,6 +147,11 @@ class StoreIndex:
         self.max_writing_per_client: int | None = None
         self.max_writing: int | None = None
         self._pins: dict[int, Counter[bytes]] = {}
+        # when each (client, key) was first pinned, oldest first (pins expire)
+        self.pin_timeout_s = 60.0
+        self.clock: Callable[[], float] = time.monotonic  # when pins were taken
+        self._pin_since: dict[tuple[int, bytes], float] = {}
+        self._pin_order: deque[tuple[float, int, bytes]] = deque()
         # pins held per client, per uid and in total (the service's; unlimited alone)
         self.pin_ledger = Ledger("pins", Limits.scaled(0))
         self.leases = LeaseBook()
@@ -159,7 +165,7 @@ class StoreIndex:
         # statistics
         self._lookups = self._lookup_keys = self._hit_keys = self._lookup_misses = 0
         self._stores_prepared = self._stored = self._store_failures = self._duplicates = 0
-        self._loads_prepared = self._evicted = self._pins_missed = 0
+        self._loads_prepared = self._evicted = self._pins_missed = self._pins_expired = 0
 
     # ------------------------------------------------------------ scheduler side
 
@@ -460,10 +466,10 @@ class StoreIndex:
                 self._free_slot(block.slot)
         return keys
 
-    def free_graves(self) -> None:
+    def free_graves(self, now_s: float | None = None) -> None:
         """Free the slots of graves every mirror has seen (or whose grace is over)."""
         if self.graves.by_slot:
-            for grave in self.graves.free_now(time.monotonic()):
+            for grave in self.graves.free_now(time.monotonic() if now_s is None else now_s):
                 self._free_slot(grave.block.slot)
 
     def _free_slot(self, slot: int) -> None:
@@ -505,7 +511,7 @@ class StoreIndex:
             fingerprint=self.fingerprint,
             policy=self.policy_name,
             slot_bytes=self.slots.slot_bytes,
-            extents=len(self.slots.extents),
+            extents=self.slots.num_extents,
             capacity_blocks=self.slots.capacity,
             free_blocks=self.slots.num_free,
             stored_blocks=len(self._policy) - len(self._writers),
@@ -527,6 +533,7 @@ class StoreIndex:
             duplicate_stores_total=self._duplicates,
             loads_prepared_total=self._loads_prepared,
             pins_missed_total=self._pins_missed,
+            pins_expired_total=self._pins_expired,
             evicted_blocks_total=self._evicted,
             events_dropped_total=self.events.dropped_total,
         )

@@ -124,10 +124,12 @@ class RegionTables:
         )
 
     def namespace_extents(self, ns: int) -> I64:
-        """The namespace's extents in slot order (its n-th extent holds its n-th chunk)."""
+        """The namespace's extent of each of its chunks (-1: a hole, a chunk whose
+        extent went back to the pool)."""
         owned = np.flatnonzero(self.extents[:, 0] == ns)
-        order = np.argsort(self.extents[owned, 2], kind="stable")
-        result: I64 = owned[order].astype(np.int64)
+        chunks = self.extents[owned, 2].astype(np.int64)
+        result: I64 = np.full(int(chunks.max()) + 1 if chunks.size else 0, -1, dtype=np.int64)
+        result[chunks] = owned
         return result
 
 
@@ -151,13 +153,18 @@ class SlotMap:
 
     def _chunks(self, slots: I64) -> I64:
         chunks: I64 = slots // self.slots_per_extent
-        if slots.size and (int(slots.min()) < 0 or int(chunks.max()) >= self._extents.size):
+        if slots.size and not self._inside(slots, chunks):
             self.refresh()
-            if int(slots.min()) < 0 or int(chunks.max()) >= self._extents.size:
+            if not self._inside(slots, chunks):
                 raise RegionFormatError(
                     f"slot {int(slots.max())} is outside namespace {self.ns}'s extents"
                 )
         return chunks
+
+    def _inside(self, slots: I64, chunks: I64) -> bool:
+        if int(slots.min()) < 0 or int(chunks.max()) >= self._extents.size:
+            return False
+        return bool((self._extents[chunks] >= 0).all())
 
     def offsets(self, slots: I64) -> I64:
         """Byte offset of each slot from the region's start."""

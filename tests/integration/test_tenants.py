@@ -390,3 +390,45 @@ def test_copy_plans_that_expand_are_built_off_the_loop_and_charged(shared_sock: 
         assert canary.worst_s < STALL_LIMIT_S
         assert peak[0] - rss0 < 512 * MIB
         assert d.alive() and d.stop() == 0
+
+
+def store_as_b(sock: str, blocks: int) -> int:
+    """Another uid stores ``blocks`` blocks in its own namespace; how many it got."""
+    with kvoffload.connect(sock) as b:
+        ns = b.namespace("tenant-b", kvoffload.KVLayout(tensor_page_bytes=[A_PAGE]))
+        w = ns.attach_worker([kvoffload.shared_kv_cache(16, A_PAGE)])
+        stored = 0
+        for start in range(0, blocks, 16):
+            keys = [b"b-%05d" % i for i in range(start, start + 16)]
+            plan = ns.prepare_store(keys)
+            if plan is None:
+                break
+            assert w.submit_store(start + 1, np.arange(16), plan.slots)
+            w.wait([start + 1])
+            w.get_finished()
+            ns.complete_store(keys)
+            stored += 16
+        w.close()
+    return stored
+
+
+def test_a_pinned_block_does_not_keep_others_out_of_a_full_region(shared_sock: str) -> None:
+    """uid A fills the region and pins one block in its top extent; uid B still gets
+    its fair share (today: NO_SPACE, since only the top extent could move)."""
+    with DaemonProcess("32MiB", "--log-level", "warning", socket_path=shared_sock) as d:
+        n = fill_region(shared_sock, 4096)
+        with kvoffload.connect(shared_sock) as a:
+            ns = a.namespace("tenant-a", kvoffload.KVLayout(tensor_page_bytes=[A_PAGE]))
+            stored = [b"a-%06d" % i for i in range(n)]
+            held = [k for k in stored if ns.lookup([k])]
+            slots = ns.prepare_load(held).slots
+            top = held[int(np.argmax(slots))]  # the block in A's top extent
+            ns.complete_load([k for k in held if k != top])
+            last = [top]  # pinned, and held
+            got = as_uid(lambda: store_as_b(shared_sock, 160), NOBODY, gid=0)
+            region = a.stats()["region"]
+            share = region["extents_total"] // 2 * (region["extent_bytes"] // A_PAGE)
+            assert got >= min(160, share - 32), got
+            assert ns.lookup(last) == 1  # the pinned block stayed
+            ns.complete_load(last)
+        assert d.stop() == 0

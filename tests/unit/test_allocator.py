@@ -63,3 +63,29 @@ def test_release_free_tail_gives_extents_back() -> None:
 def test_slot_larger_than_extent_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         SlotPool(ExtentPool(1, EXT), 0, EXT + 1)
+
+
+def test_any_unused_extent_goes_back_and_its_chunk_is_a_hole_until_refilled() -> None:
+    """Reclaim takes whichever extent holds nothing in use, not only the top one: the
+    other chunks keep their ids and places; the hole's ids are not handed out."""
+    pool = ExtentPool(4, EXT, data_offset=0)
+    a = SlotPool(pool, 0, 4096)
+    assert a.allocate(12) == list(range(12))  # chunks 0, 1, 2 on extents 0, 1, 2
+    before = a.region_offsets(np.array([0, 11])).tolist()
+    for s in range(4, 8):
+        a.free(s)
+    a.free(2)
+    assert not a.release_chunk(0)  # slot 0 still used
+    assert a.release_chunk(1) and a.extents == [0, None, 2] and a.num_extents == 2
+    assert a.region_offsets(np.array([0, 11])).tolist() == before
+    assert not a.is_valid(np.array([5])) and a.is_valid(np.array([0, 11]))
+    assert pool.num_free == 2 and a.num_free == 1 + 2 * 4
+    assert a.allocate(1) == [2]  # the free id of an owned chunk first
+    b = SlotPool(pool, 1, 4096)
+    assert b.allocate(1) == [0] and pool.owner[1] == 1  # extent 1 serves b now
+    assert a.allocate(2) == [4, 5]  # a's hole refills from another extent
+    assert a.extents == [0, 3, 2] and a.is_valid(np.array([5]))
+    for s in (4, 5, *range(8, 12)):
+        a.free(s)
+    assert a.release_chunk(2) and a.release_chunk(1)
+    assert a.extents == [0] and a.capacity == 4  # holes on top are trimmed

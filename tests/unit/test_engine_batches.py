@@ -271,3 +271,25 @@ def test_a_million_pins_of_one_key_go_in_one_step_and_past_the_cap_are_missed(
     assert idx.release_client(A, TA) == (0, 1_000_000)
     assert len(calls) == 1 and ledger.held(A) == 0
     assert idx.statistics().pinned_blocks == 0
+
+
+def test_pins_held_past_the_timeout_are_dropped_oldest_first() -> None:
+    """A client cannot keep a block (and the extent it lies in) pinned for good."""
+    idx = make_index()
+    idx.pin_timeout_s = 60.0
+    now = 1000.0
+    idx.clock = lambda: now
+    slots = idx.lease(TA, 2)
+    idx.claim(TA, A, ks(1, 2), slots)
+    idx.mark_written(slots, 0)
+    idx.commit(TA, A, ks(1, 2), True)
+    idx.pin(ks(1) * 3, A)
+    idx.prepare_load(ks(2), B)
+    assert idx.expire_pins(now + 30) == 0 and idx.statistics().pinned_blocks == 2
+    idx.unpin(ks(2), B)
+    now = 1040.0
+    idx.prepare_load(ks(2), B)  # pinned again, later: its own age
+    assert idx.expire_pins(1061.0) == 3  # A's three pins of key 1
+    assert idx.pinned_by(A) == 0 and idx.pinned_by(B) == 1
+    assert idx.evict(ks(1)) == 1  # evictable again
+    assert idx.statistics().pins_expired_total == 3

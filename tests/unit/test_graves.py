@@ -110,3 +110,18 @@ def test_a_client_that_dies_drops_its_grave_pins() -> None:
     assert len(idx.graves) == 0
     with pytest.raises(NotLeasedError):
         idx.check_load_slots(np.array([slots[0]]))  # nobody may read it any more
+
+
+def test_a_grave_pinned_past_its_grace_and_the_pin_timeout_is_freed() -> None:
+    """A pin on an evicted block does not keep its slot for good either."""
+    idx = make_index(grace_s=1.0)
+    idx.pin_timeout_s = 5.0
+    slots = store(idx, A, 1, 2, 3, 4)
+    assert slots is not None
+    idx.evict(ks(1))  # buried: B's mirror may still hit it
+    idx.prepare_load(ks(1), B)  # B pins the grave
+    now = time.monotonic()
+    assert idx.expire_pins(now + 3.0) == 0 and len(idx.graves) == 1
+    assert idx.expire_pins(now + 7.0) == 1
+    assert len(idx.graves) == 0 and idx.pinned_by(B) == 0
+    assert idx.slots.num_free == 1
