@@ -162,6 +162,10 @@ class SlotPool:
     def is_busy(self, slot: int) -> bool:
         return bool(self._busy[slot]) if 0 <= slot < self._busy.size else False
 
+    def any_busy(self) -> bool:
+        """Whether any copy touches one of these slots."""
+        return bool(self._busy.any())
+
     def is_storing(self, slot: int) -> bool:
         """Whether a store copy into ``slot`` is running."""
         return bool(self._storing[slot]) if 0 <= slot < self._storing.size else False

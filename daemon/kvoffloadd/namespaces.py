@@ -8,9 +8,13 @@ Rules:
 - The table has ``MAX_NAMESPACES`` entries, kept in the region (they survive restarts).
   A uid may create at most ``max_namespaces_per_uid`` (root and the daemon's uid are
   not limited); when the table is full, a namespace nobody has open and nothing pins,
-  writes or leases is dropped (its blocks evicted, its extents freed, its entry
-  cleared) to make room, least used first. Only when none is idle is the open refused
-  (``NO_SPACE``).
+  writes, leases or copies is dropped (its blocks evicted, its extents freed, its
+  entry cleared) to make room, least used first. If none is idle, a uid holding fewer
+  entries than its fair share (the table over the uids holding entries) takes one from
+  the uid holding the most, if that one is over its share: the least used of its
+  namespaces that only its own connections have open and no copy runs in; those
+  connections lose it (``on_revoke``). Root's and the daemon's entries are never
+  taken. Only then is the open refused (``NO_SPACE``).
 - Extents move to a namespace below its fair share (extents / active namespaces) from
   the fattest one above it, by evicting a whole extent of it that holds nothing
   pinned, busy, leased or being written, wherever it lies (``evict_extent``), so a
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Callable
 
 import msgspec
@@ -78,16 +83,21 @@ class NamespaceTable:
         region: SharedOffloadRegion,
         on_new: Callable[[NamespaceIndex], None],
         on_drop: Callable[[NamespaceIndex], None],
+        on_revoke: Callable[[NamespaceIndex], None] = lambda index: None,
     ) -> None:
         self.config = config
         self.region = region
         self.by_id: dict[int, NamespaceIndex] = {}
         self.by_name: dict[str, NamespaceIndex] = {}
-        self._on_new, self._on_drop = on_new, on_drop
+        self._on_new, self._on_drop, self._on_revoke = on_new, on_drop, on_revoke
         self.dropped_total = 0
+        self.revoked_total = 0
 
-    def open(self, name: str, layout: m.KVLayout, uid: int, in_use: set[int]) -> NamespaceIndex:
-        """The namespace ``name`` (created if new); ``in_use``: ids some client has open."""
+    def open(
+        self, name: str, layout: m.KVLayout, uid: int, users: dict[int, set[int]]
+    ) -> NamespaceIndex:
+        """The namespace ``name`` (created if new) for a client of ``uid``; ``users``:
+        namespace id -> uids of the connections that have it open."""
         check_name(name)
         check_layout(layout)
         fp = layout.fingerprint()
@@ -112,24 +122,57 @@ class NamespaceTable:
                 raise QuotaExceededError(
                     f"uid {uid} created {mine} namespaces, the max_namespaces_per_uid limit"
                 )
-        ns_id = self._free_id(in_use)
+        ns_id = self._free_id(users, uid)
         self.region.register_namespace(ns_id, name, fp, msgspec.msgpack.encode(layout), uid)
         index = self._new_index(ns_id, name, layout, fp, slot_bytes, uid)
         log.info("namespace %s opened: %d-byte slots, fingerprint %s", name, slot_bytes, fp)
         return index
 
-    def _free_id(self, in_use: set[int]) -> int:
+    def _free_id(self, users: dict[int, set[int]], uid: int) -> int:
         free = next((i for i in range(MAX_NAMESPACES) if i not in self.by_id), None)
         if free is not None:
             return free
-        idle = [ns for ns in self.by_id.values() if ns.ns_id not in in_use and ns.is_idle()]
-        if not idle:
+        idle = [
+            ns
+            for ns in self.by_id.values()
+            if ns.ns_id not in users and ns.is_idle() and not ns.slots.any_busy()
+        ]
+        victim = min(idle, key=_use) if idle else self._over_share(users, uid)
+        if victim is None:
             raise NoSpaceError(
-                f"the namespace table is full ({MAX_NAMESPACES}) and every namespace is in use"
+                f"the namespace table is full ({MAX_NAMESPACES}), every namespace is in "
+                "use, and no uid holds more than its share of it"
             )
-        victim = min(idle, key=lambda ns: (ns.slots.num_used, ns.statistics().lookups_total))
+        if not idle:
+            log.warning(
+                "namespace %s of uid %d taken back: its uid holds more than its share of "
+                "the namespace table and uid %d needs one",
+                victim.name,
+                victim.creator_uid,
+                uid,
+            )
+            self.revoked_total += 1
+            self._on_revoke(victim)
         self.drop(victim)
         return victim.ns_id
+
+    def _over_share(self, users: dict[int, set[int]], uid: int) -> NamespaceIndex | None:
+        """The entry a uid below its fair share may take, if any (see the rules)."""
+        held = Counter(ns.creator_uid for ns in self.by_id.values())
+        fair = MAX_NAMESPACES // len(held.keys() | {uid})
+        trusted = (0, os.getuid())
+        hogs = [v for v in held if v != uid and v not in trusted and held[v] > fair]
+        if held[uid] >= fair or not hogs:
+            return None
+        hog = max(hogs, key=held.__getitem__)
+        mine = [
+            ns
+            for ns in self.by_id.values()
+            if ns.creator_uid == hog
+            and users.get(ns.ns_id, set()) <= {hog}
+            and not ns.slots.any_busy()
+        ]
+        return min(mine, key=_use) if mine else None
 
     def drop(self, index: NamespaceIndex) -> None:
         """Forget an idle namespace: its blocks, extents and table entry."""
@@ -228,3 +271,8 @@ class NamespaceTable:
                     break
             else:
                 return
+
+
+def _use(ns: NamespaceIndex) -> tuple[int, int]:
+    """Least used first: fewest blocks, then fewest lookups."""
+    return ns.slots.num_used, ns.statistics().lookups_total

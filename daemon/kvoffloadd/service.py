@@ -25,6 +25,7 @@ from typing import Any
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
+    ErrorCode,
     InvalidArgumentError,
     NoSpaceError,
     PermissionDeniedError,
@@ -79,7 +80,9 @@ class Service:
         self.pins = Ledger("pins", Limits.scaled(config.max_pins_per_client))
         self.jobs = Ledger("jobs", Limits.scaled(config.max_inflight_jobs_per_client))
         self.feeds = FeedBudget()  # every namespace's event log together
-        self.table = NamespaceTable(config, region, self._namespace_new, self._namespace_dropped)
+        self.table = NamespaceTable(
+            config, region, self._namespace_new, self._namespace_dropped, self._revoke
+        )
         self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
         self.sessions: dict[int, Session] = {}
         self.errors_by_code: dict[str, int] = {}
@@ -297,6 +300,45 @@ class Service:
         s = self.sessions.get(session_id)
         return s.uid if s is not None else -1 - session_id
 
+    def _revoke(self, index: NamespaceIndex) -> None:
+        """The table takes ``index`` back: every connection that has it open loses
+        it (stores failed, pins dropped, leases freed, workers detached), and is told."""
+        ns_id = index.ns_id
+        for s in self.sessions.values():
+            if ns_id not in s.namespaces:
+                continue
+            self._leave_namespace(s, ns_id)
+            for wid in [w for w in s.workers if self.workers[w].ns_id == ns_id]:
+                self.transfers.detach(self.workers[wid])
+            s.pushes.append(
+                m.Notice(
+                    0,
+                    ErrorCode.NOT_FOUND,
+                    f"namespace {index.name!r} was taken back: uid {s.uid} holds more than "
+                    "its share of the namespace table",
+                )
+            )
+
+    def _leave_namespace(self, s: Session, ns_id: int) -> None:
+        """Release what ``s`` holds in one namespace and forget it there."""
+        index = self.namespaces[ns_id]
+        index.events.unsubscribe(s.session_id)
+        writes, pins = index.release_client(s.session_id, s.leases[ns_id])
+        if writes or pins:
+            log.info(
+                "client %d (pid %d) gone: failed %d stores, dropped %d pins in %s",
+                s.session_id,
+                s.pid,
+                writes,
+                pins,
+                index.name,
+            )
+        s.namespaces.discard(ns_id)
+        s.leases.pop(ns_id, None)
+        s.want_leases.pop(ns_id, None)
+        s.push_feeds.discard(ns_id)
+        s.snapshots.pop(ns_id, None)
+
     def _ns(self, s: Session, ns_id: int) -> NamespaceIndex:
         if ns_id not in s.namespaces:
             raise InvalidArgumentError(f"namespace id {ns_id} was not opened on this connection")
@@ -307,8 +349,11 @@ class Service:
     ) -> m.Reply:
         if not self.access.may_open(s.peer, name):
             raise self._deny(s, f"open namespace {name!r}", "add a namespace_access rule for it")
-        in_use = set().union(*(x.namespaces for x in self.sessions.values()))
-        index = self.table.open(name, layout, s.uid, in_use)
+        users: dict[int, set[int]] = {}
+        for x in self.sessions.values():
+            for ns_id in x.namespaces:
+                users.setdefault(ns_id, set()).add(x.uid)
+        index = self.table.open(name, layout, s.uid, users)
         if index.ns_id not in s.namespaces:
             s.namespaces.add(index.ns_id)
             s.leases[index.ns_id] = new_token()
@@ -364,18 +409,8 @@ class Service:
 
     def close_session(self, s: Session) -> None:
         """Invariant 5: fail stores, drop pins, detach workers (unmapped after drain)."""
-        for ns_id in s.namespaces:
-            self.namespaces[ns_id].events.unsubscribe(s.session_id)
-            writes, pins = self.namespaces[ns_id].release_client(s.session_id, s.leases[ns_id])
-            if writes or pins:
-                log.info(
-                    "client %d (pid %d) gone: failed %d stores, dropped %d pins in %s",
-                    s.session_id,
-                    s.pid,
-                    writes,
-                    pins,
-                    self.namespaces[ns_id].name,
-                )
+        for ns_id in list(s.namespaces):
+            self._leave_namespace(s, ns_id)
         for wid in list(s.workers):
             self.transfers.detach(self.workers[wid])
         close_fds(s.fds)  # descriptors no message claimed

@@ -212,3 +212,36 @@ def test_a_crash_while_graves_are_held_restores_each_key_once() -> None:
         assert svc.region.recovered and index.lookup(keys) == len(keys)
         assert index.slots.num_used == len(keys) and index.slots.num_free == 1
         assert not (svc.region.slot_table["state"] == SLOT_GRAVE).any()
+
+
+def test_a_uid_below_its_share_of_a_full_table_takes_an_entry_from_the_largest_holder() -> None:
+    """Issue scenario: 8 uids x 32 namespaces, held open by 8 idle connections, left
+    everyone else NO_SPACE. A uid below its fair share now takes the least used entry
+    of the uid holding the most (only that uid's connections had it open)."""
+    with service(config(max_namespaces_per_uid=0)) as svc:
+        hogs = [session(svc, 10 + u, 2000 + u) for u in range(8)]
+        for u, s in enumerate(hogs):
+            for i in range(32 if u else 33):  # uid 2000 holds one more than the others
+                if len(svc.namespaces) < MAX_NAMESPACES:
+                    open_ns(svc, s, f"hog{u}-{i:02d}")
+        assert len(svc.namespaces) == MAX_NAMESPACES
+        newcomer = session(svc, 99, 3000)
+        ns = open_ns(svc, newcomer, "mine")
+        assert svc.table.by_id[ns].name == "mine" and svc.table.revoked_total == 1
+        taken = [p for s in hogs for p in s.pushes if isinstance(p, m.Notice)]
+        assert len(taken) == 1 and "taken back" in taken[0].message
+        assert svc.table.by_id[ns].creator_uid == 3000 and len(hogs[0].namespaces) == 32
+        # a second uid below its share takes another; root never loses its entries
+        open_ns(svc, session(svc, 98, 3001), "theirs")
+        assert svc.table.revoked_total == 2
+        with pytest.raises(NoSpaceError, match="table is full"):  # over its share: no
+            svc.handle(hogs[1], m.OpenNamespace(1, "hog1-more", LAYOUT))
+
+
+def test_a_full_table_of_roots_namespaces_is_never_taken_from() -> None:
+    with service(config(max_namespaces_per_uid=0)) as svc:
+        root = session(svc, 1, 0)
+        for i in range(MAX_NAMESPACES):
+            open_ns(svc, root, f"root-{i:03d}")
+        with pytest.raises(NoSpaceError, match="no uid holds more than its share"):
+            svc.handle(session(svc, 2, 3000), m.OpenNamespace(1, "mine", LAYOUT))
