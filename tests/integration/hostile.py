@@ -61,9 +61,12 @@ def fd_count(pid: int) -> int:
 
 
 def rss_bytes(pid: int) -> int:
+    """The process's own resident memory (RssAnon): not the region's shared pages,
+    which pre-faulting adds in the background (VmRSS counted them, so a figure taken
+    before pre-faulting ended made memory look held after an abuse)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     return 0
 

@@ -121,6 +121,8 @@ class Engine:
         self.stats["evictions"] += 1
 
     def reconnect(self) -> None:
+        if not self.client.connected:  # still connecting: dropping it now would
+            return  # only start another handshake, never finishing one
         old_client, old_worker = self.client, self.worker
         self._open()  # raises while the daemon is down: keep the old connection then
         old_worker.close()
@@ -143,21 +145,24 @@ class Engine:
         self.stats["operations"] += 1
 
 
-def engine_main(sock: str, seed: int, seconds: float, out: Any) -> None:
+def engine_main(sock: str, seed: int, seconds: float, out: Any, stop: Any = None) -> None:
     eng = Engine(sock, seed)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (stop is not None and stop.is_set()):
         eng.step()
     eng.worker.close()
     eng.client.close()
     out.put(dict(eng.stats))
 
 
-def soak(sock: str, clients: int, seconds: float) -> Counter[str]:
+def soak(sock: str, clients: int, seconds: float, stop: Any = None) -> Counter[str]:
+    """Run ``clients`` engines for ``seconds``, or until ``stop`` (a multiprocessing
+    Event of the spawn context) is set."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=engine_main, args=(sock, 1000 + i, seconds, out)) for i in range(clients)
+        ctx.Process(target=engine_main, args=(sock, 1000 + i, seconds, out, stop))
+        for i in range(clients)
     ]
     for p in procs:
         p.start()
