@@ -112,7 +112,10 @@ def free_port() -> int:
 def exported_series(tmp_path: Path) -> dict[str, set[str]]:
     """Series name -> label names, scraped from a daemon with a disk tier."""
     cfg = tmp_path / "k.toml"
-    cfg.write_text(f'[[tiers]]\ntype = "disk"\npath = "{tmp_path / "disk"}"\ncapacity = "8MiB"\n')
+    cfg.write_text(
+        f'tier_secret_file = "{tmp_path / "tier-secret"}"\n'
+        f'[[tiers]]\ntype = "disk"\npath = "{tmp_path / "disk"}"\ncapacity = "8MiB"\n'
+    )
     port = free_port()
     with DaemonProcess("64MiB", "--config", str(cfg), "--metrics-port", str(port)) as d:
         with kvoffload.connect(d.socket_path) as c:

@@ -10,6 +10,7 @@ import ctypes
 import pathlib
 import select
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -20,11 +21,13 @@ import pytest
 
 from kvoffloadd.crc import crc32
 from kvoffloadd.tiers.base import TierJob, TierNamespace, TierResult, WakeFd
+from kvoffloadd.tiers.blockauth import BlockMac
 from kvoffloadd.tiers.mooncake_local import read_own_segment, segment_span
 from kvoffloadd.tiers.mooncake_tier import HEADER_BYTES, MooncakeSettings, MooncakeTier
 
 BLOCK = 4096
 NS = TierNamespace.of("llama", "fp", BLOCK)
+MAC = BlockMac(bytes(range(32)))
 SEGMENT_BYTES = 8 << 20  # the fake's own segment: one warm-up object of 4 MiB
 
 
@@ -166,7 +169,7 @@ def make_tier(**settings: Any) -> Iterator[tuple[MooncakeTier, WakeFd, np.ndarra
     s = MooncakeSettings(f"127.0.0.1:{master}", f"http://127.0.0.1:{meta}/metadata")
     fields = {"refresh_s": 0.01, "timeout_s": 0.3, "threads": 2, "segment_bytes": SEGMENT_BYTES}
     s = MooncakeSettings(**{**s.__dict__, **fields, **settings})
-    t = MooncakeTier("mooncake", s, 0, wake, client_class=FakeStore)
+    t = MooncakeTier("mooncake", s, 0, wake, mac=MAC, client_class=FakeStore)
     region = np.zeros(16 * BLOCK, np.uint8)
     t.attach_region(region.ctypes.data, region.nbytes)
     t.open_namespace(NS)
@@ -236,26 +239,29 @@ def test_a_corrupt_object_fails_its_block_only_and_leaves_the_view(tier: Any) ->
     job(t, wake, region, True, [0, 1], [b"a", b"b"])
     name = t.object_name((NS.tier_id, b"a"))
     bad = bytearray(FakeStore.objects[name])
-    bad[100] ^= 0xFF  # one flipped byte: the CRC in the header no longer matches
+    bad[100] ^= 0xFF  # one flipped byte: the MAC in the seal no longer verifies
     FakeStore.objects[name] = bytes(bad)
     r, _ = job(t, wake, region, False, [8, 9], [b"a", b"b"])
     assert r.ok == [False, True]
     assert t.lookup(NS, [b"a", b"b"]) == [False, True]
+    assert t.statistics()["auth_bad_mac_total"] == 1
 
 
 def test_an_object_in_the_format_before_is_not_loaded(tier: Any) -> None:
-    """KVOMC001 objects carried a CRC32C: a daemon of this version reads them as misses."""
+    """KVOMC002 objects carried a CRC-32 in a 32-byte header, which anyone can compute:
+    a daemon of this version reads them as misses."""
     t, wake, region = tier
     region[:BLOCK] = 5
     job(t, wake, region, True, [0], [b"old"])
     name = t.object_name((NS.tier_id, b"old"))
     obj = bytearray(FakeStore.objects[name])
-    assert obj[BLOCK : BLOCK + 8] == b"KVOMC002"
-    obj[BLOCK : BLOCK + 8] = b"KVOMC001"
-    FakeStore.objects[name] = bytes(obj)
+    assert obj[BLOCK : BLOCK + 8] == b"KVOMC003"
+    old = struct.pack("<8sIQ", b"KVOMC002", crc32(bytes(obj[:BLOCK])), BLOCK)
+    FakeStore.objects[name] = bytes(obj[:BLOCK]) + old.ljust(32, b"\0")
     r, _ = job(t, wake, region, False, [3], [b"old"])
     assert r.ok == [False]
     assert t.lookup(NS, [b"old"]) == [False]
+    assert t.statistics()["auth_failures_total"] == 1
 
 
 def test_a_miss_is_checked_against_the_store(tier: Any) -> None:
@@ -309,7 +315,7 @@ def test_without_mooncake_the_tier_refuses_to_start_saying_what_to_install(
     wake = WakeFd()
     try:
         with pytest.raises(TierError, match=r"kvoffload\[mooncake\].*libibverbs1"):
-            MooncakeTier("m", MooncakeSettings("h:1", "http://h:2/metadata"), 0, wake)
+            MooncakeTier("m", MooncakeSettings("h:1", "http://h:2/metadata"), 0, wake, mac=MAC)
     finally:
         wake.close()
 
@@ -338,14 +344,12 @@ def test_blocks_in_the_own_segment_are_copied_by_the_tier_not_by_mooncake(tier: 
     assert (own, FakeStore.gets) == ((0, 2) if FakeStore.elsewhere else (2, 0))
 
 
-@pytest.mark.parametrize(
-    "settings", [{"lease_ttl_s": 1e-9}, {"lease_ttl_s": 0.0}, {"verify": False}]
-)
-def test_without_a_lease_to_cover_the_copies_or_a_check_mooncake_copies(
+@pytest.mark.parametrize("settings", [{"lease_ttl_s": 1e-9}, {"lease_ttl_s": 0.0}])
+def test_without_a_lease_to_cover_the_copies_mooncake_copies(
     settings: dict[str, Any],
 ) -> None:
     """Copies that outlast half the lease are redone by Mooncake (which checks its own
-    lease); lease_ttl_s = 0 or verify = false leave every promotion to Mooncake."""
+    lease); lease_ttl_s = 0 leaves every promotion to Mooncake."""
     FakeStore.elsewhere = False
     with make_tier(**settings) as (t, wake, region):
         region[: 2 * BLOCK] = 7
@@ -389,19 +393,19 @@ def test_only_complete_replicas_of_the_right_size_inside_the_own_span_are_copied
     got = read_own_segment(
         Answering(answer),
         names,
-        [memoryview(row) for row in dest],
-        [row.ctypes.data for row in dest],
+        n,
+        lambda j, src: MAC.copy_and_hash(NS, b"k", memoryview(dest[j]), dest[j].ctypes.data, src),
         [row.ctypes.data for row in headers],
         h,
         span,
         lease_ttl_s=10.0,
     )
     assert got.rest == [1, 2, 3, 4, 6]
-    assert sorted(got.crcs) == [0, 5]
+    assert sorted(got.tags) == [0, 5]
     for j, at in ((0, n + h), (5, 2 * (n + h))):
         assert np.array_equal(dest[j], segment[at : at + n])
         assert np.array_equal(headers[j], segment[at + n : at + n + h])
-        assert got.crcs[j] == crc32(dest[j])
+        assert got.tags[j] == MAC.tag(NS, b"k", dest[j])
     assert not dest[1:5].any() and not dest[6].any()  # nothing copied for the others
 
 
@@ -414,15 +418,15 @@ def test_copies_that_end_after_half_the_lease_are_all_handed_back() -> None:
     got = read_own_segment(
         Answering({"a": [replica(base, n + h, "me:1")]}),
         ["a"],
-        [memoryview(dest)],
-        [dest.ctypes.data],
+        n,
+        lambda j, src: MAC.copy_and_hash(NS, b"a", memoryview(dest), dest.ctypes.data, src),
         [header.ctypes.data],
         h,
         (base, base + n + h),
         lease_ttl_s=10.0,
         clock=lambda: next(ticks),
     )
-    assert got.rest == [0] and got.crcs == {}
+    assert got.rest == [0] and got.tags == {}
 
 
 def test_the_segment_span_never_reaches_past_the_mapping_that_holds_it(

@@ -48,7 +48,8 @@ def tier_rates(
     with one tier."""
     with tempfile.TemporaryDirectory(prefix="kvoffload-bench-") as tmp:
         cfg = pathlib.Path(tmp) / "d.toml"
-        cfg.write_text(tier_toml.replace("@TMP@", tmp))
+        secret = f'tier_secret_file = "{tmp}/tier-secret"\n'  # blocks sealed, MACs checked
+        cfg.write_text(secret + tier_toml.replace("@TMP@", tmp))
         with DaemonProcess("1GiB", "--config", str(cfg), "--log-level", "warning") as d:
             client = kvoffload.connect(d.socket_path)
             # The region's pre-fault clears 1 GiB on one of the CPUs: measuring while it
