@@ -448,3 +448,59 @@ def test_the_segment_span_never_reaches_past_the_mapping_that_holds_it(
     assert segment_span(0x2000, 0x1800, str(maps)) == (0x2000, 0x3800)
     assert segment_span(0x5800, 1 << 20, str(maps)) == (0x5800, 0x6000)  # not past the guard
     assert segment_span(0x4000, 16, str(maps)) is None  # not mapped: no own reads
+
+
+def test_an_object_of_another_size_is_refused_before_any_transfer(tier: Any) -> None:
+    """Scenario: another client puts an object of the wrong size under a block's name
+    (the format before had a 32-byte header). Mooncake would fail the transfer mid-way
+    and the tier would hold its slots and replace its client; the master's size says
+    it cannot be a block, so it is refused first: one miss, nothing else."""
+    t, wake, region = tier
+    region[:BLOCK] = 4
+    job(t, wake, region, True, [0], [b"k"])
+    name = t.object_name((NS.tier_id, b"k"))
+    FakeStore.objects[name] = FakeStore.objects[name][: BLOCK + 32]
+    gets = FakeStore.gets
+    r, _ = job(t, wake, region, False, [3], [b"k"])
+    assert r.ok == [False] and FakeStore.gets == gets  # no transfer asked for
+    st = t.statistics()
+    assert st["poisoned_clients"] == 0 and st["auth_bad_seal_total"] == 1 and t.healthy
+
+
+def test_the_listing_is_read_within_its_bounds() -> None:
+    """Scenario: a flood of objects under the prefix (of our namespace and others, and
+    lines too long to be names). One full read takes at most max_view_blocks of ours
+    and MAX_LISTING_LINES lines; a listing cut short removes nothing from the view."""
+    import http.server
+    import threading
+
+    lines = [f"kvoffload/{NS.tier_id}/{i:08x}".encode() for i in range(5000)]
+    lines += [b"kvoffload/" + b"f" * 32 + b"/00", b"x" * 100_000, b"other/thing"]
+    body = b"\n".join(lines) + b"\n"
+
+    class Listing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Listing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with make_tier(admin_url=url, max_view_blocks=1000, full_sync_s=0.05) as (t, wake, _):
+            present, complete = t._all_keys()
+            assert len(present) == 1001 and not complete  # stopped past the cap
+            settle(t, wake, lambda: t.statistics()["blocks"] == 1000)
+            end = time.monotonic() + 0.3  # more full reads: the view stays at its cap
+            settle(t, wake, lambda: time.monotonic() > end)
+            assert t.statistics()["blocks"] == 1000
+        with make_tier(admin_url=url) as (t, wake, _):
+            present, complete = t._all_keys()
+            assert len(present) == 5000 and complete  # the long line and others skipped
+    finally:
+        server.shutdown()
+        server.server_close()

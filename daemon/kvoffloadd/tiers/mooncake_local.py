@@ -53,6 +53,7 @@ class OwnSegmentRead:
 
     tags: dict[int, bytes] = field(default_factory=dict)  # copied here: the MAC of the copy
     rest: list[int] = field(default_factory=list)  # to read through Mooncake
+    answer: Any = None  # the master's replica descriptors, name -> replicas (if asked)
 
 
 Span = tuple[int, int]  # [first, end) addresses of this daemon's own segment
@@ -96,6 +97,16 @@ def segment_span(
     return (first_address, min(reach, end)) if reach else None
 
 
+def object_sizes(replicas: Any) -> set[int]:
+    """Sizes of the complete memory replicas the master describes (from another node:
+    data, used only to skip an object that cannot be a block, never to bound a read)."""
+    out = set()
+    for r in replicas or ():
+        if r.is_memory_replica() and getattr(r.status, "name", "") == "COMPLETE":
+            out.add(int(r.get_memory_descriptor().buffer_descriptor.size))
+    return out
+
+
 def _own_address(replicas: Any, endpoint: str, object_bytes: int, span: Span) -> int | None:
     for address, size in own_addresses(replicas, endpoint):
         if size == object_bytes and span[0] <= address and address + size <= span[1]:
@@ -128,8 +139,9 @@ def read_own_segment(
             continue
         out.tags[j] = copy(j, src)
         ctypes.memmove(headers[j], src + n, header_bytes)
-    if out.tags and clock() - started_s > lease_ttl_s / 2:
-        return OwnSegmentRead(rest=list(range(len(names))))  # the lease may have run out
+    out.answer = answer
+    if out.tags and clock() - started_s > lease_ttl_s / 2:  # the lease may have run out
+        return OwnSegmentRead(rest=list(range(len(names))), answer=answer)
     return out
 
 

@@ -52,7 +52,14 @@ import numpy as np
 
 from .base import TierError, TierJob, TierNamespace
 from .blockauth import SEAL, BlockMac, SealCheck
-from .mooncake_local import WARM_CHUNK_BYTES, OwnSegmentRead, Span, read_own_segment, warm_segment
+from .mooncake_local import (
+    WARM_CHUNK_BYTES,
+    OwnSegmentRead,
+    Span,
+    object_sizes,
+    read_own_segment,
+    warm_segment,
+)
 from .remote import MAX_VIEW_BLOCKS, Entry, RemoteTier
 
 log = logging.getLogger(__name__)
@@ -254,14 +261,24 @@ class MooncakeTier(RemoteTier):
             view[base + j * HEADER_BYTES : base + j * HEADER_BYTES + SEAL.size] = bytes(SEAL.size)
         own = self._read_own_segment(client, job, names, part, hdr)
         counts = dict.fromkeys(own.tags, n + HEADER_BYTES)
-        if own.rest:
-            rest = own.rest
+        # An object of another size is no block of ours: refused before any transfer
+        # (Mooncake fails a transfer into buffers of another size mid-way).
+        answer = own.answer if own.answer is not None else client.batch_get_replica_desc(names)
+        rest, misfits = [], set()
+        for j in own.rest:
+            found = object_sizes(answer.get(names[j]))
+            (misfits.add(j) if found and n + HEADER_BYTES not in found else rest.append(j))
+        if rest:
             got = client.batch_get_into_multi_buffers(
                 [names[j] for j in rest], [ptrs[j] for j in rest], [sizes[j] for j in rest]
             )
             counts.update(zip(rest, got))
         codes = []
         for j, i in enumerate(part):
+            if j in misfits:  # a rejection before any transfer: the slot was never written
+                self.seals.refuse("bad_seal", names[j])
+                codes.append(OBJECT_NOT_FOUND)
+                continue
             count = counts[j]
             if count < 0:
                 codes.append(count)
