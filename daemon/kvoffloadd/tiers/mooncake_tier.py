@@ -273,10 +273,12 @@ class MooncakeTier(RemoteTier):
                 [names[j] for j in rest], [ptrs[j] for j in rest], [sizes[j] for j in rest]
             )
             counts.update(zip(rest, got))
-        codes = []
+        codes: list[int] = []
+        refused: list[Entry] = []
         for j, i in enumerate(part):
             if j in misfits:  # a rejection before any transfer: the slot was never written
                 self.seals.refuse("bad_seal", names[j])
+                refused.append(entries[i])
                 codes.append(OBJECT_NOT_FOUND)
                 continue
             count = counts[j]
@@ -289,7 +291,10 @@ class MooncakeTier(RemoteTier):
             else:
                 tag = own.tags.get(j, b"")
                 good = self.seals.check(seal, job.ns, job.keys[i], job.buffers[i], names[j], tag)
+            if not good:
+                refused.append(entries[i])
             codes.append(0 if good else OBJECT_NOT_FOUND)
+        self.post_refused(refused)
         return codes
 
     def _read_own_segment(

@@ -301,6 +301,7 @@ class RedisTier(RemoteTier):
     def _load(self, job: TierJob, entries: list[Entry]) -> None:
         nbytes = job.ns.block_bytes
         ok = [False] * len(entries)
+        refused: list[Entry] = []
         done = 0
         conn = self._conn()
         try:
@@ -325,6 +326,8 @@ class RedisTier(RemoteTier):
                 whole = conn.read_into(out)
                 conn.read()  # the touch: an error there costs recency only
                 ok[i] = whole is True and self._check(meta, job, e[1], out)
+                if whole is True and isinstance(meta, bytes) and not ok[i]:
+                    refused.append(e)
                 done += len(out) if ok[i] else 0
         except self._errors_raw as exc:
             conn.close()
@@ -332,6 +335,7 @@ class RedisTier(RemoteTier):
         except Exception as exc:  # a tier fault stays inside the tier
             conn.close()
             log.warning("tier %s: a load failed: %r", self.name, exc)
+        self.post_refused(refused)
         self.finished.post("job", (job.result(ok, done), []))
 
     def _conn(self) -> RespConnection:

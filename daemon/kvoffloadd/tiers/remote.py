@@ -16,8 +16,11 @@ Rules:
   a copy of the view: the loop only applies them. A full read cut short by its bounds
   removes nothing.
 - A job's successful keys enter the view; a load that failed drops its keys (the
-  store lost them, or they failed their seal: one miss, then no more lookups hit
-  them until the store lists them again).
+  store lost them: one miss, then no more lookups hit them until the store lists them
+  again). A block refused by its seal (``refused``) is kept out of the view for
+  ``REFUSED_HOLD_S`` whatever the store lists, so a planted block costs one transfer
+  a minute at most, not one per lookup; a good block of that key written or read
+  here ends the hold.
 - Blocks carry a seal (blockauth.py), checked on the way back.
 - An unreachable store makes every lookup miss; the region is not affected. The first
   change of health is logged once, as is the recovery.
@@ -40,6 +43,8 @@ Entry = tuple[str, bytes]  # (tier id, key)
 VIEW_CHUNK = 4096  # entries per post from a tier thread
 VIEW_ENTRIES_PER_TURN = 8192  # entries one get_finished applies; the rest next turn
 MAX_VIEW_BLOCKS = 262_144  # default cap of the view (about 250 B an entry)
+REFUSED_HOLD_S = 60.0  # a block refused by its seal is not looked for again this long
+MAX_REFUSED = 65_536  # entries remembered as refused (the oldest are forgotten)
 
 
 class RemoteTier(SecondaryTier):
@@ -58,6 +63,7 @@ class RemoteTier(SecondaryTier):
         self._view: OrderedDict[Entry, float] = OrderedDict()
         self.max_view_blocks = max_view_blocks
         self.view_evicted_total = 0  # entries that left the view for its cap
+        self._refused: OrderedDict[Entry, float] = OrderedDict()  # entry -> held until
         self._jobs: dict[int, tuple[bool, list[Entry]]] = {}
         self.last_error = ""
         self.used_bytes = 0  # the shared total, as last polled
@@ -98,6 +104,7 @@ class RemoteTier(SecondaryTier):
                 self.counters.evicted_blocks_total += len(gone)
                 for e, ok in zip(entries, result.ok):
                     if ok:
+                        self._refused.pop(e, None)
                         self._view.pop(e, None)
                         self._admit(e, now)
                     elif not store:
@@ -107,9 +114,18 @@ class RemoteTier(SecondaryTier):
                 budget -= len(entries) + len(gone)
                 out.append(result)
             elif kind == "seen":
+                refused = self._refused
                 for e in item:
-                    if e not in self._view:
+                    if e not in self._view and refused.get(e, 0.0) <= now:
                         self._admit(e, now)
+                budget -= len(item)
+            elif kind == "refused":
+                for e in item:
+                    self._view.pop(e, None)
+                    self._refused.pop(e, None)
+                    self._refused[e] = now + REFUSED_HOLD_S
+                    if len(self._refused) > MAX_REFUSED:
+                        self._refused.popitem(last=False)
                 budget -= len(item)
             elif kind == "gone":
                 started_s, entries = item  # entries that entered since the read stay
@@ -155,6 +171,11 @@ class RemoteTier(SecondaryTier):
 
     def post_unreachable(self, why: str) -> None:
         self.finished.post("health", (False, why, 0))
+
+    def post_refused(self, entries: list[Entry]) -> None:
+        """Blocks a load refused by their seal (before its job result is posted)."""
+        if entries:
+            self.finished.post("refused", entries)
 
     def post_seen(self, entries: Iterable[Entry]) -> None:
         """Entries found present, in posts of at most ``VIEW_CHUNK``."""
