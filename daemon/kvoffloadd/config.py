@@ -76,7 +76,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     url: str = ""  # redis: redis://host:port/db
     threads: int = 4  # disk: I/O threads; redis: connections; mooncake: job threads
     fsync: bool = False  # disk: fsync each file (survive power loss, slower)
-    verify: bool = True  # CRC32 of every block checked when it is read back
+    verify: bool = True  # older configs: every block's MAC is always checked now
     ttl_s: float = 0.0  # redis: expire blocks after this long (0: never)
     prefix: str = "kvoffload"  # redis, mooncake: key prefix (daemons sharing blocks use one)
     chunk_size: int | str = "8MiB"  # redis: unused since blocks are one field (old configs)
@@ -92,6 +92,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     local_buffer_size: int | str = "16MiB"  # mooncake: the client's staging buffer
     admin_url: str = ""  # mooncake: http://host:port of the master's admin server
     lease_ttl_s: float = 10.0  # mooncake: the master's -default_kv_lease_ttl (0: off)
+    max_view_blocks: int = 262_144  # redis, mooncake: blocks of the store the daemon follows
 
     @property
     def capacity_bytes(self) -> int:
@@ -129,6 +130,8 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ConfigError(f"{where}.{key}: {getattr(self, key)} is negative")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.prefix):
             raise ConfigError(f"{where}.prefix: {self.prefix!r} must be 1-64 plain characters")
+        if not 1 <= self.max_view_blocks <= 1 << 26:
+            raise ConfigError(f"{where}.max_view_blocks: {self.max_view_blocks} is not in 1..2^26")
 
     def _validate_mooncake(self, where: str) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.\[\]:-]+:[0-9]{1,5}", self.master):
@@ -204,6 +207,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tiers: list[TierConfig] = msgspec.field(default_factory=list)
     tier_max_inflight_blocks: int = 256  # per tier: region blocks pinned for cascades
     tier_job_timeout_s: float = 30.0  # a tier with a job older than this is stalled
+    # the per-deployment secret that seals tier blocks (64 hex digits; generated when
+    # absent); empty: tier-secret in $STATE_DIRECTORY, else in /var/lib/kvoffload
+    tier_secret_file: str = ""
 
     @property
     def socket_path(self) -> str:
@@ -228,6 +234,13 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
             return default_extent_bytes(self.region_bytes)
         return parse_size(self.extent_size, "extent_size")
+
+    @property
+    def tier_secret_path(self) -> str:
+        if self.tier_secret_file:
+            return self.tier_secret_file
+        state = os.environ.get("STATE_DIRECTORY", "").split(":")[0] or "/var/lib/kvoffload"
+        return os.path.join(state, "tier-secret")
 
     @property
     def region_name(self) -> str:

@@ -22,7 +22,7 @@ from .server import Server, bind_listener
 from .service import Service
 from .systemd import Notifier, listen_fds
 from .tiering import Tiering
-from .tiers import SecondaryTier, TierError, WakeFd, build_tier
+from .tiers import BlockMac, SecondaryTier, TierError, WakeFd, build_tier, read_secret
 from .trust import FileLock, UntrustedError, raise_fd_limit, secure_dir
 
 log = logging.getLogger("kvoffloadd")
@@ -138,11 +138,16 @@ def build_tiering(cfg: DaemonConfig, region: SharedOffloadRegion) -> Tiering | N
     not: it is only unhealthy until it answers."""
     if not cfg.tiers:
         return None
+    try:
+        mac = BlockMac(read_secret(cfg.tier_secret_path))
+    except TierError as exc:
+        raise ConfigError(str(exc)) from exc
+    log.info("tier blocks sealed with key id %s (%s)", mac.key_id.hex(), cfg.tier_secret_path)
     wake = WakeFd()
     tiers: list[SecondaryTier] = []
     for tc in cfg.tiers:
         try:
-            tiers.append(build_tier(tc, wake))
+            tiers.append(build_tier(tc, wake, mac))
         except TierError as exc:
             for t in tiers:
                 t.close()

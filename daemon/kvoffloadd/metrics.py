@@ -160,6 +160,11 @@ _TIER_COUNTERS = (
         "Cascades skipped (backlog full, or evicted first).",
         "tier_cascade_dropped",
     ),
+    (
+        "auth_failures_total",
+        "Blocks refused by their seal (another secret, a bad MAC, an older format).",
+        "tier_auth_failures",
+    ),
 )
 _TIER_GAUGES = (
     ("blocks", "Blocks the tier holds.", "tier_blocks"),

@@ -9,6 +9,11 @@ attacker planting files in /tmp or /dev/shm) is checked before use:
   (0700 for tier data). Its ancestors too must be owned by the daemon's uid or root
   and writable by nobody else, unless root-owned and sticky (/tmp): nobody else can
   rename a checked directory away and put their own in its place.
+- A disk tier's directory is held to more (``private_dir``): it, and every directory
+  above it up to one owned by the daemon's uid, may be written by nobody else (a
+  sticky /tmp is no exception there: anyone could create entries in it). Only the
+  directory itself is created, never its parents; it is opened ``O_NOFOLLOW`` and
+  everything under it is reached from its descriptor (``openat``), never by path.
 - Files are opened with ``O_NOFOLLOW`` and checked with ``fstat`` on the descriptor
   (type, owner, mode), never by path, so nothing can be swapped between check and use.
 - A shared-memory region is adopted only if it is a regular file owned by the
@@ -78,6 +83,83 @@ def secure_dir(path: str, mode: int = 0o750) -> None:
         if parent == "/":
             return
         parent = os.path.dirname(parent)
+
+
+def private_dir(path: str) -> int:
+    """A descriptor of the directory ``path`` (created 0700 if absent; its parent must
+    exist) that nobody but the daemon's uid can change: ``UntrustedError`` names the
+    directory that breaks the rules."""
+    me = os.geteuid()
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path.rstrip("/") or "/")
+    if not name:
+        raise UntrustedError("/ cannot be a tier directory")
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        pfd = os.open(parent, flags)
+    except FileNotFoundError:
+        raise UntrustedError(
+            f"{parent}, above {path}, does not exist: create it first (kvoffloadd creates "
+            "only the tier directory itself)"
+        ) from None
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=pfd)
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW, dir_fd=pfd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                raise UntrustedError(
+                    f"{path} is {_describe(st)}; kvoffloadd needs its own directory there: "
+                    "remove it, or choose another path"
+                ) from None
+            raise
+        pst = os.fstat(pfd)
+    finally:
+        os.close(pfd)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != me or st.st_mode & 0o022 or (me and st.st_mode & 0o300 != 0o300):
+            why = "writable by others, " if st.st_mode & 0o022 else ""
+            raise UntrustedError(
+                f"{path} is {why}{_describe(st)}; a tier directory must be kvoffloadd's "
+                f"own (uid {me}), writable by nobody else: chown and chmod 0700 it, or "
+                "choose another path"
+            )
+        _no_other_writer_above(path, parent, pst, me)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _no_other_writer_above(path: str, parent: str, pst: os.stat_result, me: int) -> None:
+    """Directories above a private one: nobody else may write to any of them up to one
+    of the daemon's uid (whose entries nobody else can rename: above it, the usual
+    rule, where a root-owned sticky directory is fine)."""
+    strict = True  # the tier directory itself is the daemon's: its parent decides
+    d, st = parent, pst
+    real = os.path.realpath(parent)
+    while True:
+        if st.st_uid not in (me, 0):
+            raise UntrustedError(
+                f"{d}, above {path}, is {_describe(st)}: its owner could replace {path}; "
+                f"choose a path under directories of root or uid {me}"
+            )
+        if strict and st.st_mode & 0o022:
+            raise UntrustedError(
+                f"{d}, above {path}, is writable by others ({_describe(st)}): another user "
+                f"could put entries there; nobody but uid {me} may write to a tier "
+                "directory or the directories above it up to one of its own"
+            )
+        _not_writable_by_others(d, st)
+        if st.st_uid == me:
+            strict = False
+        if real == "/":
+            return
+        real = os.path.dirname(real)
+        d, st = real, os.stat(real)
 
 
 def _not_writable_by_others(path: str, st: os.stat_result) -> None:

@@ -112,7 +112,10 @@ def free_port() -> int:
 def exported_series(tmp_path: Path) -> dict[str, set[str]]:
     """Series name -> label names, scraped from a daemon with a disk tier."""
     cfg = tmp_path / "k.toml"
-    cfg.write_text(f'[[tiers]]\ntype = "disk"\npath = "{tmp_path / "disk"}"\ncapacity = "8MiB"\n')
+    cfg.write_text(
+        f'tier_secret_file = "{tmp_path / "tier-secret"}"\n'
+        f'[[tiers]]\ntype = "disk"\npath = "{tmp_path / "disk"}"\ncapacity = "8MiB"\n'
+    )
     port = free_port()
     with DaemonProcess("64MiB", "--config", str(cfg), "--metrics-port", str(port)) as d:
         with kvoffload.connect(d.socket_path) as c:
@@ -150,3 +153,20 @@ def test_the_dashboard_asks_only_for_series_the_daemon_exports(tmp_path: Path) -
                     label,
                     expr,
                 )
+
+
+def test_every_node_reads_the_same_tier_secret_as_one_plain_file() -> None:
+    """The config's tier_secret_file is the Secret mounted by subPath (a bind-mounted
+    file, not the symlinks of a Secret volume, which the daemon refuses), root-only."""
+    docs = documents("kvoffloadd.yaml")
+    cm, ds = kind(docs, "ConfigMap"), kind(docs, "DaemonSet")
+    cfg_text = cm["data"]["kvoffloadd.toml"]
+    (line,) = [x for x in cfg_text.splitlines() if x.startswith("tier_secret_file")]
+    path = line.split("=", 1)[1].strip().strip('"')
+    spec = ds["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == path]
+    assert mount["subPath"] == "tier-secret" and mount["readOnly"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert vol["secret"]["secretName"] == "kvoffloadd-tier-secret"
+    assert vol["secret"]["defaultMode"] == 0o400

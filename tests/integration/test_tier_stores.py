@@ -17,9 +17,11 @@ from test_tiers import keys
 from kvoffloadbench.redis_server import RedisServer
 from kvoffloadd.crc import crc32
 from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
+from kvoffloadd.tiers.blockauth import BlockMac
 from kvoffloadd.tiers.disk import DiskTier, file_bytes
-from kvoffloadd.tiers.redis_tier import _META, LOAD_WINDOW_BYTES, RedisTier
+from kvoffloadd.tiers.redis_tier import LOAD_WINDOW_BYTES, RedisTier
 
+MAC = BlockMac(bytes(range(32)))  # the tests' tier secret
 BLOCK = 4096
 NS = TierNamespace.of("llama", "f" * 32, BLOCK)
 _ids = itertools.count(1)
@@ -74,7 +76,7 @@ def test_disk_tier_keeps_its_byte_budget_least_recently_used_first(
 ) -> None:
     ks = keys(b"d", 4)
     cap = 3 * file_bytes(ks[0], BLOCK)
-    tier = DiskTier("disk", str(tmp_path), cap, wake, threads=2)
+    tier = DiskTier("disk", str(tmp_path), cap, wake, mac=MAC, threads=2)
     try:
         wait_for(tier, wake, lambda: tier.scanned)
         assert run(tier, wake, True, ks[:3], [block(i) for i in range(3)]).ok == [True] * 3
@@ -95,7 +97,7 @@ def test_disk_tier_keeps_its_byte_budget_least_recently_used_first(
     finally:
         tier.close()
     # a new instance over the same directory finds the blocks, oldest first
-    again = DiskTier("disk", str(tmp_path), cap, wake)
+    again = DiskTier("disk", str(tmp_path), cap, wake, mac=MAC)
     try:
         wait_for(again, wake, lambda: again.scanned)
         assert again.lookup(NS, ks) == [True, False, True, True]
@@ -107,7 +109,7 @@ def test_disk_tier_keeps_its_byte_budget_least_recently_used_first(
 
 
 def test_disk_tier_rejects_a_block_of_another_size(tmp_path: pathlib.Path, wake: WakeFd) -> None:
-    tier = DiskTier("disk", str(tmp_path), 1 << 20, wake)
+    tier = DiskTier("disk", str(tmp_path), 1 << 20, wake, mac=MAC)
     try:
         ks = keys(b"s", 1)
         assert run(tier, wake, True, ks, [block(1)]).ok == [True]
@@ -129,8 +131,8 @@ def redis_url(redis_server_name: str) -> Iterator[str]:
 def test_redis_tier_budget_evicts_least_recently_used_across_daemons(
     redis_url: str, wake: WakeFd
 ) -> None:
-    a = RedisTier("redis", redis_url, 3 * BLOCK, wake, refresh_s=0.02, full_sync_s=0.3)
-    b = RedisTier("redis", redis_url, 3 * BLOCK, wake, refresh_s=0.02)
+    a = RedisTier("redis", redis_url, 3 * BLOCK, wake, mac=MAC, refresh_s=0.02, full_sync_s=0.3)
+    b = RedisTier("redis", redis_url, 3 * BLOCK, wake, mac=MAC, refresh_s=0.02)
     for t in (a, b):
         t.open_namespace(NS)
     try:
@@ -152,7 +154,7 @@ def test_redis_tier_budget_evicts_least_recently_used_across_daemons(
 
 
 def test_redis_blocks_expire_after_their_ttl(redis_url: str, wake: WakeFd) -> None:
-    tier = RedisTier("redis", redis_url, 0, wake, ttl_s=0.3, refresh_s=0.02)
+    tier = RedisTier("redis", redis_url, 0, wake, mac=MAC, ttl_s=0.3, refresh_s=0.02)
     tier.open_namespace(NS)
     try:
         ks = keys(b"t", 2)
@@ -175,7 +177,7 @@ def test_a_fifo_planted_for_a_block_file_fails_that_block_without_blocking(
 ) -> None:
     """Scenario: someone replaces a block file by a FIFO (or a link). Its read fails at
     once, the other blocks of the job load, and the tier stops without waiting."""
-    tier = DiskTier("disk", str(tmp_path), 1 << 20, wake)
+    tier = DiskTier("disk", str(tmp_path), 1 << 20, wake, mac=MAC)
     ks = keys(b"f", 3)
     try:
         assert run(tier, wake, True, ks, [block(1), block(2), block(3)]).ok == [True] * 3
@@ -199,7 +201,7 @@ def test_garbage_in_redis_stays_inside_its_key(redis_url: str, wake: WakeFd) -> 
     string at one block's key. The poller survives, that key fails, others load."""
     import redis
 
-    tier = RedisTier("redis", redis_url, 0, wake, refresh_s=0.02)
+    tier = RedisTier("redis", redis_url, 0, wake, mac=MAC, refresh_s=0.02)
     tier.open_namespace(NS)
     r = redis.Redis.from_url(redis_url)
     try:
@@ -223,11 +225,14 @@ def test_garbage_in_redis_stays_inside_its_key(redis_url: str, wake: WakeFd) -> 
 def test_a_flipped_byte_or_an_older_format_in_redis_fails_that_block_only(
     redis_url: str, wake: WakeFd
 ) -> None:
-    """A block whose bytes changed under its CRC-32, and one in the format before
-    (KVORED02: its header held a CRC32C), are not loaded: each fails alone."""
+    """A block whose bytes changed under its seal, and one in the format before
+    (KVORED03: a CRC-32 anyone can compute, no MAC), are not loaded: each fails alone,
+    counted by reason."""
+    import struct
+
     import redis
 
-    tier = RedisTier("redis", redis_url, 0, wake, refresh_s=0.02)
+    tier = RedisTier("redis", redis_url, 0, wake, mac=MAC, refresh_s=0.02)
     tier.open_namespace(NS)
     r = redis.Redis.from_url(redis_url)
     try:
@@ -236,11 +241,14 @@ def test_a_flipped_byte_or_an_older_format_in_redis_fails_that_block_only(
         flipped = bytearray(block(1))
         flipped[BLOCK // 2] ^= 0x01
         r.hset(tier._data_key((NS.tier_id, ks[0])), "d", bytes(flipped))
-        old = _META.pack(b"KVORED02", crc32(block(2)), BLOCK)
+        old = struct.pack("<8sIQ", b"KVORED03", crc32(block(2)), BLOCK)
         r.hset(tier._data_key((NS.tier_id, ks[1])), "m", old)
         out = [b"", b"", b""]
         assert run(tier, wake, False, ks, out).ok == [False, False, True]
         assert out[2] == block(3)
+        st = tier.statistics()
+        assert st["auth_bad_mac_total"] == 1 and st["auth_unauthenticated_total"] == 1
+        assert st["auth_failures_total"] == 2
     finally:
         r.close()
         tier.close()
@@ -256,7 +264,7 @@ def test_a_load_longer_than_its_window_keeps_order_past_a_foreign_value(
     big = 1 << 20
     ns = TierNamespace.of("big", "e" * 32, big)
     assert LOAD_WINDOW_BYTES // big < 9
-    tier = RedisTier("redis", redis_url, 0, wake, refresh_s=0.02, connections=1)
+    tier = RedisTier("redis", redis_url, 0, wake, mac=MAC, refresh_s=0.02, connections=1)
     tier.open_namespace(ns)
     r = redis.Redis.from_url(redis_url)
     try:
@@ -300,10 +308,13 @@ def test_a_disk_tier_directory_someone_else_could_change_is_refused(
     }
     for sub, needle in cases.items():
         with pytest.raises(TierError, match=needle):
-            DiskTier("disk", str(tmp_path / sub), 1 << 20, wake)
+            DiskTier("disk", str(tmp_path / sub), 1 << 20, wake, mac=MAC)
     assert list(elsewhere.iterdir()) == []  # nothing was written through the link
-    tier = DiskTier("disk", str(tmp_path / "mine" / "blocks"), 1 << 20, wake)  # created 0700
+    with pytest.raises(TierError, match="does not exist"):  # parents are never created
+        DiskTier("disk", str(tmp_path / "mine" / "blocks"), 1 << 20, wake, mac=MAC)
+    assert not (tmp_path / "mine").exists()
+    tier = DiskTier("disk", str(tmp_path / "blocks"), 1 << 20, wake, mac=MAC)  # created 0700
     try:
-        assert os.stat(tmp_path / "mine" / "blocks").st_mode & 0o777 == 0o700
+        assert os.stat(tmp_path / "blocks").st_mode & 0o777 == 0o700
     finally:
         tier.close()

@@ -77,11 +77,19 @@ def scrape(port: int) -> str:
 
 
 def tier_daemon(
-    tmp: pathlib.Path, tiers_toml: str, name: str = "d", *extra: str, top: str = ""
+    tmp: pathlib.Path,
+    tiers_toml: str,
+    name: str = "d",
+    *extra: str,
+    top: str = "",
+    secret: pathlib.Path | None = None,
 ) -> DaemonProcess:
-    """A daemon with the test quota and these tiers; ``top``: more top-level settings."""
+    """A daemon with the test quota and these tiers; ``top``: more top-level settings.
+    Daemons of one test share one tier secret (``tmp/tier-secret``) unless ``secret``
+    names another file."""
     cfg = tmp / f"{name}.toml"
-    cfg.write_text(top + QUOTA + tiers_toml)
+    secret_line = f'tier_secret_file = "{secret or tmp / "tier-secret"}"\n'
+    cfg.write_text(secret_line + top + QUOTA + tiers_toml)
     return DaemonProcess("64MiB", "--config", str(cfg), "--log-level", "warning", *extra)
 
 

@@ -10,6 +10,7 @@ import ctypes
 import pathlib
 import select
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -20,11 +21,13 @@ import pytest
 
 from kvoffloadd.crc import crc32
 from kvoffloadd.tiers.base import TierJob, TierNamespace, TierResult, WakeFd
+from kvoffloadd.tiers.blockauth import BlockMac
 from kvoffloadd.tiers.mooncake_local import read_own_segment, segment_span
 from kvoffloadd.tiers.mooncake_tier import HEADER_BYTES, MooncakeSettings, MooncakeTier
 
 BLOCK = 4096
 NS = TierNamespace.of("llama", "fp", BLOCK)
+MAC = BlockMac(bytes(range(32)))
 SEGMENT_BYTES = 8 << 20  # the fake's own segment: one warm-up object of 4 MiB
 
 
@@ -166,7 +169,7 @@ def make_tier(**settings: Any) -> Iterator[tuple[MooncakeTier, WakeFd, np.ndarra
     s = MooncakeSettings(f"127.0.0.1:{master}", f"http://127.0.0.1:{meta}/metadata")
     fields = {"refresh_s": 0.01, "timeout_s": 0.3, "threads": 2, "segment_bytes": SEGMENT_BYTES}
     s = MooncakeSettings(**{**s.__dict__, **fields, **settings})
-    t = MooncakeTier("mooncake", s, 0, wake, client_class=FakeStore)
+    t = MooncakeTier("mooncake", s, 0, wake, mac=MAC, client_class=FakeStore)
     region = np.zeros(16 * BLOCK, np.uint8)
     t.attach_region(region.ctypes.data, region.nbytes)
     t.open_namespace(NS)
@@ -236,26 +239,29 @@ def test_a_corrupt_object_fails_its_block_only_and_leaves_the_view(tier: Any) ->
     job(t, wake, region, True, [0, 1], [b"a", b"b"])
     name = t.object_name((NS.tier_id, b"a"))
     bad = bytearray(FakeStore.objects[name])
-    bad[100] ^= 0xFF  # one flipped byte: the CRC in the header no longer matches
+    bad[100] ^= 0xFF  # one flipped byte: the MAC in the seal no longer verifies
     FakeStore.objects[name] = bytes(bad)
     r, _ = job(t, wake, region, False, [8, 9], [b"a", b"b"])
     assert r.ok == [False, True]
     assert t.lookup(NS, [b"a", b"b"]) == [False, True]
+    assert t.statistics()["auth_bad_mac_total"] == 1
 
 
 def test_an_object_in_the_format_before_is_not_loaded(tier: Any) -> None:
-    """KVOMC001 objects carried a CRC32C: a daemon of this version reads them as misses."""
+    """KVOMC002 objects carried a CRC-32 in a 32-byte header, which anyone can compute:
+    a daemon of this version reads them as misses."""
     t, wake, region = tier
     region[:BLOCK] = 5
     job(t, wake, region, True, [0], [b"old"])
     name = t.object_name((NS.tier_id, b"old"))
     obj = bytearray(FakeStore.objects[name])
-    assert obj[BLOCK : BLOCK + 8] == b"KVOMC002"
-    obj[BLOCK : BLOCK + 8] = b"KVOMC001"
-    FakeStore.objects[name] = bytes(obj)
+    assert obj[BLOCK : BLOCK + 8] == b"KVOMC003"
+    old = struct.pack("<8sIQ", b"KVOMC002", crc32(bytes(obj[:BLOCK])), BLOCK)
+    FakeStore.objects[name] = bytes(obj[:BLOCK]) + old.ljust(32, b"\0")
     r, _ = job(t, wake, region, False, [3], [b"old"])
     assert r.ok == [False]
     assert t.lookup(NS, [b"old"]) == [False]
+    assert t.statistics()["auth_failures_total"] == 1
 
 
 def test_a_miss_is_checked_against_the_store(tier: Any) -> None:
@@ -309,7 +315,7 @@ def test_without_mooncake_the_tier_refuses_to_start_saying_what_to_install(
     wake = WakeFd()
     try:
         with pytest.raises(TierError, match=r"kvoffload\[mooncake\].*libibverbs1"):
-            MooncakeTier("m", MooncakeSettings("h:1", "http://h:2/metadata"), 0, wake)
+            MooncakeTier("m", MooncakeSettings("h:1", "http://h:2/metadata"), 0, wake, mac=MAC)
     finally:
         wake.close()
 
@@ -338,14 +344,12 @@ def test_blocks_in_the_own_segment_are_copied_by_the_tier_not_by_mooncake(tier: 
     assert (own, FakeStore.gets) == ((0, 2) if FakeStore.elsewhere else (2, 0))
 
 
-@pytest.mark.parametrize(
-    "settings", [{"lease_ttl_s": 1e-9}, {"lease_ttl_s": 0.0}, {"verify": False}]
-)
-def test_without_a_lease_to_cover_the_copies_or_a_check_mooncake_copies(
+@pytest.mark.parametrize("settings", [{"lease_ttl_s": 1e-9}, {"lease_ttl_s": 0.0}])
+def test_without_a_lease_to_cover_the_copies_mooncake_copies(
     settings: dict[str, Any],
 ) -> None:
     """Copies that outlast half the lease are redone by Mooncake (which checks its own
-    lease); lease_ttl_s = 0 or verify = false leave every promotion to Mooncake."""
+    lease); lease_ttl_s = 0 leaves every promotion to Mooncake."""
     FakeStore.elsewhere = False
     with make_tier(**settings) as (t, wake, region):
         region[: 2 * BLOCK] = 7
@@ -389,19 +393,19 @@ def test_only_complete_replicas_of_the_right_size_inside_the_own_span_are_copied
     got = read_own_segment(
         Answering(answer),
         names,
-        [memoryview(row) for row in dest],
-        [row.ctypes.data for row in dest],
+        n,
+        lambda j, src: MAC.copy_and_hash(NS, b"k", memoryview(dest[j]), dest[j].ctypes.data, src),
         [row.ctypes.data for row in headers],
         h,
         span,
         lease_ttl_s=10.0,
     )
     assert got.rest == [1, 2, 3, 4, 6]
-    assert sorted(got.crcs) == [0, 5]
+    assert sorted(got.tags) == [0, 5]
     for j, at in ((0, n + h), (5, 2 * (n + h))):
         assert np.array_equal(dest[j], segment[at : at + n])
         assert np.array_equal(headers[j], segment[at + n : at + n + h])
-        assert got.crcs[j] == crc32(dest[j])
+        assert got.tags[j] == MAC.tag(NS, b"k", dest[j])
     assert not dest[1:5].any() and not dest[6].any()  # nothing copied for the others
 
 
@@ -414,15 +418,15 @@ def test_copies_that_end_after_half_the_lease_are_all_handed_back() -> None:
     got = read_own_segment(
         Answering({"a": [replica(base, n + h, "me:1")]}),
         ["a"],
-        [memoryview(dest)],
-        [dest.ctypes.data],
+        n,
+        lambda j, src: MAC.copy_and_hash(NS, b"a", memoryview(dest), dest.ctypes.data, src),
         [header.ctypes.data],
         h,
         (base, base + n + h),
         lease_ttl_s=10.0,
         clock=lambda: next(ticks),
     )
-    assert got.rest == [0] and got.crcs == {}
+    assert got.rest == [0] and got.tags == {}
 
 
 def test_the_segment_span_never_reaches_past_the_mapping_that_holds_it(
@@ -444,3 +448,59 @@ def test_the_segment_span_never_reaches_past_the_mapping_that_holds_it(
     assert segment_span(0x2000, 0x1800, str(maps)) == (0x2000, 0x3800)
     assert segment_span(0x5800, 1 << 20, str(maps)) == (0x5800, 0x6000)  # not past the guard
     assert segment_span(0x4000, 16, str(maps)) is None  # not mapped: no own reads
+
+
+def test_an_object_of_another_size_is_refused_before_any_transfer(tier: Any) -> None:
+    """Scenario: another client puts an object of the wrong size under a block's name
+    (the format before had a 32-byte header). Mooncake would fail the transfer mid-way
+    and the tier would hold its slots and replace its client; the master's size says
+    it cannot be a block, so it is refused first: one miss, nothing else."""
+    t, wake, region = tier
+    region[:BLOCK] = 4
+    job(t, wake, region, True, [0], [b"k"])
+    name = t.object_name((NS.tier_id, b"k"))
+    FakeStore.objects[name] = FakeStore.objects[name][: BLOCK + 32]
+    gets = FakeStore.gets
+    r, _ = job(t, wake, region, False, [3], [b"k"])
+    assert r.ok == [False] and FakeStore.gets == gets  # no transfer asked for
+    st = t.statistics()
+    assert st["poisoned_clients"] == 0 and st["auth_bad_seal_total"] == 1 and t.healthy
+
+
+def test_the_listing_is_read_within_its_bounds() -> None:
+    """Scenario: a flood of objects under the prefix (of our namespace and others, and
+    lines too long to be names). One full read takes at most max_view_blocks of ours
+    and MAX_LISTING_LINES lines; a listing cut short removes nothing from the view."""
+    import http.server
+    import threading
+
+    lines = [f"kvoffload/{NS.tier_id}/{i:08x}".encode() for i in range(5000)]
+    lines += [b"kvoffload/" + b"f" * 32 + b"/00", b"x" * 100_000, b"other/thing"]
+    body = b"\n".join(lines) + b"\n"
+
+    class Listing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Listing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with make_tier(admin_url=url, max_view_blocks=1000, full_sync_s=0.05) as (t, wake, _):
+            present, complete = t._all_keys()
+            assert len(present) == 1001 and not complete  # stopped past the cap
+            settle(t, wake, lambda: t.statistics()["blocks"] == 1000)
+            end = time.monotonic() + 0.3  # more full reads: the view stays at its cap
+            settle(t, wake, lambda: time.monotonic() > end)
+            assert t.statistics()["blocks"] == 1000
+        with make_tier(admin_url=url) as (t, wake, _):
+            present, complete = t._all_keys()
+            assert len(present) == 5000 and complete  # the long line and others skipped
+    finally:
+        server.shutdown()
+        server.server_close()

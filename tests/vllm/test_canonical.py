@@ -191,7 +191,10 @@ def test_a_canonical_block_cascaded_by_one_daemon_loads_at_another_tp_elsewhere(
     daemon, are promoted by another daemon for a TP=1 engine, byte for byte."""
     with RedisServer(name=redis_server_name) as redis:
         cfg = tmp_path / "tier.toml"
-        cfg.write_text(f'[[tiers]]\ntype = "redis"\nurl = "{redis.url}"\nrefresh_s = 0.05\n')
+        cfg.write_text(
+            f'tier_secret_file = "{tmp_path / "tier-secret"}"\n'  # both daemons: one secret
+            f'[[tiers]]\ntype = "redis"\nurl = "{redis.url}"\nrefresh_s = 0.05\n'
+        )
         args = ("--config", str(cfg), "--log-level", "warning")
         with DaemonProcess("64MiB", *args) as a, DaemonProcess("64MiB", *args) as b:
             tp2 = engine("gqa", 2, a, "tp2")

@@ -163,6 +163,7 @@ def test_blocks_on_a_disk_tier_come_back_through_retry(tmp_path: pathlib.Path) -
     one batch at the step's end), then HIT; the load returns the stored bytes."""
     cfg = tmp_path / "d.toml"
     cfg.write_text(
+        f'tier_secret_file = "{tmp_path / "tier-secret"}"\n'
         f'[[namespace_quotas]]\npattern = "vllm/*"\nmax_region_size = {8 * SLOT_BYTES}\n'
         f'[[tiers]]\ntype = "disk"\npath = "{tmp_path / "disk"}"\ncapacity = "1MiB"\n'
     )

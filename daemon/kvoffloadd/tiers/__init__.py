@@ -1,13 +1,19 @@
-"""Secondary tiers below the region: the interface (base.py), disk, Redis, Mooncake."""
+"""Secondary tiers below the region: the interface (base.py), disk, Redis, Mooncake,
+and the MAC that seals every block they hold (blockauth.py)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..config import TierConfig, parse_size
 from .base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult, WakeFd
+from .blockauth import BlockMac, read_secret
+
+log = logging.getLogger(__name__)
 
 __all__ = [
+    "BlockMac",
     "SecondaryTier",
     "TierError",
     "TierJob",
@@ -15,11 +21,19 @@ __all__ = [
     "TierResult",
     "WakeFd",
     "build_tier",
+    "read_secret",
 ]
 
 
-def build_tier(cfg: TierConfig, wake: Any) -> SecondaryTier:
-    """The tier a ``[[tiers]]`` entry describes; ``TierError`` when it cannot start."""
+def build_tier(cfg: TierConfig, wake: Any, mac: BlockMac) -> SecondaryTier:
+    """The tier a ``[[tiers]]`` entry describes, sealing its blocks with ``mac``;
+    ``TierError`` when it cannot start."""
+    if not cfg.verify:
+        log.warning(
+            "tier %s: verify = false no longer turns checks off: every block's MAC is "
+            "checked (remove the key)",
+            cfg.name,
+        )
     if cfg.type == "disk":
         from .disk import DiskTier
 
@@ -28,9 +42,9 @@ def build_tier(cfg: TierConfig, wake: Any) -> SecondaryTier:
             cfg.path,
             cfg.capacity_bytes,
             wake,
+            mac=mac,
             threads=cfg.threads,
             fsync=cfg.fsync,
-            verify=cfg.verify,
         )
     if cfg.type == "mooncake":
         from .mooncake_tier import MooncakeSettings, MooncakeTier
@@ -49,11 +63,11 @@ def build_tier(cfg: TierConfig, wake: Any) -> SecondaryTier:
             timeout_s=cfg.timeout_s,
             refresh_s=cfg.refresh_s,
             full_sync_s=cfg.full_sync_s,
-            verify=cfg.verify,
             threads=cfg.threads,
             lease_ttl_s=cfg.lease_ttl_s,
+            max_view_blocks=cfg.max_view_blocks,
         )
-        return MooncakeTier(cfg.name, settings, cfg.capacity_bytes, wake)
+        return MooncakeTier(cfg.name, settings, cfg.capacity_bytes, wake, mac=mac)
     from .redis_tier import RedisTier
 
     return RedisTier(
@@ -61,11 +75,12 @@ def build_tier(cfg: TierConfig, wake: Any) -> SecondaryTier:
         cfg.url,
         cfg.capacity_bytes,
         wake,
+        mac=mac,
         prefix=cfg.prefix,
         ttl_s=cfg.ttl_s,
         connections=cfg.threads,
         timeout_s=cfg.timeout_s,
         refresh_s=cfg.refresh_s,
         full_sync_s=cfg.full_sync_s,
-        verify=cfg.verify,
+        max_view_blocks=cfg.max_view_blocks,
     )

@@ -99,6 +99,16 @@ class TierCounters:
             self.load_seconds_total += result.seconds
 
 
+AUTH_REASONS = ("other_secret", "bad_mac", "unauthenticated", "bad_seal")
+
+
+def auth_statistics(counts: dict[str, int]) -> dict[str, int]:
+    """Blocks refused by their seal (blockauth.py), per reason and in all."""
+    out = {f"auth_{r}_total": counts.get(r, 0) for r in AUTH_REASONS}
+    out["auth_failures_total"] = sum(counts.values())
+    return out
+
+
 class TierError(Exception):
     """A tier that cannot start: bad configuration, unreachable directory."""
 
@@ -120,6 +130,16 @@ class Finished:
             out.append(self._items.popleft())
         return out
 
+    def next(self) -> tuple[str, Any] | None:
+        """The oldest item, or None (the loop may stop early and ``rewake``)."""
+        return self._items.popleft() if self._items else None
+
+    def pending(self) -> bool:
+        return bool(self._items)
+
+    def rewake(self) -> None:
+        self._wake()
+
 
 class SecondaryTier(ABC):
     """One secondary tier. ``name`` is its config name, ``kind`` its type."""
@@ -132,6 +152,7 @@ class SecondaryTier(ABC):
         self.finished = Finished(wake)
         self.counters = TierCounters()
         self.healthy = True  # False: unreachable for now; lookups miss, cascades are skipped
+        self.seals: Any = None  # blockauth.SealCheck of tiers that seal their blocks
 
     def open_namespace(self, ns: TierNamespace) -> None:  # noqa: B027 - optional hook
         """A namespace opened on this daemon; its blocks may be asked for from now on."""
@@ -177,6 +198,7 @@ class SecondaryTier(ABC):
             "stored_bytes_total": c.stored_bytes_total,
             "loaded_bytes_total": c.loaded_bytes_total,
             "load_seconds_total": round(c.load_seconds_total, 6),
+            **(self.seals.statistics() if self.seals is not None else auth_statistics({})),
         }
 
 

@@ -3,19 +3,25 @@
 Rules:
 - Layout: ``<path>/<tier id>/<first two hex digits of the key>/<key hex>.kvb``. Each
   namespace directory has a ``NAMESPACE`` file that names it for people.
-- A file is a header (magic, CRC32 of the payload, key length, payload length), the
-  key, then the block. It is written under a temporary name and renamed into place,
-  so a crash leaves a whole file or a ``*.tmp`` file, which the next start deletes. A
-  load checks magic, key, length and (``verify``) the CRC, and drops a file that fails.
+- A file is the block's seal (blockauth.py: magic, key id, length, keyed MAC over the
+  namespace, the key and the bytes) followed by the block. It is written under a
+  temporary name and renamed into place, so a crash leaves a whole file or a ``*.tmp``
+  file, which the next start deletes. A load checks the seal before reading the block,
+  and its MAC over each piece just read into the slot; a file that fails is a miss and
+  is deleted (another secret, an older format, a forgery, a torn write).
 - The view (key -> file bytes, in LRU order) belongs to the loop thread. A thread scans
-  the files found at start and the loop merges them as the oldest entries, by mtime; a
-  block read for a promotion is touched (its mtime too, so the order survives restarts).
+  the files found at start and the loop merges them as the oldest entries, by mtime, in
+  pieces of ``VIEW_CHUNK`` (at most ``MAX_SCAN_FILES`` files); a block read for a
+  promotion is touched (its mtime too, so the order survives restarts).
 - Space is reserved on the loop thread before a write is queued: the least recently
   used files leave the view and are unlinked by a worker. A file being read is never
   chosen; a key whose unlink is still queued is not written again until it has run.
-- The directory is trusted only if it is the daemon's own (``trust.secure_dir``: a
-  real directory, not writable by others, under directories nobody else can change);
-  block files are opened with ``O_NOFOLLOW`` and read only if regular.
+- The directory is the daemon's alone (``trust.private_dir``: it and the directories
+  above it up to one of the daemon's uid are writable by nobody else, or the start is
+  refused). Nothing under it is reached by path: every file and subdirectory is opened
+  from its parent's descriptor with ``O_NOFOLLOW`` (subdirectories must be the
+  daemon's, block files regular), so no link planted there leads outside, and nothing
+  outside it is created, written or deleted.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import errno
 import logging
 import os
 import stat
-import struct
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -33,22 +38,28 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..crc import crc32
-from ..trust import UntrustedError, secure_dir
+from ..trust import UntrustedError, private_dir
 from .base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
+from .blockauth import PIECE_BYTES, SEAL, BlockMac, SealCheck
+from .remote import VIEW_CHUNK, VIEW_ENTRIES_PER_TURN
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVOBLK01"
-_HEADER = struct.Struct("<8sIIQ")  # magic, crc32 of payload, key bytes, payload bytes
+MAGIC = b"KVOBLK02"  # a blockauth seal, then the block (KVOBLK01: a CRC-32, refused)
 _SUFFIX = ".kvb"
 CLOSE_TIMEOUT_S = 10.0
+MAX_SCAN_FILES = 1 << 22  # files a start-up scan takes at most (4M: 1 TiB of 256 KiB)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 Entry = tuple[str, bytes]  # (tier id, key)
 
 
 def file_bytes(key: bytes, block_bytes: int) -> int:
-    return _HEADER.size + len(key) + block_bytes
+    return SEAL.size + block_bytes
+
+
+class UntrustedEntry(OSError):
+    """Something under the tier directory that is not the daemon's: never used."""
 
 
 class DiskTier(SecondaryTier):
@@ -60,22 +71,21 @@ class DiskTier(SecondaryTier):
         path: str,
         capacity_bytes: int,
         wake: Any,
+        *,
+        mac: BlockMac,
         threads: int = 4,
         fsync: bool = False,
-        verify: bool = True,
     ) -> None:
         super().__init__(name, capacity_bytes, wake)
         self.path = os.path.abspath(path)
         try:
-            secure_dir(self.path, 0o700)
+            self._dir_fd = private_dir(self.path)
         except UntrustedError as exc:
             raise TierError(f"tier {name}: {exc}") from None
         except OSError as exc:
             raise TierError(f"tier {name}: cannot create {self.path}: {exc.strerror}") from exc
-        if not os.access(self.path, os.W_OK | os.X_OK):
-            raise TierError(f"tier {name}: {self.path} is not writable by kvoffloadd")
+        self.seals = SealCheck(mac, name, MAGIC)
         self._fsync = fsync
-        self._verify = verify
         self._lru: OrderedDict[Entry, int] = OrderedDict()
         self.used_bytes = 0  # files in the view plus space reserved for queued writes
         self._writing: dict[Entry, int] = {}  # reserved bytes
@@ -83,6 +93,7 @@ class DiskTier(SecondaryTier):
         self._doomed: set[Entry] = set()  # unlink queued
         self._jobs: dict[int, tuple[bool, list[Entry]]] = {}
         self.scanned = False
+        self._found = 0  # blocks the start-up scan found
         self._stopping = False
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvoffload-{name}")
         self._scanner = threading.Thread(target=self._scan, name=f"kvoffload-{name}-scan")
@@ -121,14 +132,19 @@ class DiskTier(SecondaryTier):
 
     def get_finished(self) -> list[TierResult]:
         out = []
-        for kind, item in self.finished.take():
+        budget = VIEW_ENTRIES_PER_TURN
+        while budget > 0 and (posted := self.finished.next()) is not None:
+            kind, item = posted
             if kind == "scan":
-                self._merge_scan(item)
+                self._merge_scan(*item)
             elif kind == "unlinked":
                 self._doomed.difference_update(item)
             else:
                 self._apply(item)
                 out.append(item)
+            budget -= len(item[0]) if kind == "scan" else len(item) if kind == "unlinked" else 1
+        if self.finished.pending():
+            self.finished.rewake()  # the rest next turn
         return out
 
     def _apply(self, r: TierResult) -> None:
@@ -180,9 +196,10 @@ class DiskTier(SecondaryTier):
             self._doomed.update(gone)
             self._pool.submit(self._unlink, gone)
 
-    def _merge_scan(self, found: list[tuple[Entry, int]]) -> None:
+    def _merge_scan(self, found: list[tuple[Entry, int]], last: bool) -> None:
         """Files from before this start become the oldest entries (``found`` is sorted
-        oldest first); beyond the budget, the oldest go."""
+        oldest first, and comes before the pieces merged already); beyond the budget,
+        the oldest go."""
         for e, size in reversed(found):
             if e not in self._lru and e not in self._writing:
                 self._lru[e] = size
@@ -198,14 +215,10 @@ class DiskTier(SecondaryTier):
                 over -= size
         self._drop(victims)
         self.counters.evicted_blocks_total += len(victims)
-        self.scanned = True
-        log.info(
-            "tier %s: %d blocks (%d bytes) found under %s",
-            self.name,
-            len(found),
-            sum(s for _, s in found),
-            self.path,
-        )
+        self._found += len(found)
+        if last:
+            self.scanned = True
+            log.info("tier %s: %d blocks found under %s", self.name, self._found, self.path)
 
     def statistics(self) -> dict[str, Any]:
         out = self.base_statistics(len(self._lru), self.used_bytes, healthy=True)
@@ -223,12 +236,42 @@ class DiskTier(SecondaryTier):
             t.join(timeout=max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 log.error("tier %s: an I/O thread is stuck; stopping without it", self.name)
+                return  # the directory's descriptor stays open with it
+        if not self._scanner.is_alive():
+            os.close(self._dir_fd)
 
     # ------------------------------------------------------------ worker threads
 
-    def _file(self, e: Entry) -> str:
+    @staticmethod
+    def _name(e: Entry) -> tuple[str, str]:
+        """(fan-out subdirectory, file name) of an entry, under its namespace's."""
         h = e[1].hex()
-        return os.path.join(self.path, e[0], h[:2] or "00", h + _SUFFIX)
+        return h[:2] or "00", h + _SUFFIX
+
+    def _file(self, e: Entry) -> str:
+        """The file's path, for people (logs, tests): the tier never opens it by path."""
+        sub, name = self._name(e)
+        return os.path.join(self.path, e[0], sub, name)
+
+    def _open_dir(self, parent_fd: int, name: str, create: bool) -> int:
+        """A subdirectory of the tier, opened without following a link, and only if it
+        is the daemon's own (created 0700 with ``create``)."""
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o700, dir_fd=parent_fd)
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            os.close(fd)
+            raise UntrustedEntry(f"{name} is not kvoffloadd's own directory; not used")
+        return fd
+
+    def _block_dir(self, e: Entry, create: bool) -> int:
+        ns_fd = self._open_dir(self._dir_fd, e[0], create)
+        try:
+            return self._open_dir(ns_fd, self._name(e)[0], create)
+        finally:
+            os.close(ns_fd)
 
     def _write(self, job: TierJob, entries: list[Entry], todo: list[int]) -> None:
         ok = [True] * len(entries)
@@ -238,72 +281,84 @@ class DiskTier(SecondaryTier):
                 ok[-1 - i] = False
                 continue
             try:
-                self._write_one(self._file(entries[i]), entries[i][1], job.buffers[i])
+                seal = self.seals.seal(job.ns, entries[i][1], job.buffers[i])
+                self._write_one(entries[i], seal, job.buffers[i])
                 nbytes += len(job.buffers[i])
             except OSError as exc:
                 log.warning("tier %s: cannot write a block: %s", self.name, exc)
                 ok[i] = False
         self.finished.post("job", job.result(ok, nbytes))
 
-    def _write_one(self, path: str, key: bytes, data: memoryview) -> None:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
-        header = _HEADER.pack(MAGIC, crc32(data), len(key), len(data))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    def _write_one(self, e: Entry, seal: bytes, data: memoryview) -> None:
+        d = self._block_dir(e, create=True)
         try:
-            written = os.writev(fd, [header, key, data])
-            if written != len(header) + len(key) + len(data):
-                raise OSError(f"short write to {tmp}")
-            if self._fsync:
-                os.fsync(fd)
-        except BaseException:
+            name = self._name(e)[1]
+            tmp = f"{name}.{os.getpid()}-{threading.get_ident()}.tmp"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=d)  # left by a write of this thread that failed
+            fd = os.open(tmp, flags, 0o600, dir_fd=d)
+            try:
+                written = os.writev(fd, [seal, data])
+                if written != len(seal) + len(data):
+                    raise OSError(f"short write to {tmp}")
+                if self._fsync:
+                    os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=d)
+                raise
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        os.close(fd)
-        os.rename(tmp, path)
+            os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+        finally:
+            os.close(d)
 
     def _read(self, job: TierJob, entries: list[Entry]) -> None:
         ok = [False] * len(entries)
         nbytes = 0
         for i, e in enumerate(entries):
             try:
-                ok[i] = self._read_one(self._file(e), e[1], job.buffers[i])
+                ok[i] = self._read_one(job.ns, e, job.buffers[i])
             except OSError as exc:
                 log.warning("tier %s: cannot read a block: %s", self.name, exc)
             nbytes += len(job.buffers[i]) if ok[i] else 0
         self.finished.post("job", job.result(ok, nbytes))
 
-    def _read_one(self, path: str, key: bytes, out: memoryview) -> bool:
+    def _read_one(self, ns: TierNamespace, e: Entry, out: memoryview) -> bool:
         # A planted FIFO or device must not block the reader, nor a link lead elsewhere:
         # open without following or waiting, then insist on a regular file.
+        what = self._file(e)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        d = self._block_dir(e, create=False)
         try:
-            fd = os.open(path, flags)
+            fd = os.open(self._name(e)[1], flags, dir_fd=d)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                return self._bad(path, "a symlink")
+                return self._bad(what, "a symlink")
             raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        finally:
+            os.close(d)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return self._bad(what, "not a regular file")
+            os.set_blocking(fd, True)
+            seal = os.pread(fd, SEAL.size, 0)
+            if not self.seals.check_head(seal, len(out), what):
+                return False  # counted and logged once by the check
+            # each piece is hashed just after it landed in the slot, while in the cache
+            h = self.seals.mac.hasher(ns, e[1], len(out))
+            for at in range(0, len(out), PIECE_BYTES):
+                piece = out[at : at + PIECE_BYTES]
+                if os.preadv(fd, [piece], SEAL.size + at) != len(piece):
+                    return self._bad(what, "truncated block")
+                h.update(piece)
+            if not self.seals.check(seal, ns, e[1], out, what, tag=h.digest()):
+                return False
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # recency survives a restart
+        finally:
             os.close(fd)
-            return self._bad(path, "not a regular file")
-        os.set_blocking(fd, True)
-        with open(fd, "rb", buffering=0) as f:
-            head = f.read(_HEADER.size + len(key))
-            if len(head) != _HEADER.size + len(key):
-                return self._bad(path, "truncated header")
-            magic, crc, key_len, size = _HEADER.unpack_from(head)
-            if magic != MAGIC or key_len != len(key) or head[_HEADER.size :] != key:
-                return self._bad(path, "not a block of this key")
-            if size != len(out):
-                return self._bad(path, f"{size} bytes, the namespace has {len(out)}")
-            if f.readinto(out) != size:
-                return self._bad(path, "truncated block")
-        if self._verify and crc32(out) != crc:
-            return self._bad(path, "checksum mismatch")
-        with contextlib.suppress(OSError):
-            os.utime(path)  # recency survives a restart
         return True
 
     def _bad(self, path: str, why: str) -> bool:
@@ -312,52 +367,106 @@ class DiskTier(SecondaryTier):
 
     def _unlink(self, entries: list[Entry]) -> None:
         for e in entries:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._file(e))
+            with contextlib.suppress(OSError):  # gone already, or not ours: left alone
+                d = self._block_dir(e, create=False)
+                try:
+                    os.unlink(self._name(e)[1], dir_fd=d)
+                finally:
+                    os.close(d)
         self.finished.post("unlinked", entries)
 
     def _write_label(self, ns: TierNamespace) -> None:
-        d = os.path.join(self.path, ns.tier_id)
-        with contextlib.suppress(OSError):
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            with open(os.path.join(d, "NAMESPACE"), "w") as f:
-                f.write(f"name = {ns.name!r}\nfingerprint = {ns.fingerprint!r}\n")
+        """``<tier id>/NAMESPACE``, written beside and renamed over: a link planted at
+        that name is replaced, never followed."""
+        text = f"name = {ns.name!r}\nfingerprint = {ns.fingerprint!r}\n".encode()
+        try:
+            d = self._open_dir(self._dir_fd, ns.tier_id, create=True)
+        except OSError as exc:
+            log.warning("tier %s: cannot label %s: %s", self.name, ns.tier_id, exc)
+            return
+        tmp = f"NAMESPACE.{os.getpid()}-{threading.get_ident()}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=d)
+            fd = os.open(tmp, flags, 0o600, dir_fd=d)
+            try:
+                os.write(fd, text)
+            finally:
+                os.close(fd)
+            os.rename(tmp, "NAMESPACE", src_dir_fd=d, dst_dir_fd=d)
+        except OSError as exc:
+            log.warning("tier %s: cannot label %s: %s", self.name, ns.tier_id, exc)
+        finally:
+            os.close(d)
 
     def _scan(self) -> None:
-        """Every whole block file under the path; temporary files of a crash go."""
+        """Every block file under the path, reached through directory descriptors only;
+        temporary files of a crash go. Posted in pieces, the newest piece first."""
         found: list[tuple[float, Entry, int]] = []
         try:
-            for tid in os.listdir(self.path):
-                top = os.path.join(self.path, tid)
-                if not os.path.isdir(top):
-                    continue
-                for sub in os.listdir(top):
-                    if self._stopping:
-                        return
-                    d = os.path.join(top, sub)
-                    if os.path.isdir(d):
-                        found.extend(self._scan_dir(tid, d))
+            for tid, ns_fd in self._subdirs(self._dir_fd):
+                try:
+                    self._scan_namespace(tid, ns_fd, found)
+                finally:
+                    os.close(ns_fd)
+                if self._stopping:
+                    return
         except OSError as exc:
             log.warning("tier %s: scanning %s failed: %s", self.name, self.path, exc)
-        found.sort(key=lambda t: t[0])
-        self.finished.post("scan", [(e, size) for _, e, size in found])
+        if len(found) >= MAX_SCAN_FILES:
+            log.warning(
+                "tier %s: more than %d files under %s; only those are used",
+                self.name,
+                MAX_SCAN_FILES,
+                self.path,
+            )
+        found.sort(key=lambda t: t[0], reverse=True)  # newest first
+        pieces = [found[a : a + VIEW_CHUNK] for a in range(0, len(found), VIEW_CHUNK)] or [[]]
+        for i, piece in enumerate(pieces):
+            entries = [(e, size) for _, e, size in reversed(piece)]  # oldest first
+            self.finished.post("scan", (entries, i == len(pieces) - 1))
 
-    def _scan_dir(self, tid: str, d: str) -> list[tuple[float, Entry, int]]:
+    def _scan_namespace(self, tid: str, ns_fd: int, found: list[tuple[float, Entry, int]]) -> None:
+        for _, sub_fd in self._subdirs(ns_fd):
+            try:
+                if not self._stopping and len(found) < MAX_SCAN_FILES:
+                    found.extend(self._scan_dir(tid, sub_fd))
+            finally:
+                os.close(sub_fd)
+
+    def _subdirs(self, parent_fd: int) -> list[tuple[str, int]]:
+        """(name, descriptor) of the daemon's own subdirectories; links and others' are
+        skipped. The caller closes the descriptors."""
+        out = []
+        with os.scandir(parent_fd) as it:
+            names = [de.name for de in it if de.is_dir(follow_symlinks=False)]
+        for name in names:
+            try:
+                out.append((name, self._open_dir(parent_fd, name, create=False)))
+            except OSError:
+                continue  # gone, a link swapped in, or not ours: skipped
+        return out
+
+    def _scan_dir(self, tid: str, d: int) -> list[tuple[float, Entry, int]]:
         out = []
         with os.scandir(d) as it:
             for de in it:
+                if not de.is_file(follow_symlinks=False):
+                    continue
                 if de.name.endswith(".tmp"):
                     if f".{os.getpid()}-" in de.name:
                         continue  # a write of this daemon, under way
                     with contextlib.suppress(OSError):
-                        os.unlink(de.path)
+                        os.unlink(de.name, dir_fd=d)
                     continue
                 if not de.name.endswith(_SUFFIX):
                     continue
                 try:
                     key = bytes.fromhex(de.name[: -len(_SUFFIX)])
-                    st = de.stat()
+                    st = de.stat(follow_symlinks=False)
                 except (ValueError, OSError):
                     continue
-                out.append((st.st_mtime, (tid, key), st.st_size))
+                if key and len(key) <= 64:
+                    out.append((st.st_mtime, (tid, key), st.st_size))
         return out

@@ -8,10 +8,10 @@ Rules:
   it (below Mooncake's eviction watermark), then go; where they lay gives the segment's
   span.
 - Mooncake's client copies a replica held in its own segment with one memcpy thread (its
-  local path), and the tier then reads every block again for its CRC-32. For such
-  replicas the tier's job threads copy instead, each block checked at once while its
-  bytes are still in the cache: the bytes cross memory once, on as many threads as the
-  tier has.
+  local path), and the tier then reads every block again for its MAC. For such
+  replicas the tier's job threads copy instead, each piece hashed just after its copy
+  while its bytes are still in the cache (``copy``, blockauth.BlockMac.copy_and_hash):
+  the bytes cross memory once, on as many threads as the tier has.
 - Where the replica lies comes from ``batch_get_replica_desc``: the master answers with
   each object's replicas and grants each object a read lease (the master's
   ``-default_kv_lease_ttl``, ``lease_ttl_s`` here). Until it runs out Mooncake neither
@@ -26,8 +26,8 @@ Rules:
   mappings that hold it, so no answer can make the daemon read memory that is not mapped.
   The addresses are those Mooncake's own local copy would read: the master is trusted
   no further than Mooncake's client trusts it.
-- Only with ``verify``: every block copied here is checked against the CRC-32 in its
-  header, so even a lease shorter than configured cannot pass torn bytes.
+- Every block copied here is checked against the MAC in its seal, so even a lease
+  shorter than configured cannot pass torn bytes.
 - Job threads only; nothing here touches the tier's view.
 """
 
@@ -43,8 +43,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..crc import crc32
-
 WARM_CHUNK_BYTES = 4 << 20  # objects that write the lent segment once at start
 WARM_FRACTION = 0.85  # of the segment: below Mooncake's eviction watermark (0.9)
 
@@ -53,8 +51,9 @@ WARM_FRACTION = 0.85  # of the segment: below Mooncake's eviction watermark (0.9
 class OwnSegmentRead:
     """What ``read_own_segment`` did with one piece of a load (indexes into the piece)."""
 
-    crcs: dict[int, int] = field(default_factory=dict)  # copied here: the block's CRC-32
+    tags: dict[int, bytes] = field(default_factory=dict)  # copied here: the MAC of the copy
     rest: list[int] = field(default_factory=list)  # to read through Mooncake
+    answer: Any = None  # the master's replica descriptors, name -> replicas (if asked)
 
 
 Span = tuple[int, int]  # [first, end) addresses of this daemon's own segment
@@ -98,6 +97,16 @@ def segment_span(
     return (first_address, min(reach, end)) if reach else None
 
 
+def object_sizes(replicas: Any) -> set[int]:
+    """Sizes of the complete memory replicas the master describes (from another node:
+    data, used only to skip an object that cannot be a block, never to bound a read)."""
+    out = set()
+    for r in replicas or ():
+        if r.is_memory_replica() and getattr(r.status, "name", "") == "COMPLETE":
+            out.add(int(r.get_memory_descriptor().buffer_descriptor.size))
+    return out
+
+
 def _own_address(replicas: Any, endpoint: str, object_bytes: int, span: Span) -> int | None:
     for address, size in own_addresses(replicas, endpoint):
         if size == object_bytes and span[0] <= address and address + size <= span[1]:
@@ -108,8 +117,8 @@ def _own_address(replicas: Any, endpoint: str, object_bytes: int, span: Span) ->
 def read_own_segment(
     client: Any,
     names: Sequence[str],
-    blocks: Sequence[memoryview],
-    addresses: Sequence[int],
+    block_bytes: int,
+    copy: Callable[[int, int], bytes],
     headers: Sequence[int],
     header_bytes: int,
     span: Span,
@@ -117,22 +126,22 @@ def read_own_segment(
     clock: Callable[[], float] = time.monotonic,
 ) -> OwnSegmentRead:
     """Copy the objects among ``names`` that lie in ``client``'s own segment: block ``j``
-    to ``addresses[j]`` (``blocks[j]`` is that memory), its header to ``headers[j]``."""
+    by ``copy(j, source address)``, which answers its MAC, its header to ``headers[j]``."""
     out = OwnSegmentRead()
     started_s = clock()
     answer = client.batch_get_replica_desc(list(names))
     endpoint = client.get_hostname()
+    n = block_bytes
     for j, name in enumerate(names):
-        n = len(blocks[j])
         src = _own_address(answer.get(name), endpoint, n + header_bytes, span)
         if src is None:
             out.rest.append(j)
             continue
-        ctypes.memmove(addresses[j], src, n)
+        out.tags[j] = copy(j, src)
         ctypes.memmove(headers[j], src + n, header_bytes)
-        out.crcs[j] = crc32(blocks[j])  # while the block is in the cache
-    if out.crcs and clock() - started_s > lease_ttl_s / 2:
-        return OwnSegmentRead(rest=list(range(len(names))))  # the lease may have run out
+    out.answer = answer
+    if out.tags and clock() - started_s > lease_ttl_s / 2:  # the lease may have run out
+        return OwnSegmentRead(rest=list(range(len(names))), answer=answer)
     return out
 
 

@@ -3,10 +3,13 @@
 Rules:
 - Objects: one per block, named ``<prefix>/<tier id>/<key hex>``. Tier ids come from the
   namespace name and layout fingerprint, so only daemons serving the same namespace
-  share its blocks. An object is the block followed by a 32-byte header (magic, CRC-32,
-  block bytes); both are moved by Mooncake's transfer engine straight between the
-  store and the region slot (the region is registered with ``register_buffer``) and a
-  registered header area, so no block passes through a Python object.
+  share its blocks. An object is the block followed by a 64-byte header holding its
+  seal (blockauth.py: magic, key id, length, keyed MAC); both are moved by Mooncake's
+  transfer engine straight between the store and the region slot (the region is
+  registered with ``register_buffer``) and a registered header area, so no block
+  passes through a Python object. A block is loaded only if its seal verifies over
+  the bytes in the slot: the store, the master's replica descriptors and other nodes'
+  objects are data, never trusted.
 - The daemon mounts a segment of ``segment_size`` bytes into the cluster (its share of
   the store's memory; 0: it only reads and writes others' segments) and writes it once
   at start. Mooncake places, replicates, leases and evicts the blocks; the daemon never
@@ -17,7 +20,11 @@ Rules:
   wrote hits from the next probe on. Every ``full_sync_s`` the poller re-reads what the
   store holds (the master's ``/get_all_keys`` when ``admin_url`` is set, else an
   existence check of the view): blocks Mooncake evicted, or lost with a node or a
-  master restart, leave. A block gone before that fails one load and leaves.
+  master restart, leave. A block gone before that fails one load and leaves. What
+  the listing says is bounded like the Redis index: lines longer than
+  ``MAX_LISTING_LINE`` or of other prefixes are skipped, at most ``MAX_LISTING_LINES``
+  are read and ``max_view_blocks`` of ours taken (a listing cut short removes nothing),
+  and the view is capped (remote.py).
 - Failure: an unreachable master marks the tier unhealthy (lookups miss, jobs fail)
   until ``health_check`` passes again; Mooncake's client re-mounts its segment itself.
   A new client is set up only once the master's ports answer: Mooncake's ``setup``
@@ -32,7 +39,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 import urllib.parse
@@ -44,16 +50,24 @@ from typing import Any
 
 import numpy as np
 
-from ..crc import crc32
 from .base import TierError, TierJob, TierNamespace
-from .mooncake_local import WARM_CHUNK_BYTES, OwnSegmentRead, Span, read_own_segment, warm_segment
-from .remote import Entry, RemoteTier
+from .blockauth import SEAL, BlockMac, SealCheck
+from .mooncake_local import (
+    WARM_CHUNK_BYTES,
+    OwnSegmentRead,
+    Span,
+    object_sizes,
+    read_own_segment,
+    warm_segment,
+)
+from .remote import MAX_VIEW_BLOCKS, Entry, RemoteTier
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVOMC002"  # the header's CRC-32 is the block's (always written)
-_HEADER = struct.Struct("<8sIQ")  # magic, crc32, block bytes
-HEADER_BYTES = 32  # one slot of the header area per key
+MAGIC = b"KVOMC003"  # a blockauth seal in the header (KVOMC002: a CRC-32, refused)
+HEADER_BYTES = 64  # one slot of the header area per key: the seal, then zeros
+MAX_LISTING_LINES = 4 << 20  # lines of /get_all_keys one full read takes at most
+MAX_LISTING_LINE = 256  # bytes: our names are <prefix>/<32 hex>/<at most 128 hex>
 MAX_JOB_KEYS = 256  # header slots per job thread; longer jobs go in pieces
 EXIST_BATCH = 4096  # keys per existence check
 MAX_WANTED = 65_536  # misses queued for an existence check
@@ -84,9 +98,9 @@ class MooncakeSettings:
     timeout_s: float = 2.0
     refresh_s: float = 0.2
     full_sync_s: float = 10.0
-    verify: bool = True
     threads: int = 4
     lease_ttl_s: float = 10.0  # the master's -default_kv_lease_ttl (0: no own-segment reads)
+    max_view_blocks: int = MAX_VIEW_BLOCKS
 
 
 def _load_client_class() -> Any:
@@ -115,9 +129,12 @@ class MooncakeTier(RemoteTier):
         settings: MooncakeSettings,
         capacity_bytes: int,
         wake: Any,
+        *,
+        mac: BlockMac,
         client_class: Any = None,  # Mooncake's MooncakeDistributedStore unless given
     ) -> None:
-        super().__init__(name, settings.master, capacity_bytes, wake)
+        super().__init__(name, settings.master, capacity_bytes, wake, settings.max_view_blocks)
+        self.seals = SealCheck(mac, name, MAGIC)
         self._cls = client_class or _load_client_class()
         self.s = settings
         self.healthy = False  # until the poller has connected (and written the segment)
@@ -131,6 +148,7 @@ class MooncakeTier(RemoteTier):
         self._lock = threading.Lock()
         self._own_reads_total = 0  # blocks promoted from this daemon's own segment
         self._spans: dict[int, Span] = {}  # id(client) -> its own segment (poller writes)
+        self._listing_cut_logged = False
         self._wanted: dict[Entry, None] = {}  # loop thread fills, poller swaps out
         self._stop = threading.Event()
         self._want_full = threading.Event()
@@ -236,30 +254,47 @@ class MooncakeTier(RemoteTier):
         base = hdr - int(self._headers.ctypes.data)
         if store:
             for j, i in enumerate(part):
-                crc = crc32(job.buffers[i])
-                _HEADER.pack_into(view, base + j * HEADER_BYTES, MAGIC, crc, n)
+                at = base + j * HEADER_BYTES
+                view[at : at + SEAL.size] = self.seals.seal(job.ns, job.keys[i], job.buffers[i])
             return [min(c, 0) for c in client.batch_put_from_multi_buffers(names, ptrs, sizes)]
+        for j in range(len(part)):  # a short object leaves no seal of an earlier job behind
+            view[base + j * HEADER_BYTES : base + j * HEADER_BYTES + SEAL.size] = bytes(SEAL.size)
         own = self._read_own_segment(client, job, names, part, hdr)
-        counts = dict.fromkeys(own.crcs, n + HEADER_BYTES)
-        if own.rest:
-            rest = own.rest
+        counts = dict.fromkeys(own.tags, n + HEADER_BYTES)
+        # An object of another size is no block of ours: refused before any transfer
+        # (Mooncake fails a transfer into buffers of another size mid-way).
+        answer = own.answer if own.answer is not None else client.batch_get_replica_desc(names)
+        rest, misfits = [], set()
+        for j in own.rest:
+            found = object_sizes(answer.get(names[j]))
+            (misfits.add(j) if found and n + HEADER_BYTES not in found else rest.append(j))
+        if rest:
             got = client.batch_get_into_multi_buffers(
                 [names[j] for j in rest], [ptrs[j] for j in rest], [sizes[j] for j in rest]
             )
             counts.update(zip(rest, got))
-        codes = []
+        codes: list[int] = []
+        refused: list[Entry] = []
         for j, i in enumerate(part):
+            if j in misfits:  # a rejection before any transfer: the slot was never written
+                self.seals.refuse("bad_seal", names[j])
+                refused.append(entries[i])
+                codes.append(OBJECT_NOT_FOUND)
+                continue
             count = counts[j]
             if count < 0:
                 codes.append(count)
                 continue
-            magic, crc, size = _HEADER.unpack_from(view, base + j * HEADER_BYTES)
-            good = count == n + HEADER_BYTES and magic == MAGIC and size == n
-            if good and self.s.verify:
-                good = crc == (own.crcs[j] if j in own.crcs else crc32(job.buffers[i]))
+            seal = view[base + j * HEADER_BYTES : base + j * HEADER_BYTES + SEAL.size]
+            if count != n + HEADER_BYTES:
+                good = self.seals.refuse("bad_seal", names[j])
+            else:
+                tag = own.tags.get(j, b"")
+                good = self.seals.check(seal, job.ns, job.keys[i], job.buffers[i], names[j], tag)
             if not good:
-                log.warning("tier %s: block %s failed its check; not loaded", self.name, names[j])
+                refused.append(entries[i])
             codes.append(0 if good else OBJECT_NOT_FOUND)
+        self.post_refused(refused)
         return codes
 
     def _read_own_segment(
@@ -268,20 +303,27 @@ class MooncakeTier(RemoteTier):
         """The piece's blocks that lie in this daemon's own segment, copied and checked
         here; the rest is left to Mooncake."""
         span = self._spans.get(id(client))
-        if not (self.s.verify and self.s.lease_ttl_s > 0 and span is not None):
+        if not (self.s.lease_ttl_s > 0 and span is not None):
             return OwnSegmentRead(rest=list(range(len(part))))
+        mac, ns, idx = self.seals.mac, job.ns, list(part)
+
+        def copy(j: int, src: int) -> bytes:
+            i = idx[j]
+            tag: bytes = mac.copy_and_hash(ns, job.keys[i], job.buffers[i], job.addresses[i], src)
+            return tag
+
         own = read_own_segment(
             client,
             names,
-            [job.buffers[i] for i in part],
-            [job.addresses[i] for i in part],
+            job.ns.block_bytes,
+            copy,
             [hdr + j * HEADER_BYTES for j in range(len(part))],
             HEADER_BYTES,
             span,
             self.s.lease_ttl_s,
         )
         with self._lock:
-            self._own_reads_total += len(own.crcs)
+            self._own_reads_total += len(own.tags)
         return own
 
     def _poison(self, client: Any, hold_s: float) -> None:
@@ -385,30 +427,57 @@ class MooncakeTier(RemoteTier):
     def _check_wanted(self) -> None:
         wanted, self._wanted = self._wanted, {}  # the loop thread starts a fresh one
         if wanted:
-            self.finished.post("seen", self._exist(list(wanted)))
+            self.post_seen(self._exist(list(wanted)))
 
     def _full_sync(self, started: float) -> None:
-        # list() copies the loop thread's dict under the GIL, in one step
-        present = set(self._all_keys() if self.s.admin_url else self._exist(list(self._view)))
-        self.finished.post("full", (started, present))
+        if self.s.admin_url:
+            present, complete = self._all_keys()
+        else:  # list() copies the loop thread's view under the GIL, in one step
+            present, complete = set(self._exist(list(self._view))), True
+        self.post_full(started, present, complete)
 
-    def _all_keys(self) -> list[Entry]:
-        """Every object of our tier ids, from the master's admin server."""
+    def _all_keys(self) -> tuple[set[Entry], bool]:
+        """The objects of our tier ids that the master's admin server lists, read line
+        by line within the bounds; and whether the listing was read to its end."""
         url = self.s.admin_url.rstrip("/") + "/get_all_keys"
+        lead = (self.s.prefix + "/").encode()
+        out: set[Entry] = set()
         with urllib.request.urlopen(url, timeout=self.s.timeout_s) as r:
-            body = r.read().decode("utf-8", "replace")
-        ids, lead = self._tier_ids, self.s.prefix + "/"
-        out = []
-        for line in body.splitlines():
-            if not line.startswith(lead):
-                continue
-            tid, _, hexkey = line[len(lead) :].partition("/")
-            if tid in ids:
-                try:
-                    out.append((tid, bytes.fromhex(hexkey)))
-                except ValueError:
+            for _ in range(MAX_LISTING_LINES):
+                line = r.readline(MAX_LISTING_LINE + 1)
+                if not line:
+                    return out, True
+                if len(line) > MAX_LISTING_LINE:  # skip the rest of an overlong line
+                    while line and not line.endswith(b"\n"):
+                        line = r.readline(1 << 16)
                     continue
-        return out
+                entry = self._listed(line.strip(), lead)
+                if entry is not None:
+                    out.add(entry)
+                    if len(out) > self.max_view_blocks:
+                        break
+        if not self._listing_cut_logged:
+            self._listing_cut_logged = True
+            log.warning(
+                "tier %s: the store lists more than %d objects, or %d of ours; the view "
+                "follows it partly",
+                self.name,
+                MAX_LISTING_LINES,
+                self.max_view_blocks,
+            )
+        return out, False
+
+    def _listed(self, line: bytes, lead: bytes) -> Entry | None:
+        if not line.startswith(lead):
+            return None
+        tid_raw, _, hexkey = line[len(lead) :].partition(b"/")
+        tid = self.ours(tid_raw.decode("ascii", "replace"))
+        if tid is None or not 0 < len(hexkey) <= 128:
+            return None
+        try:
+            return (tid, bytes.fromhex(hexkey.decode("ascii")))
+        except (ValueError, UnicodeDecodeError):
+            return None
 
 
 def reachable(address: str, timeout_s: float) -> bool:

@@ -1,26 +1,34 @@
 """Redis tier: blocks in a Redis server that several daemons (nodes) can share.
 
 Rules:
-- Data: one hash per block at ``<prefix>:b:<tier id>:<key>``: field ``m`` is a header
-  (magic, CRC-32, length), field ``d`` the block. Tier ids come from the namespace name
-  and layout fingerprint, so only daemons serving the same namespace share its blocks.
-  (Format 1 split blocks into fields ``c0``, ``c1``, ...; such blocks miss once and
-  leave the view.)
+- Data: one hash per block at ``<prefix>:b:<tier id>:<key>``: field ``m`` is its seal
+  (blockauth.py: magic, key id, length, keyed MAC), field ``d`` the block. Tier ids
+  come from the namespace name and layout fingerprint, so only daemons serving the same
+  namespace share its blocks, and only those with the same tier secret can read them.
+  A block with any other seal (another secret, an older format, a forgery) fails.
 - Bytes are never copied by Python: a store sends the slot itself (redis-py's
   Python packer writes large values as their own buffers), and a load reads ``HMGET
   m d`` on a raw RESP connection (resp.py) that receives the block into the slot,
-  with at most ``LOAD_WINDOW_BYTES`` of blocks asked for and not yet received.
+  with at most ``LOAD_WINDOW_BYTES`` of blocks asked for and not yet received; the
+  MAC is then computed over the slot on the same thread.
 - Index: the sorted set ``<prefix>:idx`` holds every block as ``<tier id>:<bytes>:<key>``
   scored by its last use (Redis server time, ms), and ``<prefix>:bytes`` their total.
   Writing, touching and evicting are Lua scripts, so each is atomic on the server
   whichever daemon runs it. A write over ``capacity_bytes`` evicts the least recently
-  used blocks of every daemon (0: no budget; Redis's own ``maxmemory`` applies).
-  One key space per server: the scripts name keys they are not passed, so a cluster
-  is not supported.
-- View: which blocks exist comes from the index, polled by a thread every
-  ``refresh_s`` (new and touched blocks) and read in full every ``full_sync_s`` (blocks
-  other daemons evicted, or TTL expired, leave). Lookups answer from the view without
-  I/O. A block the view has but Redis lost fails its load once and leaves the view.
+  used blocks of every daemon, at most ``MAX_EVICTIONS_PER_WRITE`` per write (0: no
+  budget; Redis's own ``maxmemory`` applies). One key space per server: the scripts name
+  keys they are not passed, so a cluster is not supported.
+- View: which blocks exist comes from the index, read by a thread on its own raw
+  connection, every ``refresh_s`` (new and touched blocks) and in full every
+  ``full_sync_s`` (blocks other daemons evicted, or TTL expired, leave). Anyone who can
+  write to the server can write the index, so what it says is bounded before use:
+  members longer than ``MAX_MEMBER_BYTES`` are dropped unread, scores must lie between
+  0 and the server's clock (plus ``SCORE_SLACK_MS``), a refresh reads at most
+  ``INDEX_PAGE`` members from where the last one stopped (a cursor of score and offset
+  that only the server's clock moves forward), a full read at most ``MAX_SCAN_CALLS``
+  pages per namespace and ``max_view_blocks`` members, and the view itself is capped
+  (remote.py). Lookups answer from the view without I/O. A block the view has but
+  Redis lost fails its load once and leaves the view.
 - Failure: a connection error or timeout marks the tier unhealthy; lookups then miss
   and writes fail (counted) until the poller reaches the server again. The region and
   the daemon are unaffected.
@@ -30,31 +38,37 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import struct
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
-from ..crc import crc32
 from .base import TierError, TierJob
-from .remote import Entry, RemoteTier
+from .blockauth import BlockMac, SealCheck
+from .remote import MAX_VIEW_BLOCKS, Entry, RemoteTier
 from .resp import RespConnection, RespError, encode
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVORED03"
-_META = struct.Struct("<8sIQ")  # magic, crc32, block bytes
+MAGIC = b"KVORED04"  # a blockauth seal in field m (KVORED03: a CRC-32, refused)
 # Block bytes a load connection has asked for and not yet received. Redis builds every
 # reply in fresh memory before it writes it out: a deep pipeline (8 blocks on each of
 # 4 connections) had it fault in 64 MiB per round and promote 1.5x slower.
 LOAD_WINDOW_BYTES = 4 << 20
+# Index members are <tier id (32)>:<bytes>:<key (at most 64)>: anything longer is not
+# one of ours, and is dropped by the reader without being held.
+MAX_MEMBER_BYTES = 128
+INDEX_PAGE = 4096  # members a refresh reads at most
+SCAN_COUNT = 1000  # ZSCAN's COUNT hint
+MAX_SCAN_CALLS = 2048  # ZSCAN pages per namespace in one full read (about 2M members)
+SCORE_SLACK_MS = 60_000  # scores later than the server's clock by more are not believed
+MAX_EVICTIONS_PER_WRITE = 256  # members one write's script evicts at most
 
 # The bytes travel in plain HSET/HGETALL commands (through Lua they would be copied
 # twice more); these scripts keep the index and the byte total in step atomically.
 
-# KEYS: data, index, bytes. ARGV: member, nbytes, capacity, prefix. After a block's
+# KEYS: data, index, bytes. ARGV: member, nbytes, capacity, prefix, most evictions. After a block's
 # HSET: index it, count it, evict least recently used blocks beyond the capacity.
 _INDEX_LUA = """
 local t = redis.call('TIME')
@@ -65,7 +79,8 @@ end
 local out = {}
 local cap = tonumber(ARGV[3])
 if cap > 0 then
-  while tonumber(redis.call('GET', KEYS[3]) or '0') > cap do
+  for _ = 1, tonumber(ARGV[5]) do
+    if (tonumber(redis.call('GET', KEYS[3]) or '0') or 0) <= cap then break end
     local pop = redis.call('ZPOPMIN', KEYS[2])
     if #pop == 0 then break end
     local m = pop[1]
@@ -111,22 +126,47 @@ def _zero_copy_packer() -> dict[str, Any]:
 
 
 def _count(raw: Any) -> int:
-    """A byte count another writer may have garbled: what is not a number is 0."""
-    try:
-        return max(0, int(raw or 0))
-    except (TypeError, ValueError):
+    """A byte count another writer may have garbled: what is not a plain number of at
+    most 19 digits is 0."""
+    if not isinstance(raw, bytes) or not raw.isdigit() or len(raw) > 19:
         return 0
+    return int(raw)
+
+
+def _score(raw: Any) -> float | None:
+    """A score as Redis sends it; None if it is not a finite number."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return value if value == value and abs(value) != float("inf") else None
 
 
 def member(e: Entry, nbytes: int) -> bytes:
     return f"{e[0]}:{nbytes}:".encode() + e[1]
 
 
-def parse_member(m: bytes) -> tuple[Entry, int] | None:
+def parse_member(m: Any) -> tuple[Entry, int] | None:
+    """(tier id, key) and byte count of an index member; None for anything malformed
+    (not bytes, too long, a count that is not a short number)."""
+    if not isinstance(m, bytes) or len(m) > MAX_MEMBER_BYTES:
+        return None
     parts = m.split(b":", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
+    if len(parts) != 3 or not parts[1].isdigit() or len(parts[1]) > 19 or not parts[2]:
         return None
     return (parts[0].decode("ascii", "replace"), parts[2]), int(parts[1])
+
+
+def _pairs(items: Any) -> list[tuple[Any, float]]:
+    """(member, score) pairs of a WITHSCORES reply, rows with a bad score left out."""
+    if not isinstance(items, list):
+        raise RespError(f"expected an array of members, got {type(items).__name__}")
+    out = []
+    for i in range(0, len(items) - 1, 2):
+        score = _score(items[i + 1])
+        if score is not None:
+            out.append((items[i], score))
+    return out
 
 
 class RedisTier(RemoteTier):
@@ -138,15 +178,18 @@ class RedisTier(RemoteTier):
         url: str,
         capacity_bytes: int,
         wake: Any,
+        *,
+        mac: BlockMac,
         prefix: str = "kvoffload",
         ttl_s: float = 0.0,
         connections: int = 4,
         timeout_s: float = 2.0,
         refresh_s: float = 0.2,
         full_sync_s: float = 10.0,
-        verify: bool = True,
+        max_view_blocks: int = MAX_VIEW_BLOCKS,
     ) -> None:
-        super().__init__(name, url, capacity_bytes, wake)
+        super().__init__(name, url, capacity_bytes, wake, max_view_blocks)
+        self.seals = SealCheck(mac, name, MAGIC)
         try:
             import redis
         except ImportError as exc:
@@ -175,7 +218,9 @@ class RedisTier(RemoteTier):
         self._local = threading.local()  # each load thread's RespConnection
         self._conns: list[RespConnection] = []  # all of them, closed with the tier
         self._touch_sha = hashlib.sha1(_TOUCH_LUA.encode()).hexdigest()
-        self._verify = verify
+        self._index_conn = RespConnection(url, timeout_s)  # the poller's (bounded reads)
+        self._conns.append(self._index_conn)
+        self._scan_cut_logged = False
         self._index_script = self._r.register_script(_INDEX_LUA)
         self._refresh_s = refresh_s
         self._full_sync_s = full_sync_s
@@ -223,13 +268,19 @@ class RedisTier(RemoteTier):
             pipe = self._r.pipeline(transaction=False)
             for e, buf in zip(entries, job.buffers):
                 data = self._data_key(e)
-                crc = crc32(buf)  # always: readers may verify
-                fields: dict[Any, Any] = {b"m": _META.pack(MAGIC, crc, nbytes), b"d": buf}
+                seal = self.seals.seal(job.ns, e[1], buf)
+                fields: dict[Any, Any] = {b"m": seal, b"d": buf}
                 pipe.delete(data)  # a block written again replaces, never mixes, fields
                 pipe.hset(data, mapping=fields)
                 if self._ttl_ms:
                     pipe.pexpire(data, self._ttl_ms)
-                args: list[Any] = [member(e, nbytes), nbytes, self.capacity_bytes, self._prefix]
+                args: list[Any] = [
+                    member(e, nbytes),
+                    nbytes,
+                    self.capacity_bytes,
+                    self._prefix,
+                    MAX_EVICTIONS_PER_WRITE,
+                ]
                 self._index_script(keys=[data, self._idx, self._bytes_key], args=args, client=pipe)
             # One bad key (a wrong type planted at its name) fails that key only.
             replies = pipe.execute(raise_on_error=False)
@@ -239,7 +290,8 @@ class RedisTier(RemoteTier):
                 ok[i] = not any(isinstance(r, Exception) for r in mine)
                 done += len(buf) if ok[i] else 0
                 if ok[i]:
-                    gone.extend(p[0] for m in mine[-1] if (p := parse_member(m)) is not None)
+                    evicted = mine[-1][:MAX_EVICTIONS_PER_WRITE]
+                    gone.extend(p[0] for m in evicted if (p := parse_member(m)))
         except self._errors as exc:
             self._failed(exc)
         except Exception as exc:  # a tier fault stays inside the tier
@@ -249,6 +301,7 @@ class RedisTier(RemoteTier):
     def _load(self, job: TierJob, entries: list[Entry]) -> None:
         nbytes = job.ns.block_bytes
         ok = [False] * len(entries)
+        refused: list[Entry] = []
         done = 0
         conn = self._conn()
         try:
@@ -260,7 +313,7 @@ class RedisTier(RemoteTier):
                 cmds.append(encode("HMGET", data, "m", "d") + touch)
             window = max(1, LOAD_WINDOW_BYTES // nbytes)
             conn.send(cmds[:window])
-            for i, out in enumerate(job.buffers):
+            for i, (e, out) in enumerate(zip(entries, job.buffers)):
                 if i + window < len(cmds):
                     conn.send([cmds[i + window]])  # one more in flight as one arrives
                 fields = conn.read_array_header()
@@ -269,10 +322,12 @@ class RedisTier(RemoteTier):
                     continue
                 if fields != 2:
                     raise RespError(f"HMGET answered {fields} fields, not 2")
-                meta = conn.read()
+                meta = conn.read(MAX_MEMBER_BYTES)  # a seal; anything longer is dropped
                 whole = conn.read_into(out)
                 conn.read()  # the touch: an error there costs recency only
-                ok[i] = whole is True and self._check(meta, out)
+                ok[i] = whole is True and self._check(meta, job, e[1], out)
+                if whole is True and isinstance(meta, bytes) and not ok[i]:
+                    refused.append(e)
                 done += len(out) if ok[i] else 0
         except self._errors_raw as exc:
             conn.close()
@@ -280,6 +335,7 @@ class RedisTier(RemoteTier):
         except Exception as exc:  # a tier fault stays inside the tier
             conn.close()
             log.warning("tier %s: a load failed: %r", self.name, exc)
+        self.post_refused(refused)
         self.finished.post("job", (job.result(ok, done), []))
 
     def _conn(self) -> RespConnection:
@@ -291,70 +347,123 @@ class RedisTier(RemoteTier):
             self._conns.append(conn)  # list.append is atomic: threads add their own
         return conn
 
-    def _check(self, meta: Any, out: memoryview) -> bool:
-        """A block read into ``out`` is whole and (``verify``) matches its CRC."""
+    def _check(self, meta: Any, job: TierJob, key: bytes, out: memoryview) -> bool:
+        """A block read into ``out`` is whole and carries its seal."""
         if not isinstance(meta, bytes):
-            return False  # evicted or expired since the view saw it, or format 1
-        if len(meta) != _META.size:
-            log.warning("tier %s: a block has a bad header; not loaded", self.name)
-            return False
-        magic, crc, size = _META.unpack(meta)
-        if magic != MAGIC or size != len(out):
-            log.warning("tier %s: a block has a bad header; not loaded", self.name)
-            return False
-        if self._verify and crc32(out) != crc:
-            log.warning("tier %s: a block failed its checksum; not loaded", self.name)
-            return False
-        return True
+            return False  # evicted or expired since the view saw it
+        ok: bool = self.seals.check(meta, job.ns, key, out, f"key {key.hex()} of {job.ns.name}")
+        return ok
 
     def _failed(self, exc: BaseException) -> None:
         self.post_unreachable(f"{type(exc).__name__}: {exc}")
 
     def _poll(self) -> None:
         """Follow the shared index: new blocks often, everything now and then."""
-        last_score = 0.0
+        cursor = (0.0, 0)  # where the next refresh starts: (score, members at it seen)
         next_full = 0.0
         up = True
         while not self._stop.is_set():
             try:
+                now_ms = self._server_ms()
                 if self._want_full.is_set() or time.monotonic() >= next_full:
                     self._want_full.clear()
                     started = time.monotonic()
-                    last_score = self._full_sync(started)
+                    self._full_sync(started, now_ms)
+                    cursor = (max(0.0, now_ms - 1000.0), 0)
                     next_full = started + self._full_sync_s
                 else:
-                    last_score = self._incremental(last_score)
-                used = _count(self._r.get(self._bytes_key))
+                    cursor = self._incremental(cursor, now_ms)
+                used = _count(self._call(b"GETRANGE", self._bytes_key, 0, 31, strict=False))
                 if not up:
                     up = True
                     self._want_full.set()
                 self.finished.post("health", (True, "", used))
             except Exception as exc:  # never the end of the poller: retried, reported
                 up = False
+                self._index_conn.close()
                 self._failed(exc)
             self._want_full.wait(self._refresh_s if up else max(self._refresh_s, 1.0))
 
-    def _mine(self, members: Sequence[bytes]) -> list[Entry]:
-        ids = self._tier_ids
+    def _call(self, *args: bytes | str | int, strict: bool = True) -> Any:
+        """One command on the poller's connection; bulk strings in the reply longer than
+        ``MAX_MEMBER_BYTES`` come back as ``RespError`` items, unread. An error reply
+        raises (``strict``) or is returned."""
+        conn = self._index_conn
+        conn.send([encode(*args)])
+        reply = conn.read(MAX_MEMBER_BYTES)
+        if strict and isinstance(reply, RespError):
+            raise reply
+        return reply
+
+    def _server_ms(self) -> float:
+        """The server's clock (what scores are written with), in ms."""
+        reply = self._call(b"TIME")
+        if not isinstance(reply, list) or len(reply) != 2:
+            raise RespError(f"TIME answered {reply!r:.60}")
+        return int(reply[0]) * 1000.0 + int(reply[1]) // 1000
+
+    def _mine(self, rows: Sequence[tuple[Any, float]], hi_ms: float) -> list[Entry]:
         out = []
-        for m in members:
+        for m, score in rows:
             parsed = parse_member(m)
-            if parsed is not None and parsed[0][0] in ids:
-                out.append(parsed[0])
+            if parsed is None or not 0 <= score <= hi_ms:
+                continue
+            tid = self.ours(parsed[0][0])
+            if tid is not None:
+                out.append((tid, parsed[0][1]))
         return out
 
-    def _full_sync(self, started: float) -> float:
-        top = self._r.zrange(self._idx, -1, -1, withscores=True)
-        present = set(self._mine([m for m, _ in self._r.zscan_iter(self._idx, count=10_000)]))
-        self.finished.post("full", (started, present))
-        return float(top[0][1]) if top else 0.0
+    def _full_sync(self, started: float, now_ms: float) -> None:
+        """Every member of the namespaces opened here, as far as the bounds allow."""
+        hi = now_ms + SCORE_SLACK_MS
+        present: set[Entry] = set()
+        complete = True
+        for tid in sorted(self._tier_ids):
+            cursor: Any = b"0"
+            for _ in range(MAX_SCAN_CALLS):
+                reply = self._call(
+                    b"ZSCAN", self._idx, cursor, b"MATCH", f"{tid}:*", b"COUNT", SCAN_COUNT
+                )
+                if not isinstance(reply, list) or len(reply) != 2:
+                    raise RespError(f"ZSCAN answered {reply!r:.60}")
+                cursor, items = reply
+                present.update(self._mine(_pairs(items), hi))
+                if cursor == b"0" or len(present) > self.max_view_blocks:
+                    break
+            if cursor != b"0":
+                complete = False
+                if not self._scan_cut_logged:
+                    self._scan_cut_logged = True
+                    log.warning(
+                        "tier %s: the index %s holds more members than one full read "
+                        "takes (%d pages, or %d of ours); the view follows it partly",
+                        self.name,
+                        self._idx.decode(errors="replace"),
+                        MAX_SCAN_CALLS,
+                        self.max_view_blocks,
+                    )
+                break
+        self.post_full(started, present, complete)
 
-    def _incremental(self, last_score: float) -> float:
-        rows = cast(
-            "list[tuple[bytes, float]]",
-            self._r.zrangebyscore(self._idx, last_score, "+inf", withscores=True),
+    def _incremental(self, cursor: tuple[float, int], now_ms: float) -> tuple[float, int]:
+        """At most ``INDEX_PAGE`` members from the cursor up to the server's clock; the
+        cursor after them."""
+        lo, skip = cursor
+        hi = now_ms + SCORE_SLACK_MS
+        reply = self._call(
+            b"ZRANGEBYSCORE",
+            self._idx,
+            repr(lo),
+            repr(hi),
+            b"WITHSCORES",
+            b"LIMIT",
+            skip,
+            INDEX_PAGE,
         )
-        if rows:
-            self.finished.post("seen", self._mine([m for m, _ in rows]))
-            last_score = float(rows[-1][1])
-        return last_score
+        rows = _pairs(reply)
+        if not rows:
+            return cursor
+        self.post_seen(self._mine(rows, hi))
+        last = rows[-1][1]
+        at_last = sum(1 for _, score in rows if score == last)
+        return (last, skip + at_last) if last == lo else (last, at_last)

@@ -11,8 +11,9 @@ Rules:
   the caller's setup commands (script loads).
 - ``read_into(view)`` accepts a bulk reply only if it is exactly ``len(view)`` bytes
   long; any other length (a foreign value) is read and dropped, and answers ``False``.
-  Other replies larger than ``MAX_BUFFERED_BYTES`` are dropped too (a RespError): what
-  another Redis user writes at a block's key never takes the daemon's memory.
+  Other replies larger than ``MAX_BUFFERED_BYTES`` (or the caller's smaller
+  ``max_bulk_bytes``: index members) are dropped too (a RespError in their place):
+  what another Redis user writes at a block's key never takes the daemon's memory.
 - A protocol error or a socket error closes the connection (``RespError`` or
   ``OSError``); the next use reconnects.
 """
@@ -135,11 +136,12 @@ class RespConnection:
                 raise RespError(f"not a RESP reply: {exc}") from exc
             raise
 
-    def read(self) -> Any:
-        """One reply: int, bytes, None, a list, or ``RespError`` for an error reply."""
-        return self._guard(self._read)
+    def read(self, max_bulk_bytes: int = MAX_BUFFERED_BYTES) -> Any:
+        """One reply: int, bytes, None, a list, or ``RespError`` for an error reply;
+        a bulk string over ``max_bulk_bytes`` (also inside arrays) is a ``RespError``."""
+        return self._guard(self._read, min(max_bulk_bytes, MAX_BUFFERED_BYTES))
 
-    def _read(self) -> Any:
+    def _read(self, max_bulk_bytes: int = MAX_BUFFERED_BYTES) -> Any:
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"+":
@@ -152,7 +154,7 @@ class RespConnection:
             n = int(rest)
             if n < 0:
                 return None
-            if n > MAX_BUFFERED_BYTES:  # a foreign value: never held in memory
+            if n > max_bulk_bytes:  # a foreign value: never held in memory
                 self._skip(n + 2)
                 return RespError(f"a {n}-byte value where a small one belongs")
             self._fill(n + 2)
@@ -161,7 +163,7 @@ class RespConnection:
             return data
         if kind == b"*":
             n = int(rest)
-            return None if n < 0 else [self._read() for _ in range(n)]
+            return None if n < 0 else [self._read(max_bulk_bytes) for _ in range(n)]
         raise ValueError(f"unexpected reply {line[:40]!r}")
 
     def read_array_header(self) -> int | RespError:

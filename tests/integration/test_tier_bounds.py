@@ -1,0 +1,210 @@
+"""What a shared tier holds cannot stall or trick the daemon: a flood of Redis index
+members, a view at its cap, and a disk tier's directory that others could write to or
+that holds planted links (some planted by another uid, as_uid)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import select
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+from helpers import poll
+from hostile import NOBODY, as_uid, requires_root, rss_bytes
+from test_abuse import STALL_LIMIT_S, Canary
+from test_tier_stores import MAC, NS, block, run
+from tiered import LAYOUT, Engine, disk_toml, keys, redis_toml, tier_daemon
+
+from kvoffloadbench.redis_server import RedisServer
+from kvoffloadd.tiers.base import TierError, TierNamespace, WakeFd
+from kvoffloadd.tiers.disk import DiskTier
+from kvoffloadd.tiers.redis_tier import RedisTier
+from kvoffloadd.tiers.remote import VIEW_ENTRIES_PER_TURN
+
+MIB = 1 << 20
+FLOOD = 400_000
+
+
+@pytest.fixture
+def redis_server(redis_server_name: str) -> Iterator[RedisServer]:
+    server = RedisServer(name=redis_server_name).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def wake() -> Iterator[WakeFd]:
+    w = WakeFd()
+    yield w
+    w.close()
+
+
+def flood_index(url: str, tid: str, n: int, score: float) -> None:
+    """``n`` index members of namespace ``tid`` (no blocks behind them) at ``score``."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        for a in range(0, n, 20_000):
+            batch = {f"{tid}:4096:".encode() + b"%016d" % i: score for i in range(a, a + 20_000)}
+            r.zadd("kvoffload:idx", batch)
+    finally:
+        r.close()
+
+
+def test_a_flood_of_far_future_index_members_neither_stalls_nor_grows_the_daemon(
+    tmp_path: pathlib.Path, redis_server: RedisServer
+) -> None:
+    """Scenario: another user of the Redis adds 400,000 members of the victim's
+    namespace to the shared index, scored far in the future. Each refresh used to read
+    them all again from the last score seen (which the writer chose) into an unbounded
+    view: the loop stalled 0.87 s at a time and grew by 287 MiB. Now scores past the
+    server's clock are not believed, a refresh reads one page, and the view is capped:
+    the canary never stalls, memory stays, real blocks still round-trip."""
+    with tier_daemon(tmp_path, redis_toml(redis_server.url)) as d:
+        e = Engine(d)
+        poll(lambda: e.tier("redis")["healthy"], "the tier to connect")
+        tid = TierNamespace.of("llama", LAYOUT.fingerprint(), 4096).tier_id
+        canary = Canary(d.socket_path)
+        time.sleep(0.5)
+        rss0 = rss_bytes(d.pid)
+        flood_index(redis_server.url, tid, FLOOD, 1e15)
+        end = time.monotonic() + 4.0  # refreshes every 50 ms, full reads every second
+        peak = rss0
+        while time.monotonic() < end:
+            peak = max(peak, rss_bytes(d.pid))
+            time.sleep(0.05)
+        canary.stop()
+        print(
+            f"\nindex flood: RSS {rss0 / MIB:.0f} -> peak {peak / MIB:.0f} MiB, worst canary "
+            f"round trip {canary.worst_s * 1e3:.1f} ms, view {e.tier('redis')['blocks']} blocks"
+        )
+        assert canary.worst_s < STALL_LIMIT_S, f"the loop stalled {canary.worst_s:.2f} s"
+        assert peak - rss0 < 64 * MIB, f"the daemon grew by {(peak - rss0) / MIB:.0f} MiB"
+        assert e.tier("redis")["blocks"] == 0 and e.tier("redis")["healthy"]
+        a = keys(b"a", 4)
+        data = e.store(a, seed=1)
+        poll(lambda: e.tier("redis")["stores_total"] == 4, "the cascade")
+        assert e.client.evict("llama") == 4
+        poll(lambda: e.ns.lookup(a) == 4, "the promotion")
+        assert e.load(a) == data
+        e.close()
+        assert d.stop() == 0
+
+
+def test_the_shared_view_is_capped_and_applied_in_slices(
+    redis_server: RedisServer, wake: WakeFd
+) -> None:
+    """Scenario: 30,000 members of a namespace with good scores and no blocks. The view
+    takes at most max_view_blocks of them, the oldest leaving first, and one call of
+    get_finished (one loop turn) applies at most VIEW_ENTRIES_PER_TURN entries."""
+    tier = RedisTier(
+        "redis", redis_server.url, 0, wake, mac=MAC, refresh_s=0.02, max_view_blocks=5000
+    )
+    tier.open_namespace(NS)
+    try:
+        now_ms = float(int(time.time() * 1000))
+        flood_index(redis_server.url, NS.tier_id, 30_000, now_ms)
+        deadline = time.monotonic() + 20
+        most = 0  # entries that entered the view in one get_finished (one loop turn)
+
+        def admitted() -> int:
+            st = tier.statistics()
+            return int(st["blocks"] + st["view_evicted_total"])
+
+        while tier.statistics()["view_evicted_total"] < 25_000:
+            assert time.monotonic() < deadline, "the view never took the flood"
+            select.select([wake.fd], [], [], 0.05)
+            wake.clear()
+            before = admitted()
+            tier.get_finished()
+            most = max(most, admitted() - before)
+            assert tier.statistics()["blocks"] <= 5000
+        assert tier.statistics()["blocks"] == 5000
+        assert 0 < most <= VIEW_ENTRIES_PER_TURN
+        assert run(tier, wake, True, keys(b"r", 1), [block(1)]).ok == [True]  # still works
+        assert tier.lookup(NS, keys(b"r", 1)) == [True]
+    finally:
+        tier.close()
+
+
+# ------------------------------------------------------------------ disk directory
+
+
+def test_a_tier_directory_others_can_write_to_is_refused_naming_it(
+    tmp_path: pathlib.Path,
+    wake: WakeFd,
+    capfd: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
+) -> None:
+    """Scenario: the tier's path is a root-owned 1777 directory (sticky, like /tmp),
+    where another uid has planted a block; or the tier sits in one. Before, the sticky
+    bit exempted both and the planted block was served. Now the start is refused,
+    naming the directory, and the planted file is left alone."""
+    requires_root()
+    base = pathlib.Path(tempfile.mkdtemp(prefix="kvoffload-shared-"))
+    os.chmod(base, 0o755)  # the other uid must reach it (pytest's directories are 0700)
+    request.addfinalizer(lambda: shutil.rmtree(base))
+    shared = base / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+
+    def plant() -> None:
+        d = shared / NS.tier_id / "6b"
+        d.mkdir(parents=True)
+        (d / "6b.kvb").write_bytes(b"a block from another uid")
+
+    as_uid(plant, NOBODY)
+    with pytest.raises(TierError, match=f"{shared} is writable by others"):
+        DiskTier("disk", str(shared), 1 << 20, wake, mac=MAC)
+    with pytest.raises(TierError, match=f"{shared}, above .* is writable by others"):
+        DiskTier("disk", str(shared / "blocks"), 1 << 20, wake, mac=MAC)
+    assert not (shared / "blocks").exists() or not os.listdir(shared / "blocks")
+    d = tier_daemon(tmp_path, disk_toml(shared))
+    with pytest.raises(RuntimeError, match="did not start"):
+        d.start()
+    assert f"{shared} is writable by others" in capfd.readouterr().err
+    assert (shared / NS.tier_id / "6b" / "6b.kvb").read_bytes() == b"a block from another uid"
+
+
+def test_links_planted_under_the_tier_are_never_followed(tmp_path: pathlib.Path) -> None:
+    """Scenario: under a tier directory, links planted where the daemon writes its
+    namespace label (to a root-owned file), where it keeps a namespace (to a directory
+    outside, holding a *.tmp file), and where it keeps blocks of one key prefix. Before,
+    the label write clobbered the file, the start-up scan deleted the *.tmp outside, and
+    stores went through the link. Now nothing outside the tier changes."""
+    path = tmp_path / "disk"
+    path.mkdir(mode=0o700)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "root-owned.conf"
+    victim.write_text("keep me\n")
+    (outside / "ab").mkdir()
+    (outside / "ab" / "x.tmp").write_text("not the tier's")
+    (outside / "y.tmp").write_text("not the tier's")
+    tid = TierNamespace.of("llama", LAYOUT.fingerprint(), 4096).tier_id
+    (path / tid).mkdir(mode=0o700)
+    (path / tid / "NAMESPACE").symlink_to(victim)
+    (path / tid / "61").symlink_to(outside)  # keys starting with b"a"
+    (path / ("f" * 32)).symlink_to(outside)  # a namespace directory that is a link
+    before = sorted(p.name for p in outside.rglob("*"))
+    with tier_daemon(tmp_path, disk_toml(path)) as d:
+        e = Engine(d)
+        poll(lambda: e.tier("disk")["scanned"], "the scan")
+        e.store(keys(b"a", 2), seed=3)  # its directory is a link: these fail
+        data = e.store(keys(b"b", 2), seed=4)
+        poll(lambda: e.tier("disk")["stores_total"] >= 2, "the other cascades")
+        poll(lambda: e.tier("disk")["store_failures_total"] == 2, "the linked ones to fail")
+        assert e.client.evict("llama") >= 2
+        poll(lambda: e.ns.lookup(keys(b"b", 2)) == 2, "the good blocks to promote")
+        assert e.load(keys(b"b", 2)) == data
+        e.close()
+        assert d.stop() == 0
+    assert victim.read_text() == "keep me\n"
+    assert sorted(p.name for p in outside.rglob("*")) == before
+    label = path / tid / "NAMESPACE"
+    assert not label.is_symlink() and "llama" in label.read_text()
