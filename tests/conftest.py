@@ -90,6 +90,14 @@ def redis_server_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def redis_server(redis_server_name: str) -> Iterator[RedisServer]:
+    """A fresh Redis (or Valkey) server on loopback for one test."""
+    server = RedisServer(name=redis_server_name).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def daemon() -> Iterator[DaemonProcess]:
     """A fresh daemon with a 64 MiB region; must stop cleanly (exit 0, nothing leaked)."""
     with DaemonProcess("64MiB", "--log-level", "warning") as d:

@@ -170,14 +170,16 @@ def _not_writable_by_others(path: str, st: os.stat_result) -> None:
         )
 
 
-def check_private_file(fd: int, what: str) -> os.stat_result:
+def check_private_file(
+    fd: int, what: str, fix: str = "remove it, or start with --discard-region"
+) -> os.stat_result:
     """A descriptor's file must be regular, ours, and closed to group and others."""
     st = os.fstat(fd)
     me = os.geteuid()
     if not stat.S_ISREG(st.st_mode) or st.st_uid != me or st.st_mode & 0o077:
         raise UntrustedError(
             f"{what} is {_describe(st)}; kvoffloadd only uses one it created itself "
-            f"(uid {me}, mode 0600): remove it, or start with --discard-region"
+            f"(uid {me}, mode 0600): {fix}"
         )
     return st
 

@@ -56,13 +56,6 @@ def ns_of(e: Engine) -> TierNamespace:
 # ------------------------------------------------------------------ Redis and Valkey
 
 
-@pytest.fixture
-def redis_server(redis_server_name: str) -> Iterator[RedisServer]:
-    server = RedisServer(name=redis_server_name).start()
-    yield server
-    server.stop()
-
-
 def test_redis_blocks_without_the_secret_or_replayed_miss(
     tmp_path: pathlib.Path, redis_server: RedisServer
 ) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -82,13 +81,6 @@ def test_disk_tier_survives_a_restart_and_drops_partial_files(tmp_path: pathlib.
         poll(lambda: not bad.exists(), "the torn file to be deleted")
         e.close()
         assert d.stop() == 0
-
-
-@pytest.fixture
-def redis_server(redis_server_name: str) -> Iterator[RedisServer]:
-    server = RedisServer(name=redis_server_name).start()
-    yield server
-    server.stop()
 
 
 def test_two_daemons_share_blocks_through_one_redis(

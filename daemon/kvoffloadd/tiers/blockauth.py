@@ -39,7 +39,6 @@ import hmac
 import logging
 import os
 import secrets
-import stat
 import struct
 import threading
 from collections import Counter
@@ -47,7 +46,7 @@ from typing import Any
 
 import blake3
 
-from ..trust import UntrustedError, secure_dir
+from ..trust import UntrustedError, check_private_file, secure_dir
 from .base import TierError, TierNamespace, auth_statistics
 
 log = logging.getLogger(__name__)
@@ -73,14 +72,7 @@ def read_secret(path: str) -> bytes:
             fd = _open_secret(path)
             assert fd is not None
         try:
-            st = os.fstat(fd)
-            me = os.geteuid()
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != me or st.st_mode & 0o077:
-                raise TierError(
-                    f"tier_secret_file {path} is not a regular file of uid {me} closed to "
-                    f"group and others (uid {st.st_uid}, mode "
-                    f"{stat.S_IMODE(st.st_mode):04o}): chown and chmod 0600 it"
-                )
+            check_private_file(fd, f"tier_secret_file {path}", "chown and chmod 0600 it")
             text = os.read(fd, 256)
         finally:
             os.close(fd)
