@@ -57,6 +57,7 @@ from kvoffload.protocol.messages import KVLayout, pack_ids, unpack_ids, unpack_k
 from .access import AccessPolicy
 from .config import DaemonConfig
 from .copier import ChecksumCheck, Completion, CpuCopier, finished
+from .fdcopy import FdCopier, is_descriptor
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .region import SharedOffloadRegion
@@ -111,6 +112,7 @@ class Transfers:
         self._count_error = count_error
         self.access = access
         self.workers: dict[int, AttachedWorker] = {}
+        self.fd_copier: FdCopier | None = None  # started by the first memfd_io job
         self._jobs: dict[int, _Job] = {}
         self._tokens = itertools.count(1)
         self._worker_ids = itertools.count(1)
@@ -267,6 +269,21 @@ class Transfers:
         dst, src = (region_addr, cache_addr) if is_store else (cache_addr, region_addr)
         if w.device is not None and self.gpu is not None:
             self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event, check)
+        elif caches and is_descriptor(caches[0]):  # unsealable memfds: never mapped
+            fdc = self.fd_copier = self.fd_copier or FdCopier(
+                self.config.copy_threads, self.copier.sink
+            )
+            fdc.submit(
+                token,
+                caches,
+                runs.which,
+                region_addr,
+                cache_addr,
+                nbytes,
+                is_store,
+                r.deadline_ns,
+                check,
+            )  # type: ignore[arg-type]
         else:
             self.copier.submit(token, dst, src, nbytes, check)
         return m.OkReply(r.rid) if r.rid else None

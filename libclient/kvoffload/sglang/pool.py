@@ -115,9 +115,7 @@ def plain_views(pool: Any, elements: list[Element], pages: int) -> list[Any]:
 def memfd_descs(elements: list[Element], pages: int, offset_in_fd: int) -> list[CacheDesc]:
     """Descriptors of each element in the pool's memfd (the message's descriptor 0)."""
     return [
-        CacheDesc(
-            MEMFD_IO, pages, e.page_bytes, 0, offset_in_fd + e.offset_bytes, e.stride_bytes
-        )
+        CacheDesc(MEMFD_IO, pages, e.page_bytes, 0, offset_in_fd + e.offset_bytes, e.stride_bytes)
         for e in elements
     ]
 
@@ -128,7 +126,7 @@ def shm_offset(pool: Any) -> int:
     allocator = getattr(pool, "allocator", None)
     mm = getattr(allocator, "mm", None)
     if getattr(pool, "fd", None) is None or not isinstance(mm, mmap.mmap):
-        raise PoolError("the host pool has no memfd (start SGLang with \"allocator\": \"shm\")")
+        raise PoolError('the host pool has no memfd (start SGLang with "allocator": "shm")')
     start = ctypes.addressof(ctypes.c_char.from_buffer(mm))
     off = int(pool.kv_buffer.data_ptr()) - start
     size = int(pool.kv_buffer.numel() * pool.kv_buffer.element_size())

@@ -1,0 +1,232 @@
+"""Caches the daemon copies through by descriptor, never by mapping: ``memfd_io``.
+
+Some engines' host memory is a memfd that cannot be sealed (SGLang's ``shm``
+host-pool allocator creates it without ``MFD_ALLOW_SEALING``). Mapping such a
+descriptor is unsafe: the engine could shrink it under a running copy and the
+daemon's memmove would die of SIGBUS. So the daemon never maps it. Copier threads
+move the bytes with ``preadv`` (engine memory into the region: a store) and
+``pwritev`` (the region into engine memory: a load) on the descriptor itself, at the
+offsets the copy plan gives. A shrink then shows as a short count: the job fails,
+nothing else does.
+
+Rules:
+- Only shared-memory files are taken (``F_GET_SEALS`` answers for memfd and tmpfs
+  files only, and for nothing a read of which could block: no pipe, socket, FUSE or
+  device file), opened read-write, regular, and at least as long as every row the
+  descriptor claims. The descriptor is duplicated; the engine's copy is closed.
+- The loop thread plans and validates the job exactly as for mapped caches; the
+  runs' cache addresses are offsets into the descriptor (``base_address`` 0).
+- A load first checks that each descriptor still holds every byte the job writes,
+  so a shrunk pool is not grown back by the daemon's writes: a race with a shrink
+  can at most write back rows the engine registered (and so owned) at attach.
+- Writes keep to the job's ``deadline_ns``: no syscall starts after it (checked
+  before each one, runs cut to ``CHUNK_BYTES``), so an engine that gave up on a load
+  at its deadline does not get bytes in pages it has reused.
+- Completions go into the CPU copier's ``CompletionSink``: the loop handles them as
+  any other copy's. No daemon metadata is touched here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import logging
+import os
+import queue
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.copyplan import CacheGeometry
+from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import CacheDesc
+
+from .copier import ChecksumCheck, CompletionSink, chunk_runs, finished, split_by_bytes
+
+log = logging.getLogger(__name__)
+
+MEMFD_IO = "memfd_io"
+I64 = npt.NDArray[np.int64]
+IOV_MAX = 1024
+
+
+@dataclass
+class DescriptorCache:
+    """An engine cache copied through by ``preadv``/``pwritev`` (see module rules)."""
+
+    geometry: CacheGeometry
+    fd: int
+    nbytes: int
+    base_address: int = 0  # runs address the descriptor by offset
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1
+
+
+def import_descriptor(geometry: CacheGeometry, desc: CacheDesc, fd: int) -> DescriptorCache:
+    """Check one ``memfd_io`` descriptor and keep a duplicate of it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise InvalidArgumentError(
+            "a memfd_io cache must be a memfd or shared-memory file descriptor"
+        ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise InvalidArgumentError("a memfd_io cache must be a regular file opened read-write")
+    if geometry.end_bytes > st.st_size:
+        raise InvalidArgumentError(
+            f"cache needs {geometry.end_bytes} bytes but its memfd holds {st.st_size}"
+        )
+    return DescriptorCache(geometry, os.dup(fd), st.st_size)
+
+
+def is_descriptor(cache: object) -> bool:
+    return isinstance(cache, DescriptorCache)
+
+
+@dataclass
+class _Job:
+    token: int
+    nbytes: int
+    parts_left: int
+    started_s: float
+    check: ChecksumCheck | None
+    failed: bool = False
+    corrupt: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class _Part:
+    job: _Job
+    fds: I64
+    region: I64
+    offsets: I64
+    nbytes: I64
+    is_store: bool
+    deadline_ns: int
+
+
+class FdCopier:
+    """Threads that copy between the region and descriptor caches."""
+
+    CHUNK_BYTES = 1024 * 1024
+    MIN_SPLIT_BYTES = 4 * 1024 * 1024
+
+    def __init__(self, threads: int, sink: CompletionSink) -> None:
+        self.sink = sink
+        self._queue: queue.SimpleQueue[_Part | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvoffload-fdcopy-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(
+        self,
+        token: int,
+        caches: list[DescriptorCache],
+        which: I64,
+        region: I64,
+        offsets: I64,
+        nbytes: I64,
+        is_store: bool,
+        deadline_ns: int,
+        check: ChecksumCheck | None,
+    ) -> None:
+        fds = np.array([c.fd for c in caches], dtype=np.int64)[which]
+        region, offsets, nbytes, fds = _chunk(region, offsets, nbytes, fds, self.CHUNK_BYTES)
+        total = int(nbytes.sum())
+        parts = len(self._threads) if total >= self.MIN_SPLIT_BYTES else 1
+        if check is not None and check.expected is not None:
+            parts = 1  # a verified load checks everything before it copies anything
+        ranges = split_by_bytes(nbytes, parts)
+        job = _Job(token, total, len(ranges), time.perf_counter(), check)
+        for a, b in ranges:
+            part = _Part(
+                job, fds[a:b], region[a:b], offsets[a:b], nbytes[a:b], is_store, deadline_ns
+            )
+            self._queue.put(part)
+
+    def _run(self) -> None:
+        while True:
+            part = self._queue.get()
+            if part is None:
+                return
+            job = part.job
+            ok = True
+            try:
+                if job.check is not None and job.check.expected is not None:
+                    job.corrupt = job.check.mismatches()
+                if not job.corrupt:
+                    ok = copy_part(part)
+            except OSError as exc:
+                log.info("descriptor copy of job %d failed: %s", job.token, exc)
+                ok = False
+            with job.lock:
+                job.failed |= not ok
+                job.parts_left -= 1
+                last = job.parts_left == 0
+            if last:
+                self.sink.post(
+                    finished(
+                        job.token, not job.failed, job.nbytes, job.started_s, job.check, job.corrupt
+                    )
+                )
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+
+def _chunk(region: I64, offsets: I64, nbytes: I64, fds: I64, chunk: int) -> tuple[I64, ...]:
+    """``chunk_runs`` that carries each run's descriptor along."""
+    r, o, n = chunk_runs(region, offsets, nbytes, chunk)
+    if n.size == nbytes.size:
+        return r, o, n, fds
+    return r, o, n, np.repeat(fds, -(-nbytes // chunk))
+
+
+def copy_part(part: _Part) -> bool:
+    """Run one part's syscalls; False on a short count or a passed deadline."""
+    if not part.is_store and not _long_enough(part):
+        return False
+    fds, region, offsets, nbytes = part.fds, part.region, part.offsets, part.nbytes
+    # Runs that continue each other in the same descriptor go in one syscall.
+    cont = (fds[1:] == fds[:-1]) & (offsets[1:] == offsets[:-1] + nbytes[:-1])
+    starts = [0, *(np.flatnonzero(~cont) + 1).tolist(), int(nbytes.size)]
+    io = os.preadv if part.is_store else os.pwritev
+    for a, b in zip(starts[:-1], starts[1:]):
+        for s in range(a, b, IOV_MAX):
+            e = min(b, s + IOV_MAX)
+            if part.deadline_ns and time.monotonic_ns() > part.deadline_ns:
+                return False
+            bufs = [
+                (ctypes.c_char * n).from_address(addr)
+                for addr, n in zip(region[s:e].tolist(), nbytes[s:e].tolist())
+            ]
+            want = int(nbytes[s:e].sum())
+            if io(int(fds[s]), bufs, int(offsets[s])) != want:  # type: ignore[operator]
+                return False
+    return True
+
+
+def _long_enough(part: _Part) -> bool:
+    """Every descriptor of a load still holds every byte the load writes."""
+    ends = part.offsets + part.nbytes
+    for fd in np.unique(part.fds).tolist():
+        need = int(ends[part.fds == fd].max())
+        if os.fstat(fd).st_size < need:
+            return False
+    return True
