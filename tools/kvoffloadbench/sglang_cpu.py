@@ -92,3 +92,26 @@ def install() -> None:
         sys.meta_path.insert(0, _StubFinder())
     venv_ext = os.path.join(sys.prefix, "torch-extensions")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", venv_ext)
+
+
+def build_extension() -> None:
+    """Build SGLang's page-hash extension now (once per virtualenv) and check it."""
+    install()
+    import hashlib
+    import struct
+
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    want = hashlib.sha256(struct.pack("<4I", 0, 1, 2, 3)).hexdigest()
+    got = get_hash_str(list(range(4)))
+    if got != want:
+        raise SystemExit(f"SGLang's page hash gave {got}, expected {want}")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build", action="store_true", help="build the page-hash extension")
+    if parser.parse_args().build:
+        build_extension()

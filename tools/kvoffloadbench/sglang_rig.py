@@ -28,18 +28,24 @@ from . import sglang_cpu
 
 sglang_cpu.install()
 
+import warnings  # noqa: E402
+
 import torch  # noqa: E402
-from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
-from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
-    KVBufferLayout,
-    KVBuffers,
-    MHABufferInfo,
-    MLABufferInfo,
-)
-from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
-from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
+
+with warnings.catch_warnings():  # SGLang's imports warn about CUDA-only kernels and torch.jit
+    warnings.simplefilter("ignore")
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.device_pool_info import (
+        KVBufferLayout,
+        KVBuffers,
+        MHABufferInfo,
+        MLABufferInfo,
+    )
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    from sglang.srt.runtime_context import get_context, get_parallel
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -210,6 +216,7 @@ class Instance:
         self._args.install()
         get_parallel().override_permanently(
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
+            attn_tp_rank=tp_rank, attn_tp_size=tp_size, moe_tp_size=tp_size,
             attn_dcp_size=1, attn_dcp_rank=0,
         )  # fmt: skip
         try:
@@ -241,18 +248,21 @@ class Instance:
     def free(self, host_indices: torch.Tensor) -> None:
         self.pool.free(host_indices)
 
-    def page_bytes(self, host_indices: torch.Tensor) -> list[bytes]:
-        """Every page's bytes, element by element, as SGLang's zero-copy meta says."""
+    def page_bytes(self, host_indices: torch.Tensor, split: int = 1) -> list[bytes]:
+        """Every page's bytes, element by element, as SGLang's zero-copy meta says;
+        with ``split`` > 1 (``page_head``), each page's virtual head shards in turn:
+        ``split`` entries per page."""
         import ctypes
 
-        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
-        per_page = len(ptrs) // (len(host_indices) // self.page_size)
-        out = []
-        for p in range(0, len(ptrs), per_page):
-            out.append(
-                b"".join(ctypes.string_at(ptrs[i], sizes[i]) for i in range(p, p + per_page))
-            )
-        return out
+        if split > 1:
+            ptrs, sizes = self.pool.get_split_heads_page_buffer_meta(host_indices, split)
+        else:
+            ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
+        per = len(ptrs) // (len(host_indices) // self.page_size) // split
+        return [
+            b"".join(ctypes.string_at(ptrs[i], sizes[i]) for i in range(p, p + per))
+            for p in range(0, len(ptrs), per)
+        ]
 
     def fill(self, host_indices: torch.Tensor, seed: int) -> list[bytes]:
         """Write recognisable bytes into the pages (as a device backup would)."""
@@ -277,8 +287,6 @@ class Instance:
     def backup(self, host_indices: torch.Tensor, tokens: list[int], timeout_s: float = 30.0) -> int:
         """write_storage -> backup thread -> ack_backup_queue; tokens SGLang reports
         backed up."""
-        from sglang.srt.mem_cache.utils import get_storage_hash_str
-
         hashes = get_storage_hash_str(tokens, None, page_size=self.page_size)
         op_id = self.controller.write_storage(host_indices, tokens, hash_value=hashes)
         assert self.controller.ack_backup_queue is not None
