@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,33 @@ class _MLADevicePool(MLATokenToKVPool):
 
     def register_layer_transfer_counter(self, counter: Any) -> None:
         return
+
+
+class _Timed:
+    """The controller's storage backend, with the time of every L3 call recorded."""
+
+    def __init__(self, backend: Any, calls: list[tuple[str, float, int]]) -> None:
+        self._inner = backend
+        self._calls = calls
+
+    def _timed(self, name: str, *args: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            return getattr(self._inner, name)(*args)
+        finally:
+            self._calls.append((name, time.monotonic() - t0, len(args[0])))
+
+    def batch_exists(self, *args: Any) -> Any:
+        return self._timed("batch_exists", *args)
+
+    def batch_get_v1(self, *args: Any) -> Any:
+        return self._timed("batch_get_v1", *args)
+
+    def batch_set_v1(self, *args: Any) -> Any:
+        return self._timed("batch_set_v1", *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class _Allocator:
@@ -236,7 +264,12 @@ class Instance:
         except BaseException:
             self._args.restore()
             raise
-        self.backend = self.controller.storage_backend
+        # SGLang's fault injector (SGLANG_TEST_HICACHE_BACKEND_*) wraps the backend
+        self.backend = getattr(self.controller.storage_backend, "_backend", None) or (
+            self.controller.storage_backend
+        )
+        self.calls: list[tuple[str, float, int]] = []  # (call, seconds, pages)
+        self.controller.storage_backend = _Timed(self.controller.storage_backend, self.calls)
 
     # ------------------------------------------------------------ L2 pages
 
@@ -297,10 +330,16 @@ class Instance:
                 return int(op.completed_tokens)
 
     def prefetch(
-        self, tokens: list[int], rid: str = "r", timeout_s: float = 30.0, keep: bool = True
+        self,
+        tokens: list[int],
+        rid: str = "r",
+        timeout_s: float = 30.0,
+        keep: bool = True,
+        between: Callable[[], object] | None = None,
     ) -> Prefetched:
         """prefetch -> hit query -> prefetch_hit_queue -> prefetch_buffer ->
-        ack_prefetch_queue, as the scheduler drives it."""
+        ack_prefetch_queue, as the scheduler drives it (``between`` runs after the hit
+        query, before the pages are fetched)."""
         c = self.controller
         t0 = time.perf_counter()
         op = c.prefetch(rid, tokens)
@@ -312,6 +351,8 @@ class Instance:
         if hit == 0:
             return Prefetched(0, 0, None, time.perf_counter() - t0)
         op.host_indices = self.alloc(hit // self.page_size)
+        if between is not None:
+            between()
         c.prefetch_buffer.put(op)
         acks = []
         loaded = 0

@@ -67,9 +67,24 @@ def page_key(key: str) -> bytes:
 class _Role:
     """One connection and its shard links, used by one kind of call at a time."""
 
-    def __init__(self, links: list[PageLink]) -> None:
+    REVIVE_S = 0.1  # the longest a call waits for a daemon that just restarted
+
+    def __init__(self, client: Client, links: list[PageLink]) -> None:
+        self.client = client
         self.links = links
         self.lock = threading.Lock()
+
+    def acquire(self, deadline: Deadline) -> bool:
+        """Take the role for one call; first notice (without blocking) a daemon that
+        went away since the last call, and give one that is already back a moment to
+        be reconnected, so a restart costs no call."""
+        if not self.lock.acquire(timeout=max(0.0, deadline.left_s())):
+            return False
+        if self.client.connected:
+            self.client.poll()
+            if not self.client.connected:
+                self.client.wait_connected(min(deadline.left_s() / 2, self.REVIVE_S))
+        return True
 
 
 class KVOffloadStorage(HiCacheStorage):
@@ -181,7 +196,7 @@ class KVOffloadStorage(HiCacheStorage):
                     worker = PoolWorker(ns, caches, fd)
                     self._workers.append(worker)
                 links.append(PageLink(ns, worker))
-            roles.append(_Role(links))
+            roles.append(_Role(client, links))
         self._query, self._loads, self._stores = roles
         for client in self._clients:
             client.wait_connected(self.connect_timeout_s)
@@ -216,7 +231,7 @@ class KVOffloadStorage(HiCacheStorage):
             return 0
         try:
             deadline = self._deadline(0)
-            if not role.lock.acquire(timeout=max(0.0, deadline.left_s())):
+            if not role.acquire(deadline):
                 return 0
             try:
                 packed = [page_key(k) for k in keys]
@@ -260,7 +275,7 @@ class KVOffloadStorage(HiCacheStorage):
             if ids is None:
                 self._warn_once("a page of unaligned host slots", ValueError("not page-aligned"))
                 return [False] * n
-            if not role.lock.acquire(timeout=max(0.0, deadline.left_s())):
+            if not role.acquire(deadline):
                 return [False] * n
             try:
                 packed = [page_key(k) for k in keys]
