@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import itertools
 import logging
 import os
 import queue
@@ -207,7 +208,7 @@ def copy_part(part: _Part) -> bool:
     cont = (fds[1:] == fds[:-1]) & (offsets[1:] == offsets[:-1] + nbytes[:-1])
     starts = [0, *(np.flatnonzero(~cont) + 1).tolist(), int(nbytes.size)]
     io = os.preadv if part.is_store else os.pwritev
-    for a, b in zip(starts[:-1], starts[1:]):
+    for a, b in itertools.pairwise(starts):
         for s in range(a, b, IOV_MAX):
             e = min(b, s + IOV_MAX)
             if part.deadline_ns and time.monotonic_ns() > part.deadline_ns:
@@ -217,7 +218,7 @@ def copy_part(part: _Part) -> bool:
                 for addr, n in zip(region[s:e].tolist(), nbytes[s:e].tolist())
             ]
             want = int(nbytes[s:e].sum())
-            if io(int(fds[s]), bufs, int(offsets[s])) != want:  # type: ignore[operator]
+            if io(int(fds[s]), bufs, int(offsets[s])) != want:
                 return False
     return True
 

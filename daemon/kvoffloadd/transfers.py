@@ -275,7 +275,7 @@ class Transfers:
             )
             fdc.submit(
                 token,
-                caches,
+                caches,  # type: ignore[arg-type]
                 runs.which,
                 region_addr,
                 cache_addr,
@@ -283,7 +283,7 @@ class Transfers:
                 is_store,
                 r.deadline_ns,
                 check,
-            )  # type: ignore[arg-type]
+            )
         else:
             self.copier.submit(token, dst, src, nbytes, check)
         return m.OkReply(r.rid) if r.rid else None

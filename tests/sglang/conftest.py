@@ -16,8 +16,8 @@ pytest.importorskip(
     reason="SGLang 0.5.23 is not installed; run `make test-sglang`",
 )
 
-from kvoffloadbench import sglang_cpu  # noqa: E402
-from kvoffloadbench.launch import DaemonProcess  # noqa: E402
+from kvoffloadbench import sglang_cpu
+from kvoffloadbench.launch import DaemonProcess
 
 sglang_cpu.install()
 

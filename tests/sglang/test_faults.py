@@ -185,7 +185,7 @@ def test_killed_between_hit_query_and_prefetch(daemons: Daemons, warm: bool) -> 
 def test_never_back_every_call_returns_in_time(daemons: Daemons) -> None:
     inst = instance(daemons, "shm")
     try:
-        host, want, tokens = written(inst, 4)
+        host, _want, tokens = written(inst, 4)
         assert inst.backup(host, tokens) == PAGES * PAGE
         daemons.kill()
         for _ in range(5):

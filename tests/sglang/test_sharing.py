@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 import kvoffload
@@ -73,10 +72,12 @@ def test_page_head_tp2_shares_heads_with_tp4(daemon: DaemonProcess) -> None:
     lcm = {"tp_lcm_size": 4}
     with (
         spawn(daemon, layout="page_head", model={"heads": 4}, tp_size=2, extra=lcm) as tp2,
-        spawn(daemon, layout="page_head", model={"heads": 2}, tp_rank=0, tp_size=4, extra=lcm)
-        as r0,
-        spawn(daemon, layout="page_head", model={"heads": 2}, tp_rank=1, tp_size=4, extra=lcm)
-        as r1,
+        spawn(
+            daemon, layout="page_head", model={"heads": 2}, tp_rank=0, tp_size=4, extra=lcm
+        ) as r0,
+        spawn(
+            daemon, layout="page_head", model={"heads": 2}, tp_rank=1, tp_size=4, extra=lcm
+        ) as r1,
     ):
         assert tp2.namespaces == [*r0.namespaces, *r1.namespaces]
         done, shards = tp2.store(4, 6, split=2)

@@ -77,9 +77,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         return
 
-    def find_distributions(
-        self, context: Any = importlib.metadata.DistributionFinder.Context()
-    ) -> Iterable[importlib.metadata.Distribution]:
+    def find_distributions(self, context: Any = None) -> Iterable[importlib.metadata.Distribution]:
         name = getattr(context, "name", None)
         if name is None or name.replace("-", "_").lower() == STUBBED:
             return [_StubDistribution()]

@@ -152,19 +152,19 @@ def host_pool(
 ) -> Any:
     """A real SGLang host pool of ``pages`` pages (the shm allocator needs the
     published server args that ``Instance`` installs)."""
-    common: dict[str, Any] = dict(
-        host_to_device_ratio=2.0,
-        host_size=0,
-        page_size=page_size,
-        layout=layout,
-        pin_memory=False,
-        device="cpu",
-        allocator_type=allocator,
-        device_capacity_tokens=page_size,
-        start_layer=0,
-        end_layer=model.layers,
-        host_token_capacity=pages * page_size,
-    )
+    common: dict[str, Any] = {
+        "host_to_device_ratio": 2.0,
+        "host_size": 0,
+        "page_size": page_size,
+        "layout": layout,
+        "pin_memory": False,
+        "device": "cpu",
+        "allocator_type": allocator,
+        "device_capacity_tokens": page_size,
+        "start_layer": 0,
+        "end_layer": model.layers,
+        "host_token_capacity": pages * page_size,
+    }
     if model.mla:
         (rows,) = _device_rows(model, page_size)
         info = MLABufferInfo(
@@ -274,7 +274,7 @@ class Instance:
     # ------------------------------------------------------------ L2 pages
 
     def alloc(self, pages: int) -> torch.Tensor:
-        got = self.pool.alloc(pages * self.page_size)
+        got: torch.Tensor | None = self.pool.alloc(pages * self.page_size)
         assert got is not None, "host pool full"
         return got
 

@@ -261,7 +261,9 @@ class PageLink:
             if self.client.epoch != epoch or wid < 0:
                 return False
             if is_store:
-                msg: m.Request = m.SubmitStore(0, wid, job, bids, sl, [], 0, deadline.job_ns)
+                msg: m.SubmitStore | m.SubmitLoad = m.SubmitStore(
+                    0, wid, job, bids, sl, [], 0, deadline.job_ns
+                )
             else:
                 msg = m.SubmitLoad(0, wid, job, sl, bids, 0, [], keys, key_bytes, deadline.job_ns)
             if w.client_copy:
@@ -273,7 +275,9 @@ class PageLink:
             log.debug("job %d failed: %s", job, exc)
             return False
 
-    def _copy_myself(self, msg: m.Request, is_store: bool, deadline: Deadline) -> None:
+    def _copy_myself(
+        self, msg: m.SubmitStore | m.SubmitLoad, is_store: bool, deadline: Deadline
+    ) -> None:
         """Client copy: the daemon validates and answers with the runs; copy them
         through the region mapping, then say so (the job's result follows)."""
         w = self.worker
@@ -287,7 +291,7 @@ class PageLink:
         except (OSError, ValueError) as exc:
             log.error("kvoffload: copying through the region failed: %s", exc)
             ok = False
-        job, wid = getattr(msg, "job_id"), w.worker_id
+        job, wid = msg.job_id, w.worker_id
         self.client.send_nowait(lambda rid: m.ClientCopyDone(rid, wid, job, ok))
 
     def _wait(self, job: int, deadline: Deadline, epoch: int) -> bool:

@@ -93,11 +93,9 @@ def pool_shape(pool: Any, split: int = 1) -> PoolShape:
         if off + (pages - 1) * stride + size > nbytes:
             raise PoolError("a host page lies outside the pool's kv_buffer")
         elements.append(Element(off, size, stride))
+    # SGLang lists a split page's runs shard by shard: (K, V) of each
     per = len(elements) // split
-    if split > 1:  # SGLang lists a page's runs shard by shard: (K, V) of each
-        shards = [elements[j * per : (j + 1) * per] for j in range(split)]
-    else:
-        shards = [elements]
+    shards = [elements[j * per : (j + 1) * per] for j in range(split)]
     return PoolShape(pages, int(pool.page_size), nbytes, shards)
 
 
