@@ -104,7 +104,10 @@ def test_pool_pages_become_strided_caches() -> None:
 def test_a_pool_whose_pages_do_not_line_up_is_refused() -> None:
     pool = FakeMHAPool()
     meta = pool.get_page_buffer_meta
-    pool.get_page_buffer_meta = lambda idx: ([p + int(idx[0]) % 3 for p in meta(idx)[0]], meta(idx)[1])  # type: ignore[method-assign]
+    pool.get_page_buffer_meta = lambda idx: (
+        [p + int(idx[0]) % 3 for p in meta(idx)[0]],
+        meta(idx)[1],
+    )  # type: ignore[method-assign]
     with pytest.raises(PoolError, match="evenly"):
         pool_shape(pool)
 

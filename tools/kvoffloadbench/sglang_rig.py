@@ -119,6 +119,12 @@ class _Timed:
     def batch_set_v1(self, *args: Any) -> Any:
         return self._timed("batch_set_v1", *args)
 
+    def batch_get(self, *args: Any) -> Any:  # SGLang's generic (copying) path
+        return self._timed("batch_get", *args)
+
+    def batch_set(self, *args: Any) -> Any:
+        return self._timed("batch_set", *args)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
@@ -195,6 +201,12 @@ def host_pool(
         device=torch.device("cpu"),
     )
     return MHATokenToKVPoolHost(mha, **common)
+
+
+def storage_keys(tokens: list[int], page_size: int) -> list[str]:
+    """SGLang's L3 page keys of a prompt (its hash chain, as the controller makes it)."""
+    keys: list[str] = get_storage_hash_str(tokens, None, page_size=page_size)
+    return keys
 
 
 def page_tokens(seed: int, pages: int, page_size: int) -> list[int]:
@@ -320,7 +332,7 @@ class Instance:
     def backup(self, host_indices: torch.Tensor, tokens: list[int], timeout_s: float = 30.0) -> int:
         """write_storage -> backup thread -> ack_backup_queue; tokens SGLang reports
         backed up."""
-        hashes = get_storage_hash_str(tokens, None, page_size=self.page_size)
+        hashes = storage_keys(tokens, self.page_size)
         op_id = self.controller.write_storage(host_indices, tokens, hash_value=hashes)
         assert self.controller.ack_backup_queue is not None
         deadline = time.monotonic() + timeout_s

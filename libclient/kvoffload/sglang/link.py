@@ -18,7 +18,8 @@ stalls every rank):
   lands in pages SGLang took back (the one exception: a daemon process stopped, or
   starved, for longer than the guard between its deadline check and its write).
 - Client-copy workers (the default allocator) copy through their own mapping of the
-  region, in the calling thread, under the daemon's validated plan.
+  region under the daemon's validated plan, in the calling thread and, for a large
+  job, one helper thread; the call returns after both finished.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ import numpy as np
 
 from ..client import Client
 from ..client_copy import RegionMapping, describe_plain_cache
+from ..memruns import copy_runs
 from ..namespace import Namespace, pack_checked
 from ..protocol import messages as m
 from ..protocol.errors import KVOffloadError, NotFoundError
@@ -42,6 +45,9 @@ from ..protocol.messages import KEY_READY, pack_ids, unpack_ids, unpack_keys
 from ..transport import Transport
 
 log = logging.getLogger(__name__)
+
+COPY_THREADS = 2  # a client copy of at least PARALLEL_MIN_BYTES runs on two threads
+PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class PoolWorker:
         self.region: RegionMapping | None = None
         self.results: dict[int, m.JobResult] = {}
         self._jobs = itertools.count(1)
+        self._pool: ThreadPoolExecutor | None = None
         ns.client.register(self)
 
     def _handshake(self, t: Transport, ns_ids: dict[int, int]) -> Any:
@@ -132,7 +139,31 @@ class PoolWorker:
     def next_job(self) -> int:
         return next(self._jobs)
 
+    def copy_plan(self, plan: m.CopyPlanReply, is_store: bool) -> None:
+        """Client copy of a daemon-validated plan through the region mapping; a large
+        one is cut by bytes over ``COPY_THREADS`` threads (each copy releases the GIL)."""
+        assert self.region is not None
+        region = unpack_ids(plan.region) + self.region.base_address
+        which = unpack_ids(plan.cache_index)
+        bases = np.asarray(self.bases, dtype=np.int64)
+        cache = unpack_ids(plan.cache) + (bases[which] if which.size else 0)
+        nbytes = unpack_ids(plan.nbytes)
+        dst, src = (region, cache) if is_store else (cache, region)
+        total = int(nbytes.sum())
+        if total < PARALLEL_MIN_BYTES or nbytes.size < 2:
+            copy_runs(dst, src, nbytes)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvoffload-copy")
+        cut = int(np.searchsorted(np.cumsum(nbytes), total // 2)) + 1
+        cut = min(max(cut, 1), nbytes.size - 1)
+        half = self._pool.submit(copy_runs, dst[cut:], src[cut:], nbytes[cut:])
+        copy_runs(dst[:cut], src[:cut], nbytes[:cut])
+        half.result()
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
         self.ns.client.unregister(self)
         if self.fd is not None:
             os.close(self.fd)
@@ -287,7 +318,7 @@ class PageLink:
         )
         ok = True
         try:
-            w.region.run_plan(plan, w.bases, is_store)
+            w.copy_plan(plan, is_store)
         except (OSError, ValueError) as exc:
             log.error("kvoffload: copying through the region failed: %s", exc)
             ok = False
