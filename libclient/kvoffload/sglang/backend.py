@@ -25,7 +25,8 @@ Rules:
   other than SGLang's MHA and MLA pools are refused at start with one error naming
   them.
 - Three connections, one per SGLang storage thread's role (hit queries, prefetch
-  loads, backups), so a long copy never delays a hit query.
+  loads, backups), so a long copy never delays a hit query. Hit queries are answered
+  from a local mirror of the namespace's keys (``mirror``), no round trip.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from ..client import Client, connect
 from .identity import SglangIdentity, Shard, mha_shards
 from .link import Deadline, PageLink, PoolWorker
+from .mirror import KeyMirror
 from .pool import PoolError, block_ids, memfd_descs, plain_views, pool_shape, shm_offset
 
 log = logging.getLogger(__name__)
@@ -69,9 +71,10 @@ class _Role:
 
     REVIVE_S = 0.1  # the longest a call waits for a daemon that just restarted
 
-    def __init__(self, client: Client, links: list[PageLink]) -> None:
+    def __init__(self, client: Client, links: list[PageLink], mirrors: list[KeyMirror]) -> None:
         self.client = client
         self.links = links
+        self.mirrors = mirrors  # the query role's: one per link
         self.lock = threading.Lock()
 
     def acquire(self, deadline: Deadline) -> bool:
@@ -88,6 +91,8 @@ class _Role:
 
 
 class KVOffloadStorage(HiCacheStorage):
+    ACK_INTERVAL_S = 0.1
+
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         self.config = storage_config
         extra = dict(storage_config.extra_config or {})
@@ -113,6 +118,7 @@ class KVOffloadStorage(HiCacheStorage):
         self._loads: _Role | None = None
         self._stores: _Role | None = None
         self._warned: set[str] = set()
+        self._stop = threading.Event()
 
     # ------------------------------------------------------------ start
 
@@ -183,9 +189,11 @@ class KVOffloadStorage(HiCacheStorage):
                 lazy=True,
             )
             self._clients.append(client)
-            links = []
+            links, mirrors = [], []
             for name, layout, elements in layouts:
-                ns = client.namespace(name, layout, subscribe=False)
+                ns = client.namespace(name, layout, subscribe=role == "query")
+                if role == "query":
+                    mirrors.append(KeyMirror(ns))
                 worker = None
                 if role != "query":
                     if mode == "daemon":
@@ -196,10 +204,12 @@ class KVOffloadStorage(HiCacheStorage):
                     worker = PoolWorker(ns, caches, fd)
                     self._workers.append(worker)
                 links.append(PageLink(ns, worker))
-            roles.append(_Role(client, links))
+            roles.append(_Role(client, links, mirrors))
         self._query, self._loads, self._stores = roles
         for client in self._clients:
             client.wait_connected(self.connect_timeout_s)
+        self._acker = threading.Thread(target=self._ack_feed, name="kvoffload-feed", daemon=True)
+        self._acker.start()
         log.info(
             "kvoffload: rank tp=%d pp=%d stores %s pages in %s (%s copies) at %s",
             c.tp_rank,
@@ -211,6 +221,21 @@ class KVOffloadStorage(HiCacheStorage):
         )
 
     # ------------------------------------------------------------ helpers
+
+    def _ack_feed(self) -> None:
+        """Between hit queries, keep the mirrors current and their feed acknowledged,
+        so evicted blocks' slots are reused without waiting (never blocks a query)."""
+        while not self._stop.wait(self.ACK_INTERVAL_S):
+            role = self._query
+            if role is None or not role.lock.acquire(blocking=False):
+                continue
+            try:
+                for mirror in role.mirrors:
+                    mirror.refresh()
+            except Exception as exc:  # pragma: no cover - the client never raises here
+                log.debug("feed refresh: %s", exc)
+            finally:
+                role.lock.release()
 
     def _deadline(self, pages: int) -> Deadline:
         tokens = pages * max(self.page_size, 1)
@@ -236,8 +261,11 @@ class KVOffloadStorage(HiCacheStorage):
             try:
                 packed = [page_key(k) for k in keys]
                 hits = len(packed)
-                for link in role.links:
-                    hits = min(hits, link.ready(packed[:hits], deadline))
+                for link, mirror in zip(role.links, role.mirrors):
+                    found = mirror.leading(packed[:hits])
+                    if found < hits and link.ns.tiers:  # a tier may hold the rest
+                        found = link.ready(packed[:hits], deadline)
+                    hits = found
                     if hits == 0:
                         break
                 return hits
@@ -283,6 +311,10 @@ class KVOffloadStorage(HiCacheStorage):
                     ok = [True] * n
                     for link in role.links:
                         ok = [a and b for a, b in zip(ok, link.store(packed, ids, deadline))]
+                    query = self._query
+                    if query is not None:
+                        for mirror in query.mirrors:
+                            mirror.note_stored(k for k, good in zip(packed, ok) if good)
                     return ok
                 loaded = n
                 for link in role.links:
@@ -330,6 +362,7 @@ class KVOffloadStorage(HiCacheStorage):
         return  # the pool is shared: clearing it is the admin's (kvoffloadctl evict)
 
     def close(self) -> None:
+        self._stop.set()
         for w in self._workers:
             w.close()
         for client in self._clients:
