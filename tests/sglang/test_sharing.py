@@ -6,6 +6,7 @@ Each instance is SGLang's real controller and host pool in its own process
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ def spawn(daemon: DaemonProcess, allocator: str = "default", **kw: Any) -> Insta
     extra.update(kw.pop("extra", {}))
     kw.setdefault("layout", "page_first")
     kw.setdefault("page_size", PAGE)
-    return InstanceProcess(pages=64, extra_config=extra, **kw)
+    kw.setdefault("pages", 64)
+    return InstanceProcess(extra_config=extra, **kw)
 
 
 def stored_blocks(daemon: DaemonProcess) -> dict[str, int]:
@@ -119,3 +121,29 @@ def test_instances_that_differ_share_nothing(daemon: DaemonProcess) -> None:
             names |= set(inst.backend.namespaces)
         finally:
             inst.close()
+
+
+def test_backups_succeed_in_a_full_region_while_other_instances_mirror_it() -> None:
+    """Scenario: the region is full and every backup must evict; evicted blocks are
+    held for the other instance's key mirror until it acknowledges the evictions
+    (daemon: NO_SPACE until then). Backups wait for that within their deadline:
+    every one succeeds, and the newest prompts load byte-exact in the other instance."""
+    with DaemonProcess(
+        "32MiB", "--log-level", "warning", "--extent-size", "2MiB",
+        settings={"max_writing_fraction": 1.0},
+    ) as d:  # fmt: skip
+        extra = {"socket_path": d.socket_path}
+        with spawn(d, page_size=16, pages=256) as other:
+            inst = rig.Instance(rig.Model(), "page_first", 16, 256, extra)
+            try:
+                host = inst.alloc(128)
+                for seed in range(12):  # 12 x 4 MiB into a 32 MiB region
+                    inst.fill(host, seed)
+                    tokens = rig.page_tokens(seed, 128, 16)
+                    assert inst.backup(host, tokens) == 128 * 16, seed
+                want = inst.page_bytes(host)
+            finally:
+                inst.close()
+            hit, loaded, got = other.load(11, 128)
+            assert (hit, loaded) == (128 * 16, 128 * 16)
+            assert got == [hashlib.sha256(p).hexdigest() for p in want]

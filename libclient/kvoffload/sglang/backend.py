@@ -222,20 +222,24 @@ class KVOffloadStorage(HiCacheStorage):
 
     # ------------------------------------------------------------ helpers
 
+    def _ack_now(self) -> None:
+        """Acknowledge this instance's mirrors now (when no hit query holds them)."""
+        role = self._query
+        if role is not None and role.lock.acquire(blocking=False):
+            try:
+                for mirror in role.mirrors:
+                    mirror.refresh()
+            finally:
+                role.lock.release()
+
     def _ack_feed(self) -> None:
         """Between hit queries, keep the mirrors current and their feed acknowledged,
         so evicted blocks' slots are reused without waiting (never blocks a query)."""
         while not self._stop.wait(self.ACK_INTERVAL_S):
-            role = self._query
-            if role is None or not role.lock.acquire(blocking=False):
-                continue
             try:
-                for mirror in role.mirrors:
-                    mirror.refresh()
+                self._ack_now()
             except Exception as exc:  # pragma: no cover - the client never raises here
                 log.debug("feed refresh: %s", exc)
-            finally:
-                role.lock.release()
 
     def _deadline(self, pages: int) -> Deadline:
         tokens = pages * max(self.page_size, 1)
@@ -310,7 +314,8 @@ class KVOffloadStorage(HiCacheStorage):
                 if is_store:
                     ok = [True] * n
                     for link in role.links:
-                        ok = [a and b for a, b in zip(ok, link.store(packed, ids, deadline))]
+                        done = link.store(packed, ids, deadline, self._ack_now)
+                        ok = [a and b for a, b in zip(ok, done)]
                     query = self._query
                     if query is not None:
                         for mirror in query.mirrors:

@@ -28,7 +28,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +40,7 @@ from ..client_copy import RegionMapping, describe_plain_cache
 from ..memruns import copy_runs
 from ..namespace import Namespace, pack_checked
 from ..protocol import messages as m
-from ..protocol.errors import KVOffloadError, NotFoundError
+from ..protocol.errors import KVOffloadError, NoSpaceError, NotFoundError
 from ..protocol.messages import KEY_READY, pack_ids, unpack_ids, unpack_keys
 from ..transport import Transport
 
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 COPY_THREADS = 2  # a client copy of at least PARALLEL_MIN_BYTES runs on two threads
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
+FULL_RETRY_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -198,21 +199,42 @@ class PageLink:
 
     # ------------------------------------------------------------ stores
 
-    def store(self, keys: list[bytes], block_ids: np.ndarray, deadline: Deadline) -> list[bool]:
-        """Store the pages; per key, whether it is stored (now or already)."""
+    def store(
+        self,
+        keys: list[bytes],
+        block_ids: np.ndarray,
+        deadline: Deadline,
+        on_full: Callable[[], object] = lambda: None,
+    ) -> list[bool]:
+        """Store the pages; per key, whether it is stored (now or already).
+
+        A full namespace whose evicted blocks are still held for engines' key mirrors
+        (``NO_SPACE`` until they acknowledge the evictions, kvoffloadd.graves) is asked
+        again every ``FULL_RETRY_S`` for the first half of the call's time, after
+        ``on_full`` (which acknowledges this instance's own mirrors).
+        """
         w = self.worker
         assert w is not None
-        try:
-            epoch = self.client.epoch
-            packed, kb = pack_checked(keys)
-            plan = self.client.call(
-                lambda rid: m.PrepareStore(rid, self.ns.ns_id, packed, kb),
-                m.StorePlanReply,
-                timeout_s=deadline.timeout_s(),
-            )
-        except KVOffloadError as exc:
-            log.debug("store not planned: %s", exc)
-            return [False] * len(keys)
+        packed, kb = pack_checked(keys)
+        retry_until = time.monotonic() + deadline.left_s() / 2
+        while True:
+            try:
+                epoch = self.client.epoch
+                plan = self.client.call(
+                    lambda rid: m.PrepareStore(rid, self.ns.ns_id, packed, kb),
+                    m.StorePlanReply,
+                    timeout_s=deadline.timeout_s(),
+                )
+                break
+            except NoSpaceError as exc:
+                if time.monotonic() + FULL_RETRY_S > retry_until:
+                    log.debug("store not planned: %s", exc)
+                    return [False] * len(keys)
+                on_full()
+                time.sleep(FULL_RETRY_S)
+            except KVOffloadError as exc:
+                log.debug("store not planned: %s", exc)
+                return [False] * len(keys)
         todo = unpack_keys(plan.keys, plan.key_bytes)
         if not todo:
             return [True] * len(keys)
