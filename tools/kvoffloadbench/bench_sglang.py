@@ -105,6 +105,9 @@ def measure(
     model = rig.Model(layers=args.layers, heads=args.heads, head_dim=args.head_dim)
     inst = rig.Instance(model, "page_first", args.page_size, 2 * args.pages + 1, extra, backend)
     get, put = ("batch_get", "batch_set") if backend == "file" else ("batch_get_v1", "batch_set_v1")
+    for worker in getattr(inst.backend, "_workers", []):  # client copies: page tables filled
+        if worker.populating is not None:
+            worker.populating.join(60)
     nbytes = args.pages * page_bytes(args)
     store_s: list[float] = []
     load_s: list[float] = []

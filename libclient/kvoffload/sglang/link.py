@@ -24,9 +24,11 @@ stalls every rank):
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 COPY_THREADS = 2  # a client copy of at least PARALLEL_MIN_BYTES runs on two threads
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 FULL_RETRY_S = 0.005
+MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class PoolWorker:
         self.results: dict[int, m.JobResult] = {}
         self._jobs = itertools.count(1)
         self._pool: ThreadPoolExecutor | None = None
+        self.populating: threading.Thread | None = None  # client copies: page tables
         ns.client.register(self)
 
     def _handshake(self, t: Transport, ns_ids: dict[int, int]) -> Any:
@@ -120,6 +124,8 @@ class PoolWorker:
         for extra in fds[1:]:
             os.close(extra)
         self.region = RegionMapping(fds[0], reply.region_bytes) if fds else None
+        if self.region is not None and self.client_copy:
+            self.populating = populate_async(self.region.base_address, reply.region_bytes)
         self.worker_id = reply.worker
         self.epoch = self.ns.client.epoch
         self.results.clear()
@@ -359,6 +365,23 @@ class PageLink:
             if left <= 0 or self.client.epoch != epoch or not self.client.connected:
                 return False
             self.client.poll(timeout_s=min(left, 0.05))
+
+
+def populate_async(address: int, nbytes: int) -> threading.Thread:
+    """Fill this process's page tables for a new mapping of the region, in the
+    background (``MADV_POPULATE_WRITE``; the call releases the GIL): the region's pages
+    exist already, but a client copy that first touches them pays a page fault per
+    4 KiB (a 128-page load took 25 ms before, 10.5 ms after, measured). Best effort."""
+
+    def run() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(address, nbytes, MADV_POPULATE_WRITE) != 0:
+            log.debug("madvise(MADV_POPULATE_WRITE): errno %d", ctypes.get_errno())
+
+    thread = threading.Thread(target=run, name="kvoffload-populate", daemon=True)
+    thread.start()
+    return thread
 
 
 def msgspec_replace(msg: m.Request, rid: int) -> m.Request:
