@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 import pytest
+from hostile import NOBODY, as_uid, requires_root
 
 import kvoffload
 from kvoffload.protocol.messages import CacheDesc
@@ -130,3 +131,38 @@ def test_descriptors_that_are_not_shared_memory_are_refused(daemon: DaemonProces
         os.close(x)
     s1.close()
     s2.close()
+
+
+def test_another_uid_gets_daemon_copies_and_its_shrink_hurts_nobody(
+    daemon: DaemonProcess,
+) -> None:
+    """Scenario: an engine of another uid (not trusted to map the region) registers
+    its unsealable pool: the daemon copies for it; then it shrinks the pool under the
+    daemon: its own jobs fail, and a root engine's blocks and the daemon are fine."""
+    requires_root()
+    sock = daemon.socket_path
+    os.chmod(os.path.dirname(sock), 0o750)  # the engine's group (0) reaches the socket
+    with kvoffload.connect(sock) as c:
+        fd, _ = pool(seed=4)
+        assert all(link(c, fd).store(keys(4, b"r"), np.arange(4, dtype=np.int64), deadline()))
+
+    def engine() -> tuple[bool, int, bool]:
+        efd, emm = pool(seed=5)
+        with kvoffload.connect(sock) as ec:
+            mine = link(ec, efd)
+            ids = np.arange(PAGES, dtype=np.int64)
+            stored = all(mine.store(keys(PAGES, b"n"), ids, deadline()))
+            before = emm[:PAGE]
+            emm[:PAGE] = b"\0" * PAGE
+            loaded = mine.load(keys(1, b"n"), ids[:1].copy(), deadline())
+            same = emm[:PAGE] == before
+            os.ftruncate(efd, 0)
+            refused = not any(mine.store(keys(PAGES, b"x"), ids, deadline()))
+            return stored and same and refused, loaded, ec.ping() < 5
+
+    ok, loaded, alive = as_uid(engine, NOBODY, gid=0)  # gid 0 reaches the 0660 socket
+    assert ok and loaded == 1 and alive
+    with kvoffload.connect(sock) as c:
+        fd2, _ = pool(seed=6)
+        assert link(c, fd2).load(keys(4, b"r"), np.arange(4, dtype=np.int64), deadline()) == 4
+    assert daemon.alive()
