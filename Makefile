@@ -67,10 +67,11 @@ test-sglang: $(SGLANG_STAMP)
 	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang $(PYTEST_ARGS)
 
 # Backup and prefetch through SGLang's own controller: kvoffload against SGLang's file
-# backend on tmpfs and its Mooncake backend with a local master, and memcpy, same run.
+# backend on tmpfs and its Mooncake backend with a local master, and memcpy, same run;
+# saved for `make bench-report` in docs/bench-sglang.json.
 bench-sglang: $(SGLANG_STAMP)
 	@tools/ensure-mooncake-libs
-	$(SGLANG_VENV)/bin/python -m kvoffloadbench.bench_sglang $(ARGS)
+	$(SGLANG_VENV)/bin/python -m kvoffloadbench.bench_sglang --json docs/bench-sglang.json $(ARGS)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu $(PYTEST_ARGS)

@@ -35,7 +35,6 @@ from typing import Any
 
 import kvoffload
 
-from . import sglang_rig as rig
 from .bench import memcpy_gbps, pct
 from .echo_floor import echo_round_trip_us
 from .launch import DaemonProcess, wait_prefault
@@ -53,6 +52,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--exists", type=int, default=300, help="timed batch_exists calls")
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--quick", action="store_true", help="smaller batches, fewer rounds")
     return p.parse_args(argv)
 
 
@@ -78,7 +78,7 @@ def backends(args: argparse.Namespace) -> Iterator[list[tuple[str, str, dict[str
         out.append(("SGLang file backend, tmpfs", "file", {"file_storage_path": tmp}))
         why = MooncakeMaster.available()
         if not why:
-            m = stack.enter_context(MooncakeMaster(lease_ttl_ms=5000).start())
+            m = stack.enter_context(MooncakeMaster(lease_ttl_ms=5000))
             out.append(("SGLang mooncake backend, local master", "mooncake", {
                 "master_server_address": m.master, "metadata_server": m.metadata_url,
                 "protocol": "tcp", "local_hostname": "127.0.0.1", "device_name": "",
@@ -90,7 +90,6 @@ def backends(args: argparse.Namespace) -> Iterator[list[tuple[str, str, dict[str
             yield out
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            args.socket_path = d.socket_path
 
 
 def page_bytes(args: argparse.Namespace) -> int:
@@ -102,6 +101,8 @@ def measure(
 ) -> dict[str, Any]:
     """One backend's figures; its prompts are seeds ``first``.. (each backend its own:
     the two kvoffload ones share a namespace)."""
+    from . import sglang_rig as rig  # SGLang: only here, so ``render`` needs none
+
     model = rig.Model(layers=args.layers, heads=args.heads, head_dim=args.head_dim)
     inst = rig.Instance(model, "page_first", args.page_size, 2 * args.pages + 1, extra, backend)
     get, put = ("batch_get", "batch_set") if backend == "file" else ("batch_get_v1", "batch_set_v1")
@@ -166,6 +167,8 @@ def floors(socket_path: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.quick:
+        args.pages, args.rounds, args.exists, args.layers = 16, 2, 50, 4
     nbytes = args.pages * page_bytes(args)
     result: dict[str, Any] = {"machine": machine(), "page_bytes": page_bytes(args)}
     result["memcpy_gbps"] = memcpy_gbps(nbytes, 5)
@@ -176,22 +179,28 @@ def main(argv: list[str] | None = None) -> None:
             print(f"measured {label}", flush=True)
         result.update(floors(todo[0][2]["socket_path"]))
     result["rows"] = rows
-    print(report(args, result))
+    result["setup"] = {k: getattr(args, k.replace("-", "_")) for k in SETUP}
+    print(render(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
 
-def report(args: argparse.Namespace, r: dict[str, Any]) -> str:
+SETUP = ("pages", "page-size", "layers", "heads", "head-dim", "rounds")
+
+
+def render(r: dict[str, Any]) -> str:
+    """The figures as Markdown (also ``make bench-report``'s SGLang section)."""
+    a = r["setup"]
     base = r["memcpy_gbps"]
     lines = [
-        f"SGLang HiCache L3 through SGLang's controller: batches of {args.pages} pages of "
-        f"{r['page_bytes'] >> 10} KiB ({args.page_size} tokens, {args.layers} layers, "
-        f"{args.heads} heads x {args.head_dim}, bf16, page_first), median of {args.rounds}",
-        f"memcpy baseline (1 thread, one batch): {base:.2f} GB/s",
+        f"Batches of {a['pages']} pages of {r['page_bytes'] >> 10} KiB ({a['page-size']} "
+        f"tokens, {a['layers']} layers, {a['heads']} K/V heads x {a['head-dim']}, bf16, "
+        f"`page_first`), median of {a['rounds']} rounds; memcpy baseline (one thread, "
+        f"one batch's bytes) {base:.2f} GB/s.",
         "",
         "| backend | backup GB/s | pages/s | prefetch GB/s (/ memcpy) | pages/s | "
-        "prefetch end to end | batch_exists p50 / p99 |",
+        "prefetch end to end | batch_exists of a batch, p50 / p99 |",
         "|---|---|---|---|---|---|---|",
     ]
     lines += [
@@ -203,8 +212,9 @@ def report(args: argparse.Namespace, r: dict[str, Any]) -> str:
     ]
     lines += [
         "",
-        f"control-path floor: kvoffloadd ping p50 {r['ping_p50_us']:.0f} us; plain Python "
-        f"unix-socket echo p50 / p99 {r['echo_p50_us']:.0f} / {r['echo_p99_us']:.0f} us",
+        f"Control-path floor in the same run: kvoffloadd ping p50 {r['ping_p50_us']:.0f} us; "
+        f"a plain Python unix-socket echo p50 / p99 {r['echo_p50_us']:.0f} / "
+        f"{r['echo_p99_us']:.0f} us.",
     ]
     return "\n".join(lines)
 
