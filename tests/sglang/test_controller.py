@@ -21,15 +21,17 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("controller", ["hybrid", "base"])
 @pytest.mark.parametrize("allocator", ["default", "shm"])
 @pytest.mark.parametrize(("mla", "layout"), CASES, ids=lambda x: str(x))
 def test_backup_then_prefetch_byte_exact(
-    daemon: DaemonProcess, mla: bool, layout: str, allocator: str
+    daemon: DaemonProcess, mla: bool, layout: str, allocator: str, controller: str
 ) -> None:
+    """``hybrid``: SGLang 0.5.23's server path for every model (HybridCacheController
+    over a host pool group); ``base``: the plain HiCacheController."""
     model = rig.Model(mla=mla)
-    inst = rig.Instance(
-        model, layout, 4, 64, {"socket_path": daemon.socket_path, "allocator": allocator}
-    )
+    extra = {"socket_path": daemon.socket_path, "allocator": allocator}
+    inst = rig.Instance(model, layout, 4, 64, extra, controller=controller)
     try:
         mode = "daemon" if allocator == "shm" else "client"
         assert inst.backend.copy_mode == "auto"
@@ -61,3 +63,12 @@ def test_without_interface_v1_sglang_refuses_at_start(daemon: DaemonProcess) -> 
     extra = {"socket_path": daemon.socket_path, "interface_v1": 0}
     with pytest.raises(ValueError, match="interface_v1"):
         rig.Instance(rig.Model(), "page_first", 4, 16, extra)
+
+
+def test_a_hybrid_model_is_refused_at_start_naming_it(daemon: DaemonProcess) -> None:
+    """Scenario: a hybrid model (a sliding-window side pool beside the KV pool) needs
+    HiCache's *_v2 calls, which kvoffload does not implement: SGLang's attach fails with
+    one error naming the model and the pool, rather than half-working."""
+    extra = {"socket_path": daemon.socket_path}
+    with pytest.raises(NotImplementedError, match=r"hybrid models.*'gemma-swa'.*swa pool"):
+        rig.Instance(rig.Model(), "page_first", 4, 16, extra, model_name="gemma-swa", swa_pool=True)

@@ -36,13 +36,19 @@ import torch  # noqa: E402
 with warnings.catch_warnings():  # SGLang's imports warn about CUDA-only kernels and torch.jit
     warnings.simplefilter("ignore")
     from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.device_pool_info import (
         KVBufferLayout,
         KVBuffers,
         MHABufferInfo,
         MLABufferInfo,
     )
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        HybridCacheController,
+    )
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -241,8 +247,16 @@ class Instance:
         tp_rank: int = 0,
         tp_size: int = 1,
         model_name: str | None = None,
+        controller: str = "hybrid",
+        swa_pool: bool = False,
     ) -> None:
+        """``controller``: "hybrid" is what SGLang 0.5.23's server runs for every model
+        (``HybridCacheController`` over a ``HostPoolGroup`` whose anchor is the KV pool,
+        registered again through ``register_mem_host_pool_v2``); "base" is the plain
+        ``HiCacheController``. ``swa_pool`` adds a sliding-window side pool, as a hybrid
+        model's host pool group has."""
         self.model = model
+        self.hybrid = controller == "hybrid"
         self.page_size = page_size
         config = dict(KVOFFLOAD_BACKEND if backend == "dynamic" else {})
         config.update(extra_config or {})
@@ -262,9 +276,17 @@ class Instance:
         try:
             self.pool = host_pool(model, layout, page_size, pages, allocator)
             device = _MLADevicePool(model.layers) if model.mla else _DevicePool(model.layers)
-            self.controller = HiCacheController(
-                _Allocator(device),  # type: ignore[arg-type]
-                self.pool,
+            host: Any = self.pool
+            cls: Any = HiCacheController
+            if self.hybrid:
+                entries = [PoolEntry(PoolName.KV, self.pool, device, lambda i: i, True)]
+                if swa_pool:
+                    side = host_pool(model, layout, page_size, pages, allocator)
+                    entries.append(PoolEntry(PoolName.SWA, side, device, lambda i: i))
+                host, cls = HostPoolGroup(entries), HybridCacheController
+            self.controller = cls(
+                _Allocator(device),
+                host,
                 page_size,
                 tp_group=None,  # type: ignore[arg-type]
                 load_cache_event=threading.Event(),
@@ -354,7 +376,7 @@ class Instance:
         query, before the pages are fetched)."""
         c = self.controller
         t0 = time.perf_counter()
-        op = c.prefetch(rid, tokens)
+        op = c.prefetch(CacheRequestHandle(rid, 0) if self.hybrid else rid, tokens)
         assert c.prefetch_hit_queue is not None and c.prefetch_buffer is not None
         deadline = time.monotonic() + timeout_s
         got = c.prefetch_hit_queue.get(timeout=timeout_s)

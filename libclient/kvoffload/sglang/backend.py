@@ -130,6 +130,12 @@ class KVOffloadStorage(HiCacheStorage):
             raise ValueError(f"kvoffload cannot store this host pool: {exc}") from None
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang 0.5.23 registers every entry of the host pool group here, the KV anchor
+        (already registered by ``register_mem_pool_host``) included: that one is
+        stored; any other pool (a hybrid model's) is refused, at start."""
+        if host_pool is getattr(self, "mem_pool_host", None):
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
         raise NotImplementedError(
             f"kvoffload does not store hybrid models yet: model {self.config.model_name!r} "
             f"has a {host_pool_name} pool ({type(host_pool).__name__}) that needs HiCache's "
