@@ -271,7 +271,7 @@ class Transfers:
             self.gpu.submit(w.device, token, dst, src, nbytes, is_store, w.store_event, check)
         elif caches and is_descriptor(caches[0]):  # unsealable memfds: never mapped
             fdc = self.fd_copier = self.fd_copier or FdCopier(
-                self.config.copy_threads, self.copier.sink
+                self.config.copy_threads, self.copier.sink, self.region.open_fd(), self._region_addr
             )
             fdc.submit(
                 token,
