@@ -415,7 +415,7 @@ def sglang_section(e: dict[str, Any] | None) -> list[str]:
         "backup (`write_storage` to its ack) and prefetch (hit query, then "
         "`prefetch_buffer` to its ack, bytes checked) of one batch; GB/s over the "
         "backend call's own time. kvoffload with the `shm` host pool (the daemon copies "
-        "through the pool's memfd with `preadv`/`pwritev`) and with the default pool (the "
+        "through the pool's memfd with `preadv` alone) and with the default pool (the "
         "client copies through its mapping of the region); SGLang's `file` backend on "
         "tmpfs; its `mooncake` backend with a local `mooncake_master` (TCP). Target: "
         "kvoffload's prefetch >= 0.5 of memcpy and faster than both; `batch_exists` of "

@@ -10,7 +10,8 @@ Rules:
 - Zero-copy only (``"interface_v1": 1``, refused at start without it): pages move
   between SGLang's host pool and the daemon's region, never through a bounce buffer.
   With ``"allocator": "shm"`` the host pool is a memfd and the daemon copies
-  (``pread``/``pwrite`` on the descriptor, never a mapping); with the default
+  inside system calls only (kvoffloadd's ``fdcopy``: a shrink fails a job, never the
+  daemon); with the default
   allocator the client copies through its own mapping of the region (trusted uids).
 - No call raises into SGLang, and none outlives its deadline: ``deadline_s`` plus
   ``deadline_per_ki_token_s`` per 1,024 tokens of the call (well under SGLang's own

@@ -13,8 +13,8 @@ Two ways to hand the caches over (``Caches``):
 - ``views``: plain 2-D uint8 views of the pool (client-copy mode: the client copies
   through its own mapping of the region);
 - ``descs``: descriptors into the pool's memfd (``"allocator": "shm"``), which the
-  daemon copies through with ``pread``/``pwrite`` (kind ``memfd_io``): the memfd is
-  not sealable, so the daemon never maps it.
+  daemon copies through inside system calls only (kind ``memfd_io``): the memfd is
+  not sealable, so no daemon code may touch its memory.
 
 A pool whose pages are not affine runs inside one buffer is refused (``PoolError``).
 SGLang hands out host pages whole: page ``i`` of a call starts at
