@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from ..protocol.messages import KEY_READY, pack_ids, unpack_ids, unpack_keys
 from ..transport import Transport
 
 log = logging.getLogger(__name__)
+R = TypeVar("R", bound=m.Reply)
 
 COPY_THREADS = 2  # a client copy of at least PARALLEL_MIN_BYTES runs on two threads
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
@@ -185,17 +186,29 @@ class PageLink:
         self.worker = worker
         self.client: Client = ns.client  # type: ignore[assignment]
 
+    def _keys_call(
+        self,
+        cls: Callable[..., m.Request],
+        packed: bytes,
+        key_bytes: int,
+        expect: type[R],
+        deadline: Deadline,
+        *extra: Any,
+    ) -> R:
+        """One request about keys of this namespace, within the call's deadline."""
+        return self.client.call(
+            lambda rid: cls(rid, self.ns.ns_id, packed, key_bytes, *extra),
+            expect,
+            timeout_s=deadline.timeout_s(),
+        )
+
     # ------------------------------------------------------------ hit query
 
     def ready(self, keys: list[bytes], deadline: Deadline) -> int:
         """How many leading keys are stored and ready (0 on any failure)."""
         packed, kb = pack_checked(keys)
         try:
-            r = self.client.call(
-                lambda rid: m.Probe(rid, self.ns.ns_id, packed, kb),
-                m.ProbeReply,
-                timeout_s=deadline.timeout_s(),
-            )
+            r = self._keys_call(m.Probe, packed, kb, m.ProbeReply, deadline)
         except KVOffloadError as exc:
             log.debug("hit query failed: %s", exc)
             return 0
@@ -226,11 +239,7 @@ class PageLink:
         while True:
             try:
                 epoch = self.client.epoch
-                plan = self.client.call(
-                    lambda rid: m.PrepareStore(rid, self.ns.ns_id, packed, kb),
-                    m.StorePlanReply,
-                    timeout_s=deadline.timeout_s(),
-                )
+                plan = self._keys_call(m.PrepareStore, packed, kb, m.StorePlanReply, deadline)
                 break
             except NoSpaceError as exc:
                 if time.monotonic() + FULL_RETRY_S > retry_until:
@@ -249,11 +258,7 @@ class PageLink:
         ok = self._run(True, ids, unpack_ids(plan.slots), b"", 0, deadline, epoch)
         try:
             tp, tkb = pack_checked(todo)
-            self.client.call(
-                lambda rid: m.CompleteStore(rid, self.ns.ns_id, tp, tkb, ok),
-                m.OkReply,
-                timeout_s=deadline.timeout_s(),
-            )
+            self._keys_call(m.CompleteStore, tp, tkb, m.OkReply, deadline, ok)
         except KVOffloadError as exc:  # the daemon dropped the store with the connection
             log.debug("store not completed: %s", exc)
             ok = False
@@ -288,11 +293,7 @@ class PageLink:
     def _pin(self, keys: list[bytes], deadline: Deadline) -> np.ndarray | None:
         packed, kb = pack_checked(keys)
         try:
-            r = self.client.call(
-                lambda rid: m.PrepareLoad(rid, self.ns.ns_id, packed, kb),
-                m.LoadPlanReply,
-                timeout_s=deadline.timeout_s(),
-            )
+            r = self._keys_call(m.PrepareLoad, packed, kb, m.LoadPlanReply, deadline)
         except NotFoundError:
             return None
         return unpack_ids(r.slots)
