@@ -247,5 +247,6 @@ def test_sglang_fault_injection(daemons: Daemons, monkeypatch: pytest.MonkeyPatc
             inst.free(host)
             loaded += loads_exactly(inst, tokens, want)
         assert loaded > 0  # some got through
+        assert_in_time(inst)  # the injected delays included
     finally:
         inst.close()
