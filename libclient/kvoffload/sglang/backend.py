@@ -109,7 +109,7 @@ class KVOffloadStorage(HiCacheStorage):
         self.namespace_name: str | None = extra.get("namespace") or None
         self.cache_salt = str(extra.get("cache_salt", ""))
         self.deadline_s = float(extra.get("deadline_s", 0.4))
-        self.deadline_per_ki_token_s = float(extra.get("deadline_per_ki_token_s", 0.05))
+        self.deadline_per_ki_token_s = float(extra.get("deadline_per_ki_token_s", 0.1))
         self.connect_timeout_s = float(extra.get("connect_timeout_s", 1.0))
         self.page_size = 0
         self.namespaces: list[str] = []
