@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.sglang.link import PageLink
+from kvoffload.sglang.link import PageLink, PoolWorker
 from kvoffloadbench import sglang_rig as rig
 from kvoffloadbench.launch import DaemonProcess
 
@@ -107,20 +107,34 @@ def loads_exactly(inst: rig.Instance, tokens: list[int], want: list[bytes]) -> i
     return pages
 
 
-def hook(monkeypatch: pytest.MonkeyPatch, action: Callable[[], object]) -> None:
-    """Run ``action`` once, in the backend, after a job went to the daemon and
-    before its result is read."""
-    original = PageLink._wait
+def hook(monkeypatch: pytest.MonkeyPatch, allocator: str, action: Callable[[], object]) -> None:
+    """Run ``action`` once, in the backend, while a job is under way: daemon copies
+    (``shm``) after the job went to the daemon, before its result is read; client
+    copies after the daemon planned the copy, before the client runs it."""
     done: list[bool] = []
 
-    def wait(self: PageLink, job: int, deadline: Any, epoch: int) -> bool:
+    def once() -> None:
         if not done:
             done.append(True)
-            self.client.flush()
             action()
-        return original(self, job, deadline, epoch)
 
-    monkeypatch.setattr(PageLink, "_wait", wait)
+    if allocator == "shm":
+        wait = PageLink._wait
+
+        def hooked_wait(self: PageLink, job: int, deadline: Any, epoch: int) -> bool:
+            self.client.flush()
+            once()
+            return wait(self, job, deadline, epoch)
+
+        monkeypatch.setattr(PageLink, "_wait", hooked_wait)
+    else:
+        copy = PoolWorker.copy_plan
+
+        def hooked_copy(self: PoolWorker, plan: Any, is_store: bool) -> None:
+            once()
+            copy(self, plan, is_store)
+
+        monkeypatch.setattr(PoolWorker, "copy_plan", hooked_copy)
 
 
 @pytest.mark.parametrize("allocator", ["default", "shm"])
@@ -130,7 +144,7 @@ def test_killed_during_a_backup(
     inst = instance(daemons, allocator)
     try:
         host, want, tokens = written(inst, 1)
-        hook(monkeypatch, daemons.kill)
+        hook(monkeypatch, allocator, daemons.kill)
         assert inst.backup(host, tokens) == 0  # SGLang sees a failed backup
         monkeypatch.undo()
         daemons.restart(warm=True)
@@ -152,7 +166,7 @@ def test_killed_during_a_prefetch_then_warm_restart(
         host, want, tokens = written(inst, 2)
         assert inst.backup(host, tokens) == PAGES * PAGE
         inst.clear(host)
-        hook(monkeypatch, daemons.kill)
+        hook(monkeypatch, allocator, daemons.kill)
         got = inst.prefetch(tokens, keep=False)
         assert (got.hit_tokens, got.loaded_tokens) == (PAGES * PAGE, 0)
         monkeypatch.undo()
@@ -201,14 +215,15 @@ def test_never_back_every_call_returns_in_time(daemons: Daemons) -> None:
 def test_a_hung_daemon_costs_a_deadline_and_never_writes_late(
     daemons: Daemons, allocator: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Scenario: the daemon stops (SIGSTOP) after a load was submitted. The prefetch
-    reports nothing loaded once its deadline passes; SGLang reuses the host pages;
-    the daemon resumes: none of its writes lands in them."""
+    """Scenario: the daemon stops (SIGSTOP) while a load is under way (daemon copies:
+    submitted; client copies: planned). The prefetch reports nothing loaded once its
+    deadline passes; SGLang reuses the host pages; the daemon resumes: nothing is
+    written into them any more."""
     inst = instance(daemons, allocator)
     try:
         host, want, tokens = written(inst, 5)
         assert inst.backup(host, tokens) == PAGES * PAGE
-        hook(monkeypatch, lambda: daemons.signal(signal.SIGSTOP))
+        hook(monkeypatch, allocator, lambda: daemons.signal(signal.SIGSTOP))
         got = inst.prefetch(tokens, keep=True)
         monkeypatch.undo()
         assert (got.hit_tokens, got.loaded_tokens) == (PAGES * PAGE, 0)
