@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-gpu test-vllm bench bench-engine bench-submit bench-canonical bench-report soak lint clean
+.PHONY: setup run test test-gpu test-vllm test-sglang bench-sglang bench bench-engine bench-submit bench-canonical bench-report soak lint clean
 
 setup: $(STAMP)
 
@@ -36,12 +36,42 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENTS)
 		vllm==0.33.0 -r $(VLLM_REQUIREMENTS)
 	touch $(VLLM_STAMP)
 
-# Everything, the vLLM suite included (its tests skip in .venv, which has no vLLM).
-test: $(STAMP) $(VLLM_STAMP)
+# The SGLang plug-in against SGLang 0.5.23's real HiCache controller and host pools, in
+# a separate virtualenv: sglang with --no-deps plus only what its cache controller
+# imports (tests/sglang/requirements.txt, --no-deps too: never a CUDA torch or nvidia-*),
+# with SGLang's page-hash C++ extension built into the virtualenv once.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.kvoffload-installed
+SGLANG_REQUIREMENTS := tests/sglang/requirements.txt
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_REQUIREMENTS)
+	@tools/ensure-sglang-build-deps
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(SGLANG_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,mooncake]'
+	$(SGLANG_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+		sglang==0.5.23 -r $(SGLANG_REQUIREMENTS)
+	$(SGLANG_VENV)/bin/python -m kvoffloadbench.sglang_cpu --build
+	touch $(SGLANG_STAMP)
+
+# Everything, the vLLM and SGLang suites included (they skip in .venv, which has
+# neither engine).
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	@tools/ensure-redis-servers
 	@tools/ensure-mooncake-libs
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
+	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang $(PYTEST_ARGS)
+
+test-sglang: $(SGLANG_STAMP)
+	@tools/ensure-mooncake-libs
+	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang $(PYTEST_ARGS)
+
+# Backup and prefetch through SGLang's own controller: kvoffload against SGLang's file
+# backend on tmpfs and its Mooncake backend with a local master, and memcpy, same run;
+# saved for `make bench-report` in docs/bench-sglang.json.
+bench-sglang: $(SGLANG_STAMP)
+	@tools/ensure-mooncake-libs
+	$(SGLANG_VENV)/bin/python -m kvoffloadbench.bench_sglang --json docs/bench-sglang.json $(ARGS)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu $(PYTEST_ARGS)
@@ -88,4 +118,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info

@@ -68,6 +68,7 @@ from kvoffload.protocol.messages import pack_ids, unpack_ids, unpack_keys
 from .access import AccessPolicy
 from .config import DaemonConfig
 from .copier import ChecksumCheck, Completion, CpuCopier, finished
+from .fdcopy import FdCopier, is_descriptor
 from .gpu import GpuRuntime
 from .index import NamespaceIndex
 from .ledger import Ledger, Limits
@@ -132,6 +133,7 @@ class Transfers:
         # copies those jobs expand to (what building and running them costs)
         self.copies = Ledger("copies", Limits.scaled(COPIES_PER_CLIENT))
         self.workers: dict[int, AttachedWorker] = {}
+        self.fd_copier: FdCopier | None = None  # started by the first memfd_io job
         self._jobs: dict[int, _Job] = {}
         self._tokens = itertools.count(1)
         self._worker_ids = itertools.count(1)
@@ -303,6 +305,11 @@ class Transfers:
             return self._client_plan(w, r, token, runs, chosen, check)
         if w.device is not None and self.gpu is not None:
             self.gpu.submit(w.device, token, plan, w.store_event, check)
+        elif caches and is_descriptor(caches[0]):  # unsealable memfds: never mapped
+            fdc = self.fd_copier = self.fd_copier or FdCopier(
+                self.config.copy_threads, self.copier.sink, self.region.open_fd(), self._region_addr
+            )
+            fdc.submit_planned(token, plan, caches, r.deadline_ns, check)  # type: ignore[arg-type]
         elif plan.copies <= LOOP_PLAN_COPIES:
             dst, src, nbytes = plan.addresses()
             self.runs_planned += nbytes.size

@@ -7,6 +7,8 @@ Rules:
   the engine could truncate it under a running copy and crash the daemon with SIGBUS.
 - Sizes are checked against the fd: every engine block id the daemon will accept
   (``0 .. num_blocks-1``) lies inside the mapping (invariant 4).
+- Unsealable memfds (kind ``memfd_io``) are never mapped: ``fdcopy`` copies through
+  them by descriptor, and a worker's caches are all of one kind.
 - Descriptors are closed as soon as they are mapped; the mapping lives until the
   worker detaches or its client dies *and* its in-flight copies have drained.
 """
@@ -30,6 +32,7 @@ from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc, JobResult
 
 from .copier import ChecksumCheck
+from .fdcopy import MEMFD_IO, import_descriptor, is_descriptor
 
 _F_SEAL_SHRINK = 0x0002
 
@@ -188,7 +191,13 @@ def attach_caches(descs: list[CacheDesc], fds: list[int]) -> list[ImportedCache]
                         f"cache refers to descriptor #{desc.fd_index}, "
                         f"but {len(fds)} came with the message"
                     )
-                mapped.append(map_cache(desc, fds[desc.fd_index]))
+                fd = fds[desc.fd_index]
+                if desc.kind == MEMFD_IO:  # unsealable: copied by descriptor (fdcopy)
+                    mapped.append(import_descriptor(check_desc(desc), desc, fd))
+                else:
+                    mapped.append(map_cache(desc, fd))
+            if len({is_descriptor(c) for c in mapped}) > 1:
+                raise InvalidArgumentError("a worker's caches must be all memfd or all memfd_io")
         except BaseException:
             for m in mapped:
                 m.close()

@@ -345,12 +345,14 @@ def render(r: dict[str, Any], images: list[str]) -> str:
         table(["tier", "cascade", "promotion", "promotion / memcpy", "one block"], rows),
         "",
         *engine_section(r.get("engine")),
+        *sglang_section(r.get("sglang")),
         "## Commands",
         "",
         "```",
         "make bench-report            # this report (add ARGS=--quick for a short run)",
         "make bench                   # the DESIGN.md section 6 targets",
         "make bench-engine            # vLLM's scheduler step (its own virtualenv)",
+        "make bench-sglang            # SGLang HiCache L3 backends (their own virtualenv)",
         "make bench-submit            # the daemon loop's time per submitted block",
         "make bench-canonical         # bytes per block, per-rank and canonical vLLM pages",
         "```",
@@ -400,6 +402,32 @@ def engine_section(e: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def sglang_section(e: dict[str, Any] | None) -> list[str]:
+    """``make bench-sglang``'s figures (taken in the SGLang virtualenv), if saved."""
+    if not e:
+        return []
+    from kvoffloadbench.bench_sglang import render as render_sglang
+
+    return [
+        "## SGLang HiCache L3 (`make bench-sglang`)",
+        "",
+        "SGLang 0.5.23's own `HiCacheController` and host pool drive each L3 backend: "
+        "backup (`write_storage` to its ack) and prefetch (hit query, then "
+        "`prefetch_buffer` to its ack, bytes checked) of one batch; GB/s over the "
+        "backend call's own time. kvoffload with the `shm` host pool (the daemon copies "
+        "through the pool's memfd with `preadv` alone) and with the default pool (the "
+        "client copies through its mapping of the region); SGLang's `file` backend on "
+        "tmpfs; its `mooncake` backend with a local `mooncake_master` (TCP). Target: "
+        "kvoffload's prefetch >= 0.5 of memcpy and faster than both; `batch_exists` of "
+        "128 pages <= 100 us. Taken separately from the figures above: "
+        f"{e.get('machine', {}).get('date', '?')}, commit "
+        f"{e.get('machine', {}).get('commit', '?')}.",
+        "",
+        render_sglang(e),
+        "",
+    ]
+
+
 def _img(images: list[str], name: str) -> list[str]:
     path = f"img/{name}"
     return [f"![{name}]({path})", ""] if path in images else []
@@ -423,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(engine_json):
         with open(engine_json) as f:
             r["engine"] = json.load(f)
+    sglang_json = os.path.join(args.out, "bench-sglang.json")  # make bench-sglang's
+    if os.path.exists(sglang_json):
+        with open(sglang_json) as f:
+            r["sglang"] = json.load(f)
     images = plots(r, args.out)
     if not images:
         print("matplotlib is not installed: no plots (pip install 'kvoffload[bench]')")
