@@ -49,16 +49,20 @@ from kvoffload.regionfmt import (
     HEADER,
     HEADER_BYTES,
     MAGIC,
+    MAX_LAYOUT_BYTES,
     MAX_NAMESPACES,
+    NAMESPACE_CRC_OFFSET,
     NAMESPACE_LAYOUT_OFFSET,
     NAMESPACE_RECORD_BYTES,
     SLOT_DTYPE,
-    SLOT_FREE,
     SLOT_GRAVE,
     SLOT_LEASED,
     SLOT_READY,
     SLOT_RECORD_BYTES,
     SLOT_WRITING,
+    extent_crc,
+    namespace_crc,
+    ready_crc,
 )
 
 from .allocator import ExtentPool, SlotPool
@@ -180,7 +184,7 @@ class SharedOffloadRegion:
         self.pool = ExtentPool(
             g.num_extents, g.extent_bytes, g.data_offset, self.record_extent, owners
         )
-        self._seq = int(self.slot_table["seq"].max()) if self.recovered else 0
+        self._seq = 0  # recovery resumes it (recovery.py)
         self.prefaulted_bytes = 0
         self._stop_prefault = threading.Event()
         self._prefault_thread: threading.Thread | None = None
@@ -356,7 +360,7 @@ class SharedOffloadRegion:
     ) -> None:
         if ns_id >= MAX_NAMESPACES:
             raise RegionError(f"more than {MAX_NAMESPACES} namespaces")
-        if len(layout) > NAMESPACE_RECORD_BYTES - NAMESPACE_LAYOUT_OFFSET:
+        if len(layout) > MAX_LAYOUT_BYTES:
             raise RegionError(f"namespace layout of {len(layout)} bytes does not fit its record")
         off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
         record = (
@@ -364,36 +368,51 @@ class SharedOffloadRegion:
             + fingerprint.encode()[:64].ljust(64, b"\0")
             + struct.pack("<II", len(layout), uid)
             + layout
-        )
-        self._mm[off : off + len(record)] = record
+        ).ljust(NAMESPACE_CRC_OFFSET, b"\0")
+        record += struct.pack("<I", namespace_crc(record))
+        self._mm[off : off + NAMESPACE_RECORD_BYTES] = record
 
     def unregister_namespace(self, ns_id: int) -> None:
         off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
         self._mm[off : off + NAMESPACE_RECORD_BYTES] = bytes(NAMESPACE_RECORD_BYTES)
 
     def namespace_record(self, ns_id: int) -> tuple[str, str, bytes, int] | None:
-        """(name, fingerprint, msgpack layout, creator uid) of a namespace table entry."""
+        """(name, fingerprint, msgpack layout, creator uid) of a namespace table entry;
+        ``ValueError`` for one that cannot be read back as written (recovery drops it)."""
         off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
         raw = self._mm[off : off + NAMESPACE_RECORD_BYTES]
-        name = raw[:256].split(b"\0", 1)[0].decode(errors="replace")
-        if not name:
+        if not raw.strip(b"\0"):
             return None
+        if struct.unpack_from("<I", raw, NAMESPACE_CRC_OFFSET)[0] != namespace_crc(raw):
+            raise ValueError("CRC mismatch")
+        name = raw[:256].split(b"\0", 1)[0].decode()
         n, uid = struct.unpack_from("<II", raw, 320)
+        if n > MAX_LAYOUT_BYTES:
+            raise ValueError("layout longer than its record")
         layout = raw[NAMESPACE_LAYOUT_OFFSET : NAMESPACE_LAYOUT_OFFSET + n]
         return name, raw[256:320].rstrip(b"\0").decode(), layout, uid
 
     def extent_records(self) -> npt.NDArray[np.uint32]:
-        """(owner, slot_bytes, chunk index, 0) per extent (a copy)."""
+        """(owner, slot_bytes, chunk index, CRC) per extent (a copy)."""
         table: npt.NDArray[np.uint32] = self._extent_table.copy()
         return table
 
     def record_extent(self, ext: int, owner: int | None, slot_bytes: int, chunk: int) -> None:
-        if owner is None:  # a freed extent keeps no record a later owner could inherit
-            per = self.geometry.slots_per_extent_max
-            self.slot_table[ext * per : (ext + 1) * per] = np.zeros(per, SLOT_DTYPE)
-        self._extent_table[ext, 0] = FREE_OWNER if owner is None else owner
-        self._extent_table[ext, 1] = slot_bytes
-        self._extent_table[ext, 2] = chunk
+        """An extent changes hands: its slot records are cleared both ways, so no owner
+        inherits a record (even one a corrupt table left in a free extent)."""
+        g = self.geometry
+        start = g.slot_table + ext * g.slots_per_extent_max * SLOT_RECORD_BYTES
+        self.buffer[start : start + g.slots_per_extent_max * SLOT_RECORD_BYTES] = 0
+        self._write_extent(ext, FREE_OWNER if owner is None else owner, slot_bytes, chunk)
+
+    def renumber_extent(self, ext: int, chunk: int) -> None:
+        """Recovery: the extent's place among its owner's, records kept."""
+        owner, slot_bytes = (int(v) for v in self._extent_table[ext, :2])
+        self._write_extent(ext, owner, slot_bytes, chunk)
+
+    def _write_extent(self, ext: int, owner: int, slot_bytes: int, chunk: int) -> None:
+        crc = extent_crc(ext, owner, slot_bytes, chunk)
+        self._extent_table[ext] = (owner, slot_bytes, chunk, crc)
 
     def journal_for(self, ns_id: int, slots: SlotPool) -> SlotJournal:
         return _RegionJournal(self, ns_id, slots)
@@ -401,6 +420,13 @@ class SharedOffloadRegion:
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
+
+    def resume_seq(self, last: int) -> None:
+        """Recovery: completion order goes on after the highest recovered record."""
+        self._seq = last
+
+
+_EMPTY_RECORD = np.zeros(1, SLOT_DTYPE)[0]
 
 
 class _RegionJournal(SlotJournal):
@@ -425,6 +451,7 @@ class _RegionJournal(SlotJournal):
             0,
             b"",
             lease,
+            0,
             b"",
         )
 
@@ -437,17 +464,21 @@ class _RegionJournal(SlotJournal):
             0,
             key.ljust(64, b"\0"),
             lease,
+            0,
             b"",
         )
 
     def ready(self, slot: int, key: bytes) -> None:
         i = self._record(slot)
         table = self._region.slot_table
-        table["seq"][i] = self._region.next_seq()
-        table["state"][i] = SLOT_READY
+        seq = self._region.next_seq()
+        table["seq"][i] = seq
+        table["crc"][i] = ready_crc(self._ns, seq, key)
+        table["state"][i] = SLOT_READY  # last: a crash before it leaves a store in flight
 
     def buried(self, slot: int) -> None:
         self._region.slot_table["state"][self._record(slot)] = SLOT_GRAVE
 
     def freed(self, slot: int) -> None:
-        self._region.slot_table["state"][self._record(slot)] = SLOT_FREE
+        # the whole record: a FREE record names no key a corrupt state byte could revive
+        self._region.slot_table[self._record(slot)] = _EMPTY_RECORD
