@@ -11,13 +11,16 @@ Rules:
 - One daemon per region: the daemon holds an exclusive ``flock`` on the segment itself
   for its lifetime (trust.py). A segment found under the name without the lock held
   belongs to a daemon that stopped or died.
-- A found segment is checked on the descriptor it is used through: only a regular
-  file owned by the daemon's uid with no group or other permission is ever adopted
-  (an attacker's pre-created segment is refused, or dropped with ``discard``). It is
-  recovered when its header matches this format and geometry (warm restart, see
+- The daemon maps the segment regionstate.py found or made under its private name,
+  checked and held (segment.py). Given only a name (tests, tools), a found segment is
+  checked on the descriptor it is used through: only a regular file owned by the
+  daemon's uid with no group or other permission is ever adopted (an attacker's
+  pre-created segment is refused, or dropped with ``discard``). It is recovered when
+  its header and size match this format and geometry (warm restart, see
   ``recovery.py``), refused otherwise unless ``discard``.
-- Clients open the segment, when they do, with size 0: opening with a size would
-  ftruncate it under everybody else (research/stack.md section 5).
+- Workers get a fresh open of the daemon's own descriptor, never of the name, and
+  nobody opens the segment with a size: that would ftruncate it under everybody else
+  (research/stack.md section 5).
 - Pre-faulting runs in a background thread, in chunks, so start-up does not wait.
 - ``close()`` drops every view before closing the map, then unlinks the name unless
   asked to keep it for the next daemon.
@@ -35,20 +38,14 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import posix_ipc
 
 from kvoffload.regionfmt import (
-    DATA_ALIGN_BYTES,
-    EXTENT_RECORD_BYTES,
-    FORMAT_VERSION,
     FREE_OWNER,
     HEADER,
-    HEADER_BYTES,
-    MAGIC,
     MAX_LAYOUT_BYTES,
     MAX_NAMESPACES,
     NAMESPACE_CRC_OFFSET,
@@ -65,9 +62,13 @@ from kvoffload.regionfmt import (
     ready_crc,
 )
 
+from . import segment
 from .allocator import ExtentPool, SlotPool
 from .index import SlotJournal
-from .trust import UntrustedError, check_private_file, lock_region
+from .segment import Geometry, RegionError, default_extent_bytes, header_fields
+from .trust import UntrustedError
+
+__all__ = ["Geometry", "RegionError", "SharedOffloadRegion", "default_extent_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -75,89 +76,23 @@ MADV_POPULATE_WRITE = 23
 PREFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
-class RegionError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class Geometry:
-    region_bytes: int
-    extent_bytes: int
-    num_extents: int
-    slots_per_extent_max: int
-    min_slot_bytes: int
-    extent_table: int
-    namespace_table: int
-    slot_table: int
-    data_offset: int
-
-    @staticmethod
-    def plan(region_bytes: int, extent_bytes: int, min_slot_bytes: int) -> Geometry:
-        if extent_bytes % mmap.PAGESIZE or min_slot_bytes % mmap.PAGESIZE:
-            raise RegionError("extent_bytes and min_slot_bytes must be multiples of the page size")
-        if min_slot_bytes > extent_bytes:
-            raise RegionError("min_slot_bytes is larger than extent_bytes")
-        spe = extent_bytes // min_slot_bytes
-        per_extent = extent_bytes + EXTENT_RECORD_BYTES + spe * SLOT_RECORD_BYTES
-        fixed = HEADER_BYTES + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES + 2 * DATA_ALIGN_BYTES
-        num_extents = (region_bytes - fixed) // per_extent
-        if num_extents < 1:
-            raise RegionError(
-                f"a region of {region_bytes} bytes cannot hold one extent of {extent_bytes} bytes"
-            )
-        extent_table = HEADER_BYTES
-        namespace_table = extent_table + num_extents * EXTENT_RECORD_BYTES
-        slot_table = namespace_table + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES
-        meta_end = slot_table + num_extents * spe * SLOT_RECORD_BYTES
-        data_offset = -(-meta_end // DATA_ALIGN_BYTES) * DATA_ALIGN_BYTES
-        return Geometry(
-            region_bytes=data_offset + num_extents * extent_bytes,
-            extent_bytes=extent_bytes,
-            num_extents=num_extents,
-            slots_per_extent_max=spe,
-            min_slot_bytes=min_slot_bytes,
-            extent_table=extent_table,
-            namespace_table=namespace_table,
-            slot_table=slot_table,
-            data_offset=data_offset,
-        )
-
-
-def default_extent_bytes(region_bytes: int) -> int:
-    """About 64 extents per region, between 2 MiB and 256 MiB, a power of two."""
-    target = max(DATA_ALIGN_BYTES, min(256 * 1024 * 1024, region_bytes // 64))
-    return 1 << (target.bit_length() - 1)
-
-
 class SharedOffloadRegion:
     """The daemon's mapping of the region, its tables and the extent pool."""
 
     def __init__(
-        self, name: str, geometry: Geometry, *, recover: bool = True, discard: bool = False
+        self,
+        name: str,
+        geometry: Geometry,
+        *,
+        recover: bool = True,
+        discard: bool = False,
+        found: tuple[posix_ipc.SharedMemory, bool] | None = None,
     ) -> None:
+        """Map the segment ``found`` (held, checked: regionstate.py) and whether it is
+        recovered; without it, adopt or create the segment under ``name``."""
         self.name = name
         self.geometry = g = geometry
-        self.recovered = False
-        old = self._open_existing(name, discard or not recover)
-        if old is not None:
-            try:
-                lock_region(old.fd, name)  # a live daemon's region is never touched
-            except UntrustedError as exc:
-                old.close_fd()
-                raise RegionError(str(exc)) from None
-            found = self._header_of(old)
-            if recover and found == self._header_fields(g)[:14]:
-                self._shm = old  # size 0: never resize a live region
-                self.recovered = True
-            else:
-                old.close_fd()
-                self._refuse_or_discard(name, found, g, discard or not recover)
-        if not self.recovered:
-            self._check_shm_space(g.region_bytes)
-            self._shm = posix_ipc.SharedMemory(
-                name, flags=posix_ipc.O_CREX, mode=0o600, size=g.region_bytes
-            )
-            lock_region(self._shm.fd, name)  # ours alone: O_CREX just made it
+        self._shm, self.recovered = found or _open_by_name(name, g, recover, discard)
         try:
             self._mm = mmap.mmap(self._shm.fd, g.region_bytes)
         except BaseException:
@@ -191,91 +126,8 @@ class SharedOffloadRegion:
 
     # ------------------------------------------------------------ lifecycle
 
-    @staticmethod
-    def _check_shm_space(nbytes: int) -> None:
-        try:
-            st = os.statvfs("/dev/shm")
-        except OSError:
-            return
-        avail = st.f_bavail * st.f_frsize
-        if avail < nbytes:
-            raise RegionError(
-                f"/dev/shm has {avail} bytes free, the region needs {nbytes}; "
-                "lower region_size or enlarge /dev/shm"
-            )
-
-    @staticmethod
-    def _open_existing(name: str, discard: bool) -> posix_ipc.SharedMemory | None:
-        """The segment already under the name, if it passes the trust checks; one that
-        does not is refused, or unlinked with ``discard``."""
-        try:
-            old = posix_ipc.SharedMemory(name)  # shm_open: O_NOFOLLOW
-        except posix_ipc.ExistentialError:
-            return None
-        try:
-            check_private_file(old.fd, f"/dev/shm{name}")
-        except UntrustedError as exc:
-            old.close_fd()
-            if not discard:
-                raise RegionError(str(exc)) from None
-            log.warning("discarding %s: %s", name, exc)
-            try:
-                posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.PermissionsError:
-                raise RegionError(f"{exc}; and this daemon may not remove it") from None
-            return None
-        return old
-
-    @staticmethod
-    def _header_of(shm: posix_ipc.SharedMemory) -> tuple[object, ...]:
-        """Header fields (without pid and time) of a segment."""
-        if shm.size < HEADER.size:
-            return ()
-        with mmap.mmap(shm.fd, HEADER.size, prot=mmap.PROT_READ) as mm:
-            return tuple(HEADER.unpack(mm[: HEADER.size]))[:14]
-
-    @staticmethod
-    def _refuse_or_discard(
-        name: str, found: tuple[object, ...], g: Geometry, discard: bool
-    ) -> None:
-        if found[:2] == (MAGIC, FORMAT_VERSION):
-            what = f"a region of {found[3]} bytes in extents of {found[4]} bytes"
-        elif found[:1] == (MAGIC,):
-            what = f"a region of format version {found[1]} (this daemon reads {FORMAT_VERSION})"
-        else:
-            what = "a segment that is not a kvoffload region"
-        if not discard:
-            raise RegionError(
-                f"{name} holds {what}, which this daemon cannot reuse with "
-                f"region_size={g.region_bytes} and extent_size={g.extent_bytes}; start "
-                "with the old sizes to keep its blocks, or with --discard-region to drop it"
-            )
-        log.warning("discarding %s: it holds %s", name, what)
-        posix_ipc.unlink_shared_memory(name)
-
-    @staticmethod
-    def _header_fields(g: Geometry) -> tuple[object, ...]:
-        return (
-            MAGIC,
-            FORMAT_VERSION,
-            HEADER_BYTES,
-            g.region_bytes,
-            g.extent_bytes,
-            g.num_extents,
-            g.slots_per_extent_max,
-            g.min_slot_bytes,
-            MAX_NAMESPACES,
-            g.extent_table,
-            g.namespace_table,
-            g.slot_table,
-            SLOT_RECORD_BYTES,
-            g.data_offset,
-            os.getpid(),
-            time.time_ns(),
-        )
-
     def _write_header(self) -> None:
-        self._mm[: HEADER.size] = HEADER.pack(*self._header_fields(self.geometry))
+        self._mm[: HEADER.size] = HEADER.pack(*header_fields(self.geometry))
 
     def start_prefault(self) -> None:
         self._prefault_thread = threading.Thread(
@@ -328,14 +180,11 @@ class SharedOffloadRegion:
 
         A fresh open, never a ``dup``: a dup shares the open file description and
         with it the region's lock, so a client's mapping would keep the region
-        locked after the daemon died and block the warm restart.
+        locked after the daemon died and block the warm restart. It opens the
+        daemon's own descriptor (``/proc/self/fd``), never the name: whatever a name
+        leads to by now, the worker gets the segment the daemon maps.
         """
-        shm = posix_ipc.SharedMemory(self.name)
-        mine, theirs = os.fstat(self._shm.fd), os.fstat(shm.fd)
-        if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
-            shm.close_fd()
-            raise RegionError(f"region {self.name} was replaced under the daemon")
-        return int(shm.fd)
+        return os.open(f"/proc/self/fd/{self._shm.fd}", os.O_RDWR | os.O_CLOEXEC)
 
     def close(self, unlink: bool = True) -> None:
         self._stop_prefault.set()
@@ -482,3 +331,42 @@ class _RegionJournal(SlotJournal):
     def freed(self, slot: int) -> None:
         # the whole record: a FREE record names no key a corrupt state byte could revive
         self._region.slot_table[self._record(slot)] = _EMPTY_RECORD
+
+
+def _open_by_name(
+    name: str, g: Geometry, recover: bool, discard: bool
+) -> tuple[posix_ipc.SharedMemory, bool]:
+    """Adopt the segment under ``name`` if it is ours and a region of ``g``, or create
+    it; one that is not is refused, or dropped with ``discard`` (tests and tools: the
+    daemon finds its region through its private state, regionstate.py)."""
+    old = None
+    try:
+        old = segment.find(name)
+        if old is not None:
+            segment.check_ours(old, name)
+    except UntrustedError as exc:
+        if old is not None:
+            old.close_fd()
+            old = None
+        if not discard:
+            raise RegionError(str(exc)) from None
+        log.warning("discarding %s: %s", name, exc)
+        try:
+            posix_ipc.unlink_shared_memory(name)
+        except posix_ipc.PermissionsError:
+            raise RegionError(f"{exc}; and this daemon may not remove it") from None
+    if old is not None:
+        segment.lock(old, name)  # a live daemon's region is never touched
+        why = segment.problem(old, g)
+        if recover and why is None:
+            return old, True
+        old.close_fd()
+        if not (discard or not recover):
+            raise RegionError(
+                f"{name} {why}, which this daemon cannot reuse with "
+                f"region_size={g.region_bytes} and extent_size={g.extent_bytes}; start "
+                "with the old sizes to keep its blocks, or with --discard-region to drop it"
+            )
+        log.warning("discarding %s: it %s", name, why or "is not recovered")
+        segment.drop(name)
+    return segment.create(name, g), False

@@ -72,6 +72,11 @@ def test_the_daemonset_and_its_config_agree(tmp_path: Path) -> None:
     assert Path(cfg.socket_path).parent == Path(mounts["socket-dir"])
     assert volumes["socket-dir"]["hostPath"]["path"] == mounts["socket-dir"]
     assert mounts["dshm"] == volumes["dshm"]["hostPath"]["path"] == "/dev/shm"
+    # the region's record outlives the pod (a host path) and is the daemon's alone
+    state = [n for n, path in mounts.items() if path == cfg.state_dir]
+    assert state and volumes[state[0]]["hostPath"]["path"] == cfg.state_dir
+    engines = kind(documents("vllm-example.yaml"), "Deployment")["spec"]["template"]["spec"]
+    assert all(v.get("hostPath", {}).get("path") != cfg.state_dir for v in engines["volumes"])
     (port,) = c["ports"]
     assert port["containerPort"] == cfg.metrics_port
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(cfg.metrics_port)

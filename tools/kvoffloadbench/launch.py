@@ -83,6 +83,11 @@ class DaemonProcess:
         return self
 
     @property
+    def region_name(self) -> str:
+        """The region's shared-memory name, from the banner (it has a random part)."""
+        return self.banner.split("; region ", 1)[1].split()[0]
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
