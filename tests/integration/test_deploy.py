@@ -14,6 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from test_probes import PROBE_TIMEOUT_S
 
 import kvoffload
 from kvoffloadbench.launch import DaemonProcess
@@ -83,6 +84,11 @@ def test_the_daemonset_and_its_config_agree(tmp_path: Path) -> None:
     for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz")):
         assert c[probe]["httpGet"] == {"path": path, "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        # the probe test_probes.py proves unstarvable, which a watchdog's 30 s allow
+        assert c[probe]["timeoutSeconds"] == PROBE_TIMEOUT_S
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 30
     limit = quantity_bytes(c["resources"]["limits"]["memory"])
     assert limit >= cfg.region_bytes + GIB  # the region's pages are charged to the pod
     assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]  # pinning
