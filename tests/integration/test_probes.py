@@ -118,17 +118,9 @@ def idle(port: int, stop: Callable[[], bool]) -> int:
 
 def stalled_from_many_addresses(port: int, stop: Callable[[], bool]) -> int:
     """One byte of a request, then nothing, from 32 addresses: 8 each, 256 in all."""
-    counts: list[int] = []
-
-    def hold(i: int) -> None:
-        counts.append(_hold(port, stop, 8, first=b"G", source=f"127.0.1.{i + 1}"))
-
-    threads = [threading.Thread(target=hold, args=(i,)) for i in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts)
+    return _in_threads(
+        [lambda i=i: _hold(port, stop, 8, first=b"G", source=f"127.0.1.{i + 1}") for i in range(32)]
+    )
 
 
 def slow_loris(port: int, stop: Callable[[], bool]) -> int:
@@ -143,9 +135,8 @@ def never_reading(port: int, stop: Callable[[], bool]) -> int:
 
 def connection_flood(port: int, stop: Callable[[], bool]) -> int:
     """Four threads connecting as fast as they can, holding the last 200 each."""
-    counts: list[int] = []
 
-    def flood() -> None:
+    def flood() -> int:
         held: list[socket.socket] = []
         made = 0
         while not stop():
@@ -158,21 +149,15 @@ def connection_flood(port: int, stop: Callable[[], bool]) -> int:
                 held.pop(0).close()
         for s in held:
             s.close()
-        counts.append(made)
+        return made
 
-    threads = [threading.Thread(target=flood) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts)
+    return _in_threads([flood] * 4)
 
 
 def request_flood(port: int, stop: Callable[[], bool]) -> int:
     """Four threads asking for /metrics as fast as they can."""
-    counts: list[int] = []
 
-    def ask() -> None:
+    def ask() -> int:
         made = 0
         while not stop():
             with (
@@ -183,9 +168,15 @@ def request_flood(port: int, stop: Callable[[], bool]) -> int:
                 while s.recv(65536):
                     pass
                 made += 1
-        counts.append(made)
+        return made
 
-    threads = [threading.Thread(target=ask) for _ in range(4)]
+    return _in_threads([ask] * 4)
+
+
+def _in_threads(attacks: list[Callable[[], int]]) -> int:
+    """Run each attack on its own thread; the connections they made, in all."""
+    counts: list[int] = []
+    threads = [threading.Thread(target=lambda a=a: counts.append(a())) for a in attacks]
     for t in threads:
         t.start()
     for t in threads:
