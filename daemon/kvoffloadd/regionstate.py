@@ -145,11 +145,11 @@ def _adopt(rec: Recorded, g: Geometry, discard: bool) -> posix_ipc.SharedMemory 
         if shm is None:
             log.info("region %s is gone (a reboot?): a new one is made", name)
             return None
-        segment.check_ours(shm, name)
+        segment.check_ours(shm, name, "left alone")
     except UntrustedError as exc:
         if shm is not None:
             shm.close_fd()
-        log.error("%s; left alone, the region gets a new name", exc)
+        log.error("%s; the region gets a new name", exc)
         return None
     segment.lock(shm, name)  # a live daemon's region is never touched
     if not rec.made_like(g):

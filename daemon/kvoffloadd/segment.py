@@ -134,9 +134,13 @@ def find(name: str) -> posix_ipc.SharedMemory | None:
         raise UntrustedError(f"/dev/shm{name} belongs to another uid") from None
 
 
-def check_ours(shm: posix_ipc.SharedMemory, name: str) -> None:
+def check_ours(
+    shm: posix_ipc.SharedMemory,
+    name: str,
+    remedy: str = "remove it, or start with --discard-region",
+) -> None:
     """``UntrustedError`` unless the segment is a private file of the daemon's uid."""
-    check_private_file(shm.fd, f"/dev/shm{name}")
+    check_private_file(shm.fd, f"/dev/shm{name}", remedy)
 
 
 def lock(shm: posix_ipc.SharedMemory, name: str) -> None:
