@@ -32,6 +32,7 @@ fixed name would let any local user keep the service from starting. So:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -102,7 +103,7 @@ class RegionState:
 
     def record(self, rec: Recorded) -> None:
         """Replace the record in one write."""
-        text = json.dumps(rec.__dict__).encode()
+        text = json.dumps(dataclasses.asdict(rec)).encode()
         os.pwrite(self._lock.fd, text.ljust(RECORD_BYTES - 1) + b"\n", 0)
         os.fsync(self._lock.fd)
         self.recorded = rec
