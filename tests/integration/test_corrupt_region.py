@@ -442,9 +442,10 @@ def test_hundreds_of_random_damages_recover_in_process(kept: Kept) -> None:
     copier = CpuCopier(1)
     rng = random.Random(2026)
     t = Tables(kept.region)
+    t.restore(kept.pristine)  # data too: the daemons of other tests stored into it
     try:
         for round_ in range(400):
-            t.restore(kept.pristine[: t.data_offset])
+            t.restore(kept.pristine[: t.data_offset])  # recovery writes only tables
             before = t.ready_keys()
             sealed = round_ % 2 == 0
             _fuzz(t, rng, seal=sealed)
