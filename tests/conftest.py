@@ -104,5 +104,5 @@ def daemon() -> Iterator[DaemonProcess]:
         yield d
         rc = d.stop()
     assert rc == 0, f"kvoffloadd exited with {rc}"
-    assert not os.path.exists(f"/dev/shm/kvoffload-{d.instance}"), "region leaked"
+    assert not os.path.exists(f"/dev/shm{d.region_name}"), "region leaked"
     assert not os.path.exists(d.socket_path), "socket leaked"

@@ -176,6 +176,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gpu: str = "auto"  # "auto": copy for CUDA engines when a driver and GPU exist; "off"
     pin_region: bool = True  # page-lock the region for GPU DMA (background, chunked)
     keep_region: bool = False  # a clean stop leaves the region for the next daemon
+    # the daemon's private state (which segment is its region); empty: the socket's
+    # directory. It must live as long as the region does (regionstate.py)
+    state_dir: str = ""
     discard_region: bool = False  # drop an existing region that cannot be recovered
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_address: str = "127.0.0.1"
@@ -244,7 +247,13 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def region_name(self) -> str:
+        """The region's public prefix: the daemon's region adds a random part, recorded
+        in ``state_dir`` (regionstate.py); tests and tools map this name itself."""
         return f"/kvoffload-{self.instance}"
+
+    @property
+    def state_path(self) -> str:
+        return self.state_dir or os.path.dirname(os.path.abspath(self.socket_path))
 
     def validate(self) -> DaemonConfig:
         from .policies import POLICIES
@@ -254,6 +263,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"instance: {self.instance!r} must be 1-64 letters, digits, '_', '.' or '-'"
             )
         self.region_bytes  # noqa: B018 - parse for the error message
+        if self.state_dir and not os.path.isabs(self.state_dir):
+            raise ConfigError(f"state_dir: {self.state_dir!r} is not an absolute path")
         if self.buffer_budget_bytes < 2 * self.max_frame_bytes:
             raise ConfigError(
                 f"buffer_budget: {self.buffer_budget} must hold at least two frames of "

@@ -18,6 +18,7 @@ from .gpu import start_gpu
 from .logfmt import setup_logging
 from .metrics import MetricsEndpoint
 from .region import Geometry, RegionError, SharedOffloadRegion
+from .regionstate import RegionState, open_region
 from .server import Server, bind_listener
 from .service import Service
 from .systemd import Notifier, listen_fds
@@ -90,17 +91,23 @@ def activated_listener() -> socket.socket | None:
 
 def build(
     cfg: DaemonConfig, listener: socket.socket | None, notifier: Notifier
-) -> tuple[FileLock, SharedOffloadRegion, CpuCopier, Server]:
-    """Lock the socket path, create (or adopt) and lock the region, bind (unless
-    activated) and wire the loop. Nothing found on the way is trusted (trust.py)."""
+) -> tuple[FileLock, RegionState, SharedOffloadRegion, CpuCopier, Server]:
+    """Lock the socket path and the region's record, adopt the recorded region or make
+    one, bind (unless activated) and wire the loop. Nothing found on the way is trusted
+    (trust.py, regionstate.py)."""
     if listener is not None:
         cfg.socket = listener.getsockname() or cfg.socket_path
     secure_dir(os.path.dirname(os.path.abspath(cfg.socket_path)))
+    secure_dir(cfg.state_path, 0o700)
     lock = FileLock(f"{cfg.socket_path}.lock", f"pid {os.getpid()} instance {cfg.instance}\n")
+    state = None
     try:
+        state = RegionState(cfg.state_path, cfg.instance)
         geometry = Geometry.plan(cfg.region_bytes, cfg.extent_bytes, cfg.min_slot_bytes)
-        region = SharedOffloadRegion(cfg.region_name, geometry, discard=cfg.discard_region)
+        region = open_region(state, geometry, discard=cfg.discard_region)
     except BaseException:
+        if state is not None:
+            state.release(forget=False)
         lock.release()
         raise
     if cfg.prefault:
@@ -125,11 +132,12 @@ def build(
             gpu.close()
         copier.close()
         region.close(unlink=not cfg.keep_region)
+        state.release(forget=not cfg.keep_region)
         lock.release()
         raise
     service = Service(cfg, region, copier, gpu, gpu_unavailable, tiering)
     server = Server(service, listener, notifier, metrics)
-    return lock, region, copier, server
+    return lock, state, region, copier, server
 
 
 def build_tiering(cfg: DaemonConfig, region: SharedOffloadRegion) -> Tiering | None:
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     notifier = Notifier()
     activated = activated_listener()
     try:
-        lock, region, copier, server = build(cfg, activated, notifier)
+        lock, state, region, copier, server = build(cfg, activated, notifier)
     except (RegionError, ConfigError, UntrustedError, OSError) as exc:
         log.error("cannot start: %s", exc)
         notifier.notify(STATUS=f"cannot start: {exc}")
@@ -239,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             server.service.tiering.close()
         copier.close()
         region.close(unlink=not cfg.keep_region)
+        state.release(forget=not cfg.keep_region)
         server.listener.close()
         if activated is None:  # an activated socket belongs to systemd
             with contextlib.suppress(FileNotFoundError):

@@ -5,7 +5,8 @@ Rules:
 - The HTTP server (httpd.py: one thread, bounded connections and time) never touches
   daemon metadata: the loop thread publishes an immutable ``render_stats`` snapshot and
   its health at start and at each cron tick, and handlers read only the latest ones (a
-  reference swap). Every series is there from the first scrape.
+  reference swap). Every series is there from the first scrape. ``/metrics`` is
+  rendered once per publication: a peer asking in a loop costs a copy, not a render.
 - ``/healthz``: 200 while the loop turns (its last publication is recent), 503 with
   the reason otherwise. ``/readyz``: 200 once serving with the region pre-faulted and
   GPU pinning finished (or failed, which is reported), 503 with what is pending.
@@ -222,6 +223,7 @@ class MetricsEndpoint:
         self.registry.register(self.collector)
         self._last: dict[str, Any] | None = None
         self._published_s = 0.0
+        self._rendered = (-1.0, b"")  # (publication, its /metrics body)
         self.server = HttpServer(
             address,
             port,
@@ -239,7 +241,10 @@ class MetricsEndpoint:
         self._published_s = time.monotonic()
 
     def _metrics(self) -> tuple[int, str, bytes]:
-        return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        published_s = self._published_s
+        if self._rendered[0] != published_s:  # once per publication, however many ask
+            self._rendered = (published_s, generate_latest(self.registry))
+        return 200, CONTENT_TYPE_LATEST, self._rendered[1]
 
     def _healthz(self) -> tuple[int, str, bytes]:
         age_s = time.monotonic() - self._published_s

@@ -225,7 +225,7 @@ class NamespaceTable:
 
     def recover(self) -> None:
         """Warm restart: namespaces and completed blocks from the kept region."""
-        for rec in read_namespaces(self.region):
+        for rec in read_namespaces(self.region, self._recovered_slot_bytes):
             if rec.layout.fingerprint() != rec.fingerprint:
                 log.warning("namespace %s: layout does not match its fingerprint", rec.name)
                 continue
@@ -248,6 +248,12 @@ class NamespaceTable:
             pool.give_back(ext)
         if orphans:
             log.warning("%d extents of unrecovered namespaces are free again", len(orphans))
+
+    def _recovered_slot_bytes(self, name: str, layout: m.KVLayout) -> int:
+        """A kept record passes what an open checks, or recovery drops it."""
+        check_name(name)
+        check_layout(layout)
+        return self.slot_bytes(layout)
 
     def slot_bytes(self, layout: m.KVLayout) -> int:
         return max(-(-layout.block_bytes // PAGE_BYTES) * PAGE_BYTES, self.config.min_slot_bytes)

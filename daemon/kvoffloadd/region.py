@@ -11,13 +11,16 @@ Rules:
 - One daemon per region: the daemon holds an exclusive ``flock`` on the segment itself
   for its lifetime (trust.py). A segment found under the name without the lock held
   belongs to a daemon that stopped or died.
-- A found segment is checked on the descriptor it is used through: only a regular
-  file owned by the daemon's uid with no group or other permission is ever adopted
-  (an attacker's pre-created segment is refused, or dropped with ``discard``). It is
-  recovered when its header matches this format and geometry (warm restart, see
+- The daemon maps the segment regionstate.py found or made under its private name,
+  checked and held (segment.py). Given only a name (tests, tools), a found segment is
+  checked on the descriptor it is used through: only a regular file owned by the
+  daemon's uid with no group or other permission is ever adopted (an attacker's
+  pre-created segment is refused, or dropped with ``discard``). It is recovered when
+  its header and size match this format and geometry (warm restart, see
   ``recovery.py``), refused otherwise unless ``discard``.
-- Clients open the segment, when they do, with size 0: opening with a size would
-  ftruncate it under everybody else (research/stack.md section 5).
+- Workers get a fresh open of the daemon's own descriptor, never of the name, and
+  nobody opens the segment with a size: that would ftruncate it under everybody else
+  (research/stack.md section 5).
 - Pre-faulting runs in a background thread, in chunks, so start-up does not wait.
 - ``close()`` drops every view before closing the map, then unlinks the name unless
   asked to keep it for the next daemon.
@@ -35,35 +38,37 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import posix_ipc
 
 from kvoffload.regionfmt import (
-    DATA_ALIGN_BYTES,
-    EXTENT_RECORD_BYTES,
-    FORMAT_VERSION,
     FREE_OWNER,
     HEADER,
-    HEADER_BYTES,
-    MAGIC,
+    MAX_LAYOUT_BYTES,
     MAX_NAMESPACES,
+    NAMESPACE_CRC_OFFSET,
     NAMESPACE_LAYOUT_OFFSET,
     NAMESPACE_RECORD_BYTES,
     SLOT_DTYPE,
-    SLOT_FREE,
     SLOT_GRAVE,
     SLOT_LEASED,
     SLOT_READY,
     SLOT_RECORD_BYTES,
     SLOT_WRITING,
+    extent_crc,
+    namespace_crc,
+    ready_crc,
 )
 
+from . import segment
 from .allocator import ExtentPool, SlotPool
 from .index import SlotJournal
-from .trust import UntrustedError, check_private_file, lock_region
+from .segment import Geometry, RegionError, default_extent_bytes, header_fields
+from .trust import UntrustedError
+
+__all__ = ["Geometry", "RegionError", "SharedOffloadRegion", "default_extent_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -71,89 +76,23 @@ MADV_POPULATE_WRITE = 23
 PREFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 
-class RegionError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class Geometry:
-    region_bytes: int
-    extent_bytes: int
-    num_extents: int
-    slots_per_extent_max: int
-    min_slot_bytes: int
-    extent_table: int
-    namespace_table: int
-    slot_table: int
-    data_offset: int
-
-    @staticmethod
-    def plan(region_bytes: int, extent_bytes: int, min_slot_bytes: int) -> Geometry:
-        if extent_bytes % mmap.PAGESIZE or min_slot_bytes % mmap.PAGESIZE:
-            raise RegionError("extent_bytes and min_slot_bytes must be multiples of the page size")
-        if min_slot_bytes > extent_bytes:
-            raise RegionError("min_slot_bytes is larger than extent_bytes")
-        spe = extent_bytes // min_slot_bytes
-        per_extent = extent_bytes + EXTENT_RECORD_BYTES + spe * SLOT_RECORD_BYTES
-        fixed = HEADER_BYTES + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES + 2 * DATA_ALIGN_BYTES
-        num_extents = (region_bytes - fixed) // per_extent
-        if num_extents < 1:
-            raise RegionError(
-                f"a region of {region_bytes} bytes cannot hold one extent of {extent_bytes} bytes"
-            )
-        extent_table = HEADER_BYTES
-        namespace_table = extent_table + num_extents * EXTENT_RECORD_BYTES
-        slot_table = namespace_table + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES
-        meta_end = slot_table + num_extents * spe * SLOT_RECORD_BYTES
-        data_offset = -(-meta_end // DATA_ALIGN_BYTES) * DATA_ALIGN_BYTES
-        return Geometry(
-            region_bytes=data_offset + num_extents * extent_bytes,
-            extent_bytes=extent_bytes,
-            num_extents=num_extents,
-            slots_per_extent_max=spe,
-            min_slot_bytes=min_slot_bytes,
-            extent_table=extent_table,
-            namespace_table=namespace_table,
-            slot_table=slot_table,
-            data_offset=data_offset,
-        )
-
-
-def default_extent_bytes(region_bytes: int) -> int:
-    """About 64 extents per region, between 2 MiB and 256 MiB, a power of two."""
-    target = max(DATA_ALIGN_BYTES, min(256 * 1024 * 1024, region_bytes // 64))
-    return 1 << (target.bit_length() - 1)
-
-
 class SharedOffloadRegion:
     """The daemon's mapping of the region, its tables and the extent pool."""
 
     def __init__(
-        self, name: str, geometry: Geometry, *, recover: bool = True, discard: bool = False
+        self,
+        name: str,
+        geometry: Geometry,
+        *,
+        recover: bool = True,
+        discard: bool = False,
+        found: tuple[posix_ipc.SharedMemory, bool] | None = None,
     ) -> None:
+        """Map the segment ``found`` (held, checked: regionstate.py) and whether it is
+        recovered; without it, adopt or create the segment under ``name``."""
         self.name = name
         self.geometry = g = geometry
-        self.recovered = False
-        old = self._open_existing(name, discard or not recover)
-        if old is not None:
-            try:
-                lock_region(old.fd, name)  # a live daemon's region is never touched
-            except UntrustedError as exc:
-                old.close_fd()
-                raise RegionError(str(exc)) from None
-            found = self._header_of(old)
-            if recover and found == self._header_fields(g)[:14]:
-                self._shm = old  # size 0: never resize a live region
-                self.recovered = True
-            else:
-                old.close_fd()
-                self._refuse_or_discard(name, found, g, discard or not recover)
-        if not self.recovered:
-            self._check_shm_space(g.region_bytes)
-            self._shm = posix_ipc.SharedMemory(
-                name, flags=posix_ipc.O_CREX, mode=0o600, size=g.region_bytes
-            )
-            lock_region(self._shm.fd, name)  # ours alone: O_CREX just made it
+        self._shm, self.recovered = found or _open_by_name(name, g, recover, discard)
         try:
             self._mm = mmap.mmap(self._shm.fd, g.region_bytes)
         except BaseException:
@@ -180,98 +119,15 @@ class SharedOffloadRegion:
         self.pool = ExtentPool(
             g.num_extents, g.extent_bytes, g.data_offset, self.record_extent, owners
         )
-        self._seq = int(self.slot_table["seq"].max()) if self.recovered else 0
+        self._seq = 0  # recovery resumes it (recovery.py)
         self.prefaulted_bytes = 0
         self._stop_prefault = threading.Event()
         self._prefault_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ lifecycle
 
-    @staticmethod
-    def _check_shm_space(nbytes: int) -> None:
-        try:
-            st = os.statvfs("/dev/shm")
-        except OSError:
-            return
-        avail = st.f_bavail * st.f_frsize
-        if avail < nbytes:
-            raise RegionError(
-                f"/dev/shm has {avail} bytes free, the region needs {nbytes}; "
-                "lower region_size or enlarge /dev/shm"
-            )
-
-    @staticmethod
-    def _open_existing(name: str, discard: bool) -> posix_ipc.SharedMemory | None:
-        """The segment already under the name, if it passes the trust checks; one that
-        does not is refused, or unlinked with ``discard``."""
-        try:
-            old = posix_ipc.SharedMemory(name)  # shm_open: O_NOFOLLOW
-        except posix_ipc.ExistentialError:
-            return None
-        try:
-            check_private_file(old.fd, f"/dev/shm{name}")
-        except UntrustedError as exc:
-            old.close_fd()
-            if not discard:
-                raise RegionError(str(exc)) from None
-            log.warning("discarding %s: %s", name, exc)
-            try:
-                posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.PermissionsError:
-                raise RegionError(f"{exc}; and this daemon may not remove it") from None
-            return None
-        return old
-
-    @staticmethod
-    def _header_of(shm: posix_ipc.SharedMemory) -> tuple[object, ...]:
-        """Header fields (without pid and time) of a segment."""
-        if shm.size < HEADER.size:
-            return ()
-        with mmap.mmap(shm.fd, HEADER.size, prot=mmap.PROT_READ) as mm:
-            return tuple(HEADER.unpack(mm[: HEADER.size]))[:14]
-
-    @staticmethod
-    def _refuse_or_discard(
-        name: str, found: tuple[object, ...], g: Geometry, discard: bool
-    ) -> None:
-        if found[:2] == (MAGIC, FORMAT_VERSION):
-            what = f"a region of {found[3]} bytes in extents of {found[4]} bytes"
-        elif found[:1] == (MAGIC,):
-            what = f"a region of format version {found[1]} (this daemon reads {FORMAT_VERSION})"
-        else:
-            what = "a segment that is not a kvoffload region"
-        if not discard:
-            raise RegionError(
-                f"{name} holds {what}, which this daemon cannot reuse with "
-                f"region_size={g.region_bytes} and extent_size={g.extent_bytes}; start "
-                "with the old sizes to keep its blocks, or with --discard-region to drop it"
-            )
-        log.warning("discarding %s: it holds %s", name, what)
-        posix_ipc.unlink_shared_memory(name)
-
-    @staticmethod
-    def _header_fields(g: Geometry) -> tuple[object, ...]:
-        return (
-            MAGIC,
-            FORMAT_VERSION,
-            HEADER_BYTES,
-            g.region_bytes,
-            g.extent_bytes,
-            g.num_extents,
-            g.slots_per_extent_max,
-            g.min_slot_bytes,
-            MAX_NAMESPACES,
-            g.extent_table,
-            g.namespace_table,
-            g.slot_table,
-            SLOT_RECORD_BYTES,
-            g.data_offset,
-            os.getpid(),
-            time.time_ns(),
-        )
-
     def _write_header(self) -> None:
-        self._mm[: HEADER.size] = HEADER.pack(*self._header_fields(self.geometry))
+        self._mm[: HEADER.size] = HEADER.pack(*header_fields(self.geometry))
 
     def start_prefault(self) -> None:
         self._prefault_thread = threading.Thread(
@@ -324,14 +180,11 @@ class SharedOffloadRegion:
 
         A fresh open, never a ``dup``: a dup shares the open file description and
         with it the region's lock, so a client's mapping would keep the region
-        locked after the daemon died and block the warm restart.
+        locked after the daemon died and block the warm restart. It opens the
+        daemon's own descriptor (``/proc/self/fd``), never the name: whatever a name
+        leads to by now, the worker gets the segment the daemon maps.
         """
-        shm = posix_ipc.SharedMemory(self.name)
-        mine, theirs = os.fstat(self._shm.fd), os.fstat(shm.fd)
-        if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
-            shm.close_fd()
-            raise RegionError(f"region {self.name} was replaced under the daemon")
-        return int(shm.fd)
+        return os.open(f"/proc/self/fd/{self._shm.fd}", os.O_RDWR | os.O_CLOEXEC)
 
     def close(self, unlink: bool = True) -> None:
         self._stop_prefault.set()
@@ -356,7 +209,7 @@ class SharedOffloadRegion:
     ) -> None:
         if ns_id >= MAX_NAMESPACES:
             raise RegionError(f"more than {MAX_NAMESPACES} namespaces")
-        if len(layout) > NAMESPACE_RECORD_BYTES - NAMESPACE_LAYOUT_OFFSET:
+        if len(layout) > MAX_LAYOUT_BYTES:
             raise RegionError(f"namespace layout of {len(layout)} bytes does not fit its record")
         off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
         record = (
@@ -364,36 +217,51 @@ class SharedOffloadRegion:
             + fingerprint.encode()[:64].ljust(64, b"\0")
             + struct.pack("<II", len(layout), uid)
             + layout
-        )
-        self._mm[off : off + len(record)] = record
+        ).ljust(NAMESPACE_CRC_OFFSET, b"\0")
+        record += struct.pack("<I", namespace_crc(record))
+        self._mm[off : off + NAMESPACE_RECORD_BYTES] = record
 
     def unregister_namespace(self, ns_id: int) -> None:
         off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
         self._mm[off : off + NAMESPACE_RECORD_BYTES] = bytes(NAMESPACE_RECORD_BYTES)
 
     def namespace_record(self, ns_id: int) -> tuple[str, str, bytes, int] | None:
-        """(name, fingerprint, msgpack layout, creator uid) of a namespace table entry."""
+        """(name, fingerprint, msgpack layout, creator uid) of a namespace table entry;
+        ``ValueError`` for one that cannot be read back as written (recovery drops it)."""
         off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
         raw = self._mm[off : off + NAMESPACE_RECORD_BYTES]
-        name = raw[:256].split(b"\0", 1)[0].decode(errors="replace")
-        if not name:
+        if not raw.strip(b"\0"):
             return None
+        if struct.unpack_from("<I", raw, NAMESPACE_CRC_OFFSET)[0] != namespace_crc(raw):
+            raise ValueError("CRC mismatch")
+        name = raw[:256].split(b"\0", 1)[0].decode()
         n, uid = struct.unpack_from("<II", raw, 320)
+        if n > MAX_LAYOUT_BYTES:
+            raise ValueError("layout longer than its record")
         layout = raw[NAMESPACE_LAYOUT_OFFSET : NAMESPACE_LAYOUT_OFFSET + n]
         return name, raw[256:320].rstrip(b"\0").decode(), layout, uid
 
     def extent_records(self) -> npt.NDArray[np.uint32]:
-        """(owner, slot_bytes, chunk index, 0) per extent (a copy)."""
+        """(owner, slot_bytes, chunk index, CRC) per extent (a copy)."""
         table: npt.NDArray[np.uint32] = self._extent_table.copy()
         return table
 
     def record_extent(self, ext: int, owner: int | None, slot_bytes: int, chunk: int) -> None:
-        if owner is None:  # a freed extent keeps no record a later owner could inherit
-            per = self.geometry.slots_per_extent_max
-            self.slot_table[ext * per : (ext + 1) * per] = np.zeros(per, SLOT_DTYPE)
-        self._extent_table[ext, 0] = FREE_OWNER if owner is None else owner
-        self._extent_table[ext, 1] = slot_bytes
-        self._extent_table[ext, 2] = chunk
+        """An extent changes hands: its slot records are cleared both ways, so no owner
+        inherits a record (even one a corrupt table left in a free extent)."""
+        g = self.geometry
+        start = g.slot_table + ext * g.slots_per_extent_max * SLOT_RECORD_BYTES
+        self.buffer[start : start + g.slots_per_extent_max * SLOT_RECORD_BYTES] = 0
+        self._write_extent(ext, FREE_OWNER if owner is None else owner, slot_bytes, chunk)
+
+    def renumber_extent(self, ext: int, chunk: int) -> None:
+        """Recovery: the extent's place among its owner's, records kept."""
+        owner, slot_bytes = (int(v) for v in self._extent_table[ext, :2])
+        self._write_extent(ext, owner, slot_bytes, chunk)
+
+    def _write_extent(self, ext: int, owner: int, slot_bytes: int, chunk: int) -> None:
+        crc = extent_crc(ext, owner, slot_bytes, chunk)
+        self._extent_table[ext] = (owner, slot_bytes, chunk, crc)
 
     def journal_for(self, ns_id: int, slots: SlotPool) -> SlotJournal:
         return _RegionJournal(self, ns_id, slots)
@@ -401,6 +269,13 @@ class SharedOffloadRegion:
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
+
+    def resume_seq(self, last: int) -> None:
+        """Recovery: completion order goes on after the highest recovered record."""
+        self._seq = last
+
+
+_EMPTY_RECORD = np.zeros(1, SLOT_DTYPE)[0]
 
 
 class _RegionJournal(SlotJournal):
@@ -427,6 +302,7 @@ class _RegionJournal(SlotJournal):
             0,
             b"",
             lease,
+            0,
             b"",
         )
 
@@ -439,17 +315,60 @@ class _RegionJournal(SlotJournal):
             0,
             key.ljust(64, b"\0"),
             lease,
+            0,
             b"",
         )
 
     def ready(self, slot: int, key: bytes) -> None:
         i = self._record(slot)
         table = self._region.slot_table
-        table["seq"][i] = self._region.next_seq()
-        table["state"][i] = SLOT_READY
+        seq = self._region.next_seq()
+        table["seq"][i] = seq
+        table["crc"][i] = ready_crc(self._ns, seq, key)
+        table["state"][i] = SLOT_READY  # last: a crash before it leaves a store in flight
 
     def buried(self, slot: int) -> None:
         self._region.slot_table["state"][self._record(slot)] = SLOT_GRAVE
 
     def freed(self, slot: int) -> None:
-        self._region.slot_table["state"][self._record(slot)] = SLOT_FREE
+        # the whole record: a FREE record names no key a corrupt state byte could revive
+        self._region.slot_table[self._record(slot)] = _EMPTY_RECORD
+
+
+def _open_by_name(
+    name: str, g: Geometry, recover: bool, discard: bool
+) -> tuple[posix_ipc.SharedMemory, bool]:
+    """Adopt the segment under ``name`` if it is ours and a region of ``g``, or create
+    it; one that is not is refused, or dropped with ``discard`` (tests and tools: the
+    daemon finds its region through its private state, regionstate.py)."""
+    old = None
+    try:
+        old = segment.find(name)
+        if old is not None:
+            segment.check_ours(old, name)
+    except UntrustedError as exc:
+        if old is not None:
+            old.close_fd()
+            old = None
+        if not discard:
+            raise RegionError(str(exc)) from None
+        log.warning("discarding %s: %s", name, exc)
+        try:
+            posix_ipc.unlink_shared_memory(name)
+        except posix_ipc.PermissionsError:
+            raise RegionError(f"{exc}; and this daemon may not remove it") from None
+    if old is not None:
+        segment.lock(old, name)  # a live daemon's region is never touched
+        why = segment.problem(old, g)
+        if recover and why is None:
+            return old, True
+        old.close_fd()
+        if not (discard or not recover):
+            raise RegionError(
+                f"{name} {why}, which this daemon cannot reuse with "
+                f"region_size={g.region_bytes} and extent_size={g.extent_bytes}; start "
+                "with the old sizes to keep its blocks, or with --discard-region to drop it"
+            )
+        log.warning("discarding %s: it %s", name, why or "is not recovered")
+        segment.drop(name)
+    return segment.create(name, g), False

@@ -19,8 +19,9 @@ attacker planting files in /tmp or /dev/shm) is checked before use:
 - A shared-memory region is adopted only if it is a regular file owned by the
   daemon's uid with no group or other permission bits (``check_private_file``).
 - One instance owns one region and one socket: the daemon holds an exclusive ``flock``
-  on the region itself for its lifetime, and another on ``<socket>.lock``; a socket
-  path something still answers on is never unlinked.
+  on the region itself for its lifetime, another on ``<socket>.lock`` and another on
+  its region's record (regionstate.py); a socket path something still answers on is
+  never unlinked.
 - Every refusal says what was found and what to do about it.
 """
 
@@ -185,9 +186,11 @@ def check_private_file(
 
 
 class FileLock:
-    """An exclusive ``flock`` on a lock file, held for the daemon's lifetime."""
+    """An exclusive ``flock`` on a private file, held for the daemon's lifetime. With
+    ``holder_text`` the file says who holds it; without, its content is kept (a record
+    the holder reads and rewrites through ``fd``)."""
 
-    def __init__(self, path: str, holder_text: str) -> None:
+    def __init__(self, path: str, holder_text: str | None) -> None:
         self.path = path
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
@@ -197,20 +200,26 @@ class FileLock:
                 raise UntrustedError(f"{path} is a symlink; remove it") from None
             raise
         try:
-            check_private_file(self._fd, path)
+            check_private_file(self._fd, path, "remove it")
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip()
             os.close(self._fd)
             raise UntrustedError(
-                f"another kvoffloadd holds {path} ({holder or 'pid unknown'}); stop it, or "
+                f"another kvoffloadd holds {path} "
+                f"({holder if holder.startswith('pid ') else 'pid unknown'}); stop it, or "
                 "pick another --socket / --instance"
             ) from None
         except BaseException:
             os.close(self._fd)
             raise
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, holder_text.encode(), 0)
+        if holder_text is not None:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, holder_text.encode(), 0)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
 
     def release(self, unlink: bool = True) -> None:
         if unlink:

@@ -8,9 +8,10 @@ its key says (``SlotCheck``). Layout, all little-endian::
 
     0                 header (4 KiB): magic, version, geometry, owner pid
     extent_table      num_extents x 16 B: owning namespace (u32, FREE=0xffffffff),
-                      slot_bytes (u32), index among the owner's extents (u32), 0 (u32)
+                      slot_bytes (u32), index among the owner's extents (u32), CRC (u32)
     namespace_table   max_namespaces x 2 KiB: name (256 B), fingerprint (64 B), layout
-                      length (u32), creator uid (u32), layout (msgpack KVLayout)
+                      length (u32), creator uid (u32), layout (msgpack KVLayout), and
+                      the record's CRC in its last 4 bytes
     slot_table        num_extents * slots_per_extent_max x 96 B records
     data              num_extents x extent_bytes, 2 MiB aligned
 
@@ -24,6 +25,10 @@ A slot record says what its slot holds:
 - ``seq`` changes whenever a slot becomes READY, so a reader that sees the same
   READY/GRAVE record (key and seq) before and after its copy read bytes nobody
   rewrote in between: a slot is only rewritten after its record left READY/GRAVE.
+  A store in flight has ``seq`` 0; a FREE record is all zeros.
+- Every record a later daemon recovers carries a CRC-32 (``extent_crc``,
+  ``namespace_crc``, ``ready_crc``: a slot's is written when it turns READY), so a
+  record that changed since it was written is dropped, never believed.
 
 Pure: no daemon import, no I/O beyond the mapping it is given.
 """
@@ -31,13 +36,14 @@ Pure: no daemon import, no I/O beyond the mapping it is given.
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 MAGIC = b"KVOFFLD\0"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: CRCs in the extent, namespace and slot records
 HEADER_BYTES = 4096
 EXTENT_RECORD_BYTES = 16
 NAMESPACE_RECORD_BYTES = 2048
@@ -62,10 +68,31 @@ SLOT_DTYPE = np.dtype(
         ("seq", "<u8"),
         ("key", "V64"),
         ("lease", "<u8"),
-        ("reserved", "V8"),
+        ("crc", "<u4"),
+        ("reserved", "V4"),
     ]
 )
 assert SLOT_DTYPE.itemsize == SLOT_RECORD_BYTES
+NAMESPACE_CRC_OFFSET = NAMESPACE_RECORD_BYTES - 4
+MAX_LAYOUT_BYTES = NAMESPACE_CRC_OFFSET - NAMESPACE_LAYOUT_OFFSET
+_EXTENT = struct.Struct("<IIII")
+_READY = struct.Struct("<IQB")
+
+
+def extent_crc(ext: int, owner: int, slot_bytes: int, chunk: int) -> int:
+    """The CRC of an extent record: its fields and the extent's own index."""
+    return zlib.crc32(_EXTENT.pack(ext, owner, slot_bytes, chunk))
+
+
+def namespace_crc(record: bytes) -> int:
+    """The CRC of a namespace record: every byte before the CRC itself."""
+    return zlib.crc32(record[:NAMESPACE_CRC_OFFSET])
+
+
+def ready_crc(ns: int, seq: int, key: bytes) -> int:
+    """The CRC of a READY slot record: namespace, completion order and key."""
+    return zlib.crc32(key, zlib.crc32(_READY.pack(ns, seq, len(key))))
+
 
 I64 = npt.NDArray[np.int64]
 

@@ -14,6 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from test_probes import PROBE_TIMEOUT_S
 
 import kvoffload
 from kvoffloadbench.launch import DaemonProcess
@@ -72,12 +73,22 @@ def test_the_daemonset_and_its_config_agree(tmp_path: Path) -> None:
     assert Path(cfg.socket_path).parent == Path(mounts["socket-dir"])
     assert volumes["socket-dir"]["hostPath"]["path"] == mounts["socket-dir"]
     assert mounts["dshm"] == volumes["dshm"]["hostPath"]["path"] == "/dev/shm"
+    # the region's record outlives the pod (a host path) and is the daemon's alone
+    state = [n for n, path in mounts.items() if path == cfg.state_dir]
+    assert state and volumes[state[0]]["hostPath"]["path"] == cfg.state_dir
+    engines = kind(documents("vllm-example.yaml"), "Deployment")["spec"]["template"]["spec"]
+    assert all(v.get("hostPath", {}).get("path") != cfg.state_dir for v in engines["volumes"])
     (port,) = c["ports"]
     assert port["containerPort"] == cfg.metrics_port
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(cfg.metrics_port)
     for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz")):
         assert c[probe]["httpGet"] == {"path": path, "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        # the probe test_probes.py proves unstarvable, which a watchdog's 30 s allow
+        assert c[probe]["timeoutSeconds"] == PROBE_TIMEOUT_S
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 30
     limit = quantity_bytes(c["resources"]["limits"]["memory"])
     assert limit >= cfg.region_bytes + GIB  # the region's pages are charged to the pod
     assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]  # pinning

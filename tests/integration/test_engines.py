@@ -91,7 +91,7 @@ def test_sigterm_drains_and_exits_cleanly() -> None:
     assert plan is not None
     assert w.submit_store(1, np.arange(32), plan.slots)
     assert d.stop() == 0
-    assert not os.path.exists(f"/dev/shm/kvoffload-{d.instance}")
+    assert not os.path.exists(f"/dev/shm{d.region_name}")
     # The copy drained before exit, but its result died with the daemon: reported failed.
     assert w.get_finished() == [kvoffload.TransferResult(1, False, 0, 0.0)]
     client.close()

@@ -166,7 +166,7 @@ def test_a_stop_during_cascades_is_clean(tmp_path: pathlib.Path) -> None:
         assert d.stop() == 0  # while they run
         w.close()
         c.close()
-    assert not os.path.exists(f"/dev/shm/kvoffload-{d.instance}")
+    assert not os.path.exists(f"/dev/shm{d.region_name}")
     assert not os.path.exists(d.socket_path)
     with tier_daemon(tmp_path, disk_toml(disk, "64MiB"), "after") as d2:
         c = kvoffload.connect(d2.socket_path)

@@ -71,13 +71,15 @@ def test_blocks_survive_a_daemon_restart(how: str, copy_mode: str) -> None:
         d1.kill()
     else:
         assert d1.stop() == 0
-    assert os.path.exists(f"/dev/shm/kvoffload-{d1.instance}")
+    region = f"/dev/shm{d1.region_name}"
+    assert os.path.exists(region)
 
     # the engine keeps running: misses, failed submits, no exceptions, no hang
     assert ns.lookup(done) == 0
     assert w.submit_store(2, np.arange(8), plan.slots) is False
 
     d2 = DaemonProcess("64MiB", *args, instance=d1.instance, socket_path=d1.socket_path).start()
+    assert d2.region_name == d1.region_name  # found through the daemon's private state
     try:
         until(lambda: ns.lookup(done) == len(done), "recovered blocks to be visible")
         assert ns.lookup(pending) == 0
@@ -101,9 +103,9 @@ def test_blocks_survive_a_daemon_restart(how: str, copy_mode: str) -> None:
         engine.close()
         d2.stop()
     if how == "keep_region":
-        os.unlink(f"/dev/shm/kvoffload-{d1.instance}")
+        os.unlink(region)
     else:
-        assert not os.path.exists(f"/dev/shm/kvoffload-{d1.instance}")
+        assert not os.path.exists(region)
 
 
 def test_incompatible_region_is_refused_with_a_way_out() -> None:
@@ -127,8 +129,36 @@ def test_incompatible_region_is_refused_with_a_way_out() -> None:
         instance=d1.instance,
         socket_path=d1.socket_path,
     ).start()
+    assert d3.region_name != d1.region_name
+    assert not os.path.exists(f"/dev/shm{d1.region_name}")
     assert d3.stop() == 0
-    assert not os.path.exists(f"/dev/shm/kvoffload-{d1.instance}")
+    assert not os.path.exists(f"/dev/shm{d3.region_name}")
+
+
+@pytest.mark.parametrize("damage", ["magic", "cut short"])
+def test_a_damaged_region_is_dropped_and_the_daemon_starts(damage: str) -> None:
+    """A header that is not a region's any more, or a segment cut short (pages past
+    its end fault, SIGBUS, at the first touch): refused at every start before (the
+    second by an uncaught ValueError from mmap); now dropped with one error line."""
+    args = ("--log-level", "warning", "--keep-region")
+    d1 = DaemonProcess("64MiB", *args).start()
+    with kvoffload.connect(d1.socket_path) as c:
+        c.namespace("n", LAYOUT)
+    assert d1.stop() == 0
+    path = f"/dev/shm{d1.region_name}"
+    if damage == "magic":
+        with open(path, "r+b") as f:
+            f.write(b"garbage!")
+    else:
+        os.truncate(path, 1 << 20)
+    d2 = DaemonProcess("64MiB", *args, instance=d1.instance, socket_path=d1.socket_path).start()
+    try:
+        assert d2.region_name != d1.region_name and not os.path.exists(path)
+        with kvoffload.connect(d2.socket_path) as c:
+            assert c.stats()["namespaces"] == {}
+    finally:
+        assert d2.stop() == 0
+        os.unlink(f"/dev/shm{d2.region_name}")
 
 
 def test_daemon_killed_under_load_engines_carry_on_without_wrong_bytes() -> None:

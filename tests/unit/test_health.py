@@ -1,12 +1,19 @@
 """/healthz and /readyz decide from the stats the loop publishes: the reasons a probe
-sees, without a daemon (the live endpoint is tested in test_operations)."""
+sees, without a daemon (the live endpoint is tested in test_operations); and the HTTP
+server keeps a place for them whatever other peers hold (attacks on a live daemon:
+tests/integration/test_probes.py)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
+
+from kvoffloadd.httpd import MAX_CONNECTIONS, MAX_PER_PEER, HttpServer
 from kvoffloadd.metrics import HEALTH_STALE_S, MetricsEndpoint, readiness
 
 
@@ -50,3 +57,78 @@ def test_probes_answer_503_with_the_reason_until_the_loop_publishes() -> None:
         assert status == 503 and "has not turned" in json.loads(body)["reason"]
     finally:
         ep.close()
+
+
+def _stalled(port: int, source: str) -> socket.socket:
+    """A connection that sent one byte of a request and nothing more."""
+    s = socket.socket()
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"G")
+    return s
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _get(port: int, path: str = "/healthz") -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    return data
+
+
+def poll(predicate: Callable[[], bool], what: str, deadline_s: float = 10.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def server() -> Iterator[HttpServer]:
+    srv = HttpServer("127.0.0.1", 0, {"/healthz": lambda: (200, "text/plain", b"ok\n")})
+    yield srv
+    srv.close()
+
+
+def test_one_peer_holds_at_most_its_share_and_the_oldest_goes_first(server: HttpServer) -> None:
+    """Three rounds of stalled requests from one address, a probe from it between
+    them (the server turns): each round replaces the one before."""
+    socks: list[socket.socket] = []
+    try:
+        for n in range(3):
+            socks += [_stalled(server.port, "127.0.0.1") for _ in range(MAX_PER_PEER)]
+            poll(lambda n=n: server.evicted_total >= n * MAX_PER_PEER, f"round {n} to move in")
+            assert _get(server.port).startswith(b"HTTP/1.0 200")  # from the same address
+        closed = [_closed_by_server(s) for s in socks]
+        assert all(closed[: 2 * MAX_PER_PEER]) and not any(closed[-MAX_PER_PEER:])
+        assert server.shed_total == 0
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_all_places_taken_by_many_peers_still_leave_room_for_a_probe(server: HttpServer) -> None:
+    peers = 2 * MAX_CONNECTIONS // MAX_PER_PEER
+    socks = [
+        _stalled(server.port, f"127.0.2.{i + 1}") for i in range(peers) for _ in range(MAX_PER_PEER)
+    ]
+    try:
+        poll(lambda: server.evicted_total >= MAX_CONNECTIONS, "room made for newcomers")
+        assert sum(not _closed_by_server(s) for s in socks) <= MAX_CONNECTIONS
+        for _ in range(8):
+            assert _get(server.port).startswith(b"HTTP/1.0 200")
+        assert server.shed_total == 0  # nobody was refused for room
+    finally:
+        for s in socks:
+            s.close()

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 
 import msgspec
+import numpy as np
 import pytest
 
 from kvoffload.protocol import messages as m
@@ -57,6 +58,12 @@ def session(svc: Service, sid: int, uid: int = 0) -> Session:
 
 def open_ns(svc: Service, s: Session, name: str) -> int:
     r = svc.handle(s, m.OpenNamespace(1, name, LAYOUT))
+    assert isinstance(r, m.NamespaceOpened)
+    return r.ns
+
+
+def open_ns_layout(svc: Service, s: Session, name: str, layout: m.KVLayout) -> int:
+    r = svc.handle(s, m.OpenNamespace(1, name, layout))
     assert isinstance(r, m.NamespaceOpened)
     return r.ns
 
@@ -245,3 +252,37 @@ def test_a_full_table_of_roots_namespaces_is_never_taken_from() -> None:
             open_ns(svc, root, f"root-{i:03d}")
         with pytest.raises(NoSpaceError, match="no uid holds more than its share"):
             svc.handle(session(svc, 2, 3000), m.OpenNamespace(1, "mine", LAYOUT))
+
+
+def test_a_hole_a_reclaim_left_survives_a_warm_restart() -> None:
+    """An extent given back from the middle of a namespace leaves a hole: after a warm
+    restart the blocks above it keep their slots (and workers' SlotMap agrees), and the
+    hole's ids come back only with a new extent."""
+    cfg = config()
+    keys = [b"h-%04d" % i for i in range(6)]  # 2 slots per 1 MiB extent: 3 extents
+    layout = m.KVLayout([MIB // 2])
+    with service(cfg, unlink=False) as svc:
+        s = session(svc, 1)
+        ns = open_ns_layout(svc, s, "h", layout)
+        slots = prepare(svc, s, ns, keys)
+        complete(svc, s, ns, keys, slots)
+        index = svc.namespaces[ns]
+        kp, kb = pack_keys(keys[4:])
+        svc.handle(s, m.PrepareLoad(5, ns, kp, kb))  # the top extent's blocks pinned
+        index.evict(keys[2:4])  # the middle extent's blocks go
+        assert index.evict_extent() < 0  # the middle one, since the top is pinned
+        assert index.slots.extents[1] is None
+        before = {k: index.slots_of([k])[0] for k in keys[:2] + keys[4:]}
+    with service(cfg) as svc:
+        index = svc.table.by_name["h"]
+        assert svc.region.recovered and index.slots.extents[1] is None
+        assert {k: index.slots_of([k])[0] for k in before} == before
+        assert index.lookup(keys[:2]) == 2 and index.lookup(keys[4:]) == 2
+        from kvoffload.regionfmt import RegionTables, SlotMap
+
+        smap = SlotMap(RegionTables(svc.region.buffer), index.ns_id, index.slots.slot_bytes)
+        top = np.asarray([before[keys[4]]], dtype=np.int64)
+        assert smap.offsets(top).tolist() == index.slots.region_offsets(top).tolist()
+        s2 = session(svc, 2)
+        refill = prepare(svc, s2, open_ns_layout(svc, s2, "h", layout), [b"new-0", b"new-1"])
+        assert sorted(refill) == [2, 3]  # the hole's ids, now on an extent again

@@ -54,9 +54,17 @@ def test_the_service_keeps_the_region_across_stops_and_removes_nothing() -> None
     args.config = str(UNITS / "kvoffloadd.toml.example")  # what the README installs there
     cfg = config_of(args)
     assert cfg.keep_region and not cfg.discard_region
-    assert cfg.region_name == "/kvoffload-default"
+    # the region's record (which segment is the region) lives next to the activated
+    # socket, in the runtime directory the unit keeps across stops, as the region is
+    cfg.socket = one(unit("kvoffloadd.socket")["Socket"], "ListenStream")
+    assert cfg.state_path == f"/run/{one(svc, 'RuntimeDirectory')}"
+    assert one(svc, "RuntimeDirectoryPreserve") == "yes"
+    assert int(one(svc, "RuntimeDirectoryMode"), 8) & 0o022 == 0  # the daemon's alone
+    record = f"{cfg.state_path}/kvoffload-{cfg.instance}.region"
     readme = (ROOT / "README.md").read_text()
-    assert "`--keep-region`" in readme and "/dev/shm/kvoffload-default" in readme
+    for text in (readme, (UNITS / "kvoffloadd.service").read_text()):
+        assert record in text and f"/dev/shm/kvoffload-{cfg.instance}@" in text
+    assert "`--keep-region`" in readme
 
 
 def test_a_disk_tier_has_a_writable_home_under_the_sandbox() -> None:

@@ -10,7 +10,6 @@ whatever the TP size, and every rank loads it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ReqContext, 
 
 import kvoffload
 from kvoffloadbench.canonical_rig import Rank
-from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess, drop_kept_region
 from kvoffloadbench.redis_server import RedisServer
 
 CTX = ReqContext(req_id="r")
@@ -246,7 +245,7 @@ def test_canonical_blocks_survive_a_warm_restart_and_load_at_another_tp() -> Non
     for r in tp2:
         r.shutdown()
     assert d1.stop() == 0
-    with DaemonProcess("64MiB", *args, instance=d1.instance) as d2:
+    with DaemonProcess("64MiB", *args, instance=d1.instance, socket_path=d1.socket_path) as d2:
         tp4 = engine("gqa", 4, d2, "tp4")
         dst = list(range(30, 30 + n))
         load(tp4, keys, dst, job=1)
@@ -255,7 +254,7 @@ def test_canonical_blocks_survive_a_warm_restart_and_load_at_another_tp() -> Non
                 h = heads_of(r)
                 assert torch.equal(t[dst], kv[name][:, h.start : h.stop])
             r.shutdown()
-    os.unlink(f"/dev/shm/kvoffload-{d1.instance}")
+    drop_kept_region(d1.socket_path, d1.instance)
 
 
 def test_a_canonical_load_planned_before_the_daemon_dies_completes_from_the_region() -> None:
@@ -294,5 +293,4 @@ def test_a_canonical_load_planned_before_the_daemon_dies_completes_from_the_regi
             r.shutdown()
     finally:
         d.stop()
-        if os.path.exists(f"/dev/shm/kvoffload-{d.instance}"):
-            os.unlink(f"/dev/shm/kvoffload-{d.instance}")
+        drop_kept_region(d.socket_path, d.instance)

@@ -16,7 +16,6 @@ socket that disappears; and the one case that stops an engine.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -25,12 +24,11 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import posix_ipc
 import pytest
 from engine_proc import STEP_LIMIT_S, EngineProc
 
 import kvoffload
-from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess, drop_kept_region
 
 pytestmark = pytest.mark.integration
 
@@ -59,8 +57,7 @@ def daemon(*args: str) -> DaemonProcess:
 
 
 def drop_region() -> None:
-    with contextlib.suppress(posix_ipc.ExistentialError):
-        posix_ipc.unlink_shared_memory(f"/kvoffload-{INSTANCE}")
+    drop_kept_region(SOCK, INSTANCE)
 
 
 @pytest.fixture(scope="module")

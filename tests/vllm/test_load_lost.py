@@ -11,19 +11,17 @@ was not loaded, and must never compute with it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import tempfile
 import uuid
 from pathlib import Path
 
-import posix_ipc
 import pytest
 from engine_proc import EngineError, EngineProc
 
 import kvoffload
-from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.launch import DaemonProcess, drop_kept_region
 
 pytestmark = pytest.mark.integration
 
@@ -87,5 +85,4 @@ def test_an_untrusted_worker_resubmits_after_a_warm_restart_or_stops_with_one_er
         e.close()
         if d.alive():
             d.kill()
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_shared_memory(f"/kvoffload-{instance}")
+        drop_kept_region(sock, instance)

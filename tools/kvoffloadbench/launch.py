@@ -7,6 +7,7 @@ could exist before the daemon binds it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -83,6 +84,11 @@ class DaemonProcess:
         return self
 
     @property
+    def region_name(self) -> str:
+        """The region's shared-memory name, from the banner (it has a random part)."""
+        return self.banner.split("; region ", 1)[1].split()[0]
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
@@ -123,6 +129,21 @@ class DaemonProcess:
             self.stop()
         else:
             self._close_pipes()
+
+
+def drop_kept_region(socket_path: str, instance: str) -> None:
+    """Remove the region a daemon of ``instance`` kept (``--keep-region``, or a kill),
+    as named in its record next to ``socket_path`` (the default ``state_dir``), and the
+    record: the next daemon there starts cold."""
+    record = os.path.join(os.path.dirname(socket_path), f"kvoffload-{instance}.region")
+    try:
+        with open(record) as f:
+            name = json.load(f)["region"]
+    except (OSError, ValueError, KeyError):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm{name}")
+    os.unlink(record)
 
 
 def wait_prefault(client: Any, deadline_s: float = 120.0, poll_s: float = 0.1) -> None:
