@@ -231,6 +231,12 @@ class Transfers:
         if r.deadline_ns and time.monotonic_ns() > r.deadline_ns:
             raise TimedOutError(f"job {r.job_id} arrived after its deadline; not started")
         chosen = select_caches(len(w.caches), r.caches)
+        if is_store and (
+            len(chosen) != len(w.caches)
+            or skip
+            or block_ids.size != slots.size * index.layout.block_size_factor
+        ):
+            raise InvalidArgumentError("a store must write every cache of each slot whole")
         caches = [w.caches[i] for i in chosen]
         geometries: list[CacheGeometry] = [c.geometry for c in caches]
         check_transfer(index.layout, slots.size, block_ids, skip, geometries)
