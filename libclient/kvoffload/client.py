@@ -30,6 +30,7 @@ because the cache is down):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -213,10 +214,8 @@ class Client:
             poller.register(fd, select.POLLRDHUP)  # errors and hang-ups always count
         events = poller.poll(None if timeout_s is None else timeout_s * 1000)
         if any(f == self._wake for f, _ in events):
-            try:
+            with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self._wake)
-            except BlockingIOError:
-                pass
         return any(f == fd and ev & _HUNG_UP for f, ev in events)
 
     def _keep(self) -> None:

@@ -49,7 +49,7 @@ class FakeNamespace:
         for msg in pushes:
             self.view.on_push(msg)
 
-    def post(self, msg: m.Request) -> bool:
+    def post(self, msg: m.Request, flush: bool = True) -> bool:
         assert isinstance(msg, m.StepBatch)
         if self.connected:
             self.sent.append(msg)
