@@ -124,14 +124,16 @@ def test_a_quiet_outage_is_over_before_the_engines_next_step() -> None:
     d2 = DaemonProcess(
         "64MiB", "--log-level", "warning", socket_path=d.socket_path, instance=d.instance
     ).start()
-    poll(lambda: c._pending is not None, "the keeper's new connection", deadline_s=5)
-    assert c.epoch == epoch and c.outages_total == 1  # noticed, not yet adopted
-    calls = c.round_trips_total
-    assert view.lookup(b"z") == MISS  # the step's first call adopts it
-    plan = view.prepare_store([b"z"])
-    assert plan == ([b"z"], [view.writing[b"z"]])  # from the lease that came with it
-    assert c.epoch == epoch + 1 and view.lease_fallbacks_total == 0
-    assert c.round_trips_total == calls  # no blocking call on the engine's thread
-    view.end_step()
-    c.close()
-    assert d2.stop() == 0
+    try:
+        poll(lambda: c._pending is not None, "the keeper's new connection", deadline_s=5)
+        assert c.epoch == epoch and c.outages_total == 1  # noticed, not yet adopted
+        calls = c.round_trips_total
+        assert view.lookup(b"z") == MISS  # the step's first call adopts it
+        plan = view.prepare_store([b"z"])
+        assert plan == ([b"z"], [view.writing[b"z"]])  # from the lease that came with it
+        assert c.epoch == epoch + 1 and view.lease_fallbacks_total == 0
+        assert c.round_trips_total == calls  # no blocking call on the engine's thread
+        view.end_step()
+    finally:
+        c.close()
+        assert d2.stop() == 0

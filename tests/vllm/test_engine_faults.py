@@ -257,22 +257,23 @@ def test_after_a_quiet_outage_the_very_next_request_is_offloaded(
     if not warm:
         drop_region()
     d2 = daemon()
-    time.sleep(1.0)  # the engines idle; nothing of theirs runs meanwhile
-    p = prompt()
-    a.add(("qo-s", p, 4))
-    first = a.schedule()  # the prompt's prefill: its blocks are stored at once
-    assert first["stores"] >= 1, "the first request after the outage is not offloaded"
-    a.execute()
-    finish(a)
-    held = stored(d2)
-    assert held >= len(p) // 16
-    b.sees(held)
-    b.add(("qo-l", p, 4))
-    assert b.schedule()["load_blocks"] == len(p) // 16
-    b.execute()
-    st = finish(b)
-    assert st["loads"] >= 1
-    d2.kill()
+    try:
+        time.sleep(1.0)  # the engines idle; nothing of theirs runs meanwhile
+        p = prompt()
+        a.add(("qo-s", p, 4))
+        first = a.schedule()  # the prompt's prefill: its blocks are stored at once
+        assert first["stores"] >= 1, "the first request after the outage is not offloaded"
+        a.execute()
+        finish(a)
+        held = stored(d2)
+        assert held >= len(p) // 16
+        b.sees(held)
+        b.add(("qo-l", p, 4))
+        assert b.schedule()["load_blocks"] == len(p) // 16
+        b.execute()
+        assert finish(b)["loads"] >= 1
+    finally:
+        d2.kill()
 
 
 def test_sigterm_a_cold_restart_and_new_stores(
