@@ -118,6 +118,7 @@ class Engine:
         self.verify = verify
         self.bad_blocks = 0
         self.loaded_blocks = 0
+        self.last_stores = 0  # store jobs the last executed step carried
         self.prompts: dict[str, list[int]] = {}
         transfer: dict[str, Any] | None = None
         if spec != "none":
@@ -220,6 +221,7 @@ class Engine:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         meta = out.kv_connector_metadata
+        self.last_stores = len(getattr(meta, "store_jobs", ()))
         ids = list(out.num_scheduled_tokens)
         sampled = [self._sample(req_id) for req_id in ids]
         outputs = []

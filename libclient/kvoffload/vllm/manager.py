@@ -95,7 +95,7 @@ class KVOffloadManager(OffloadingManager):
         group_ids: Sequence[int],
         enable_events: bool = False,
         lease_blocks: int = 64,
-        batch_interval_s: float = 0.005,
+        batch_interval_s: float = 0.01,
     ) -> None:
         """``namespaces[g][s]``: KV cache group ``g``'s namespace of stage ``s``, on
         one connection; ``group_ids[g]``: vLLM's id of the group (its keys' suffix)."""
