@@ -159,6 +159,20 @@ def test_no_room_for_a_grant_falls_back_to_the_daemon_planning_the_store() -> No
     assert fields(ns.sent[-1])["claims"] == []  # the daemon planned it: nothing to claim
 
 
+def test_a_grant_smaller_than_asked_falls_back_to_the_daemon_planning_the_rest() -> None:
+    """The daemon may grant less than the wish (lease shares, per-uid bounds): a store
+    that finds too few slots after the top-up is planned by the daemon, counted."""
+    view, ns = connected_view(lease_blocks=2)
+    view.lookup(b"")
+    ns.grant_on_wait = [60]  # one slot, for a store of three keys
+    assert view.prepare_store(k(21, 22, 23)) == (k(21, 22, 23), [900, 901, 902])
+    assert ns.blocking == [k(21, 22, 23)]
+    assert view.lease_fallbacks_total == 1 and view.blocking_calls_total == 2
+    assert view.leases == [60]  # kept for the next store
+    assert view.prepare_store(k(24)) == (k(24), [60])
+    assert view.blocking_calls_total == 2
+
+
 def test_a_completed_store_is_never_a_hit_before_the_daemon_says_so() -> None:
     view, ns = connected_view()
     ns.grant(40, 41)

@@ -14,6 +14,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
     GPULoadStoreSpec,
     LookupResult,
     OffloadingManager,
@@ -22,7 +25,9 @@ from vllm.v1.kv_offload.base import (
 )
 
 import kvoffload
-from kvoffload.protocol.errors import LoadLostError
+from kvoffload.protocol.errors import LayoutMismatchError, LoadLostError
+from kvoffload.vllm.identity import VllmIdentity
+from kvoffload.vllm.transfer import canonical_parts
 from kvoffloadbench.canonical_rig import Rank
 from kvoffloadbench.launch import DaemonProcess
 
@@ -171,3 +176,25 @@ def test_a_load_whose_blocks_are_gone_stops_the_engine_with_one_error(
         finish(r.worker, 3)
     assert not any(t.any() for t in r.caches.values())
     r.shutdown()
+
+
+def test_a_rank_whose_pages_cannot_match_the_namespace_is_refused_at_start(
+    daemon: DaemonProcess,
+) -> None:
+    """Two engines told to share one name whose pages differ: the second one's rank
+    stops at start, the daemon's refusal naming both layouts; nothing is shared."""
+    extra = {"namespace": "team"}
+    first = Rank("tiny", 1, 0, daemon.socket_path, "a", canonical=False, extra=extra)
+    with pytest.raises(LayoutMismatchError, match=r"exists with another layout .*sent"):
+        Rank("llama", 1, 0, daemon.socket_path, "b", canonical=False, extra=extra)
+    first.shutdown()
+
+
+def test_a_rank_without_a_certified_mapping_cannot_write_canonical_pages() -> None:
+    """The scheduler chose the canonical layout from vLLM's static certification; a
+    rank vLLM then gives no certified mapping stops at start naming both layouts."""
+    tensor = torch.zeros(4, 64, dtype=torch.int8)
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(tensor, 64)], [[CanonicalKVCacheRef(0, 64)]])
+    identity = VllmIdentity("m", "bfloat16", 1, (16,), 16, canonical_format="v1-hnd")
+    with pytest.raises(RuntimeError, match=r"canonical layout v1-hnd .* rank 3 .* per-rank pages"):
+        canonical_parts(caches, [0], identity, rank=3)

@@ -101,18 +101,20 @@ class KVOffloadSpec(OffloadingSpec):
         )
 
     def _client(self, role: str) -> Client:
-        """One connection per role (scheduler, each rank); its owner closes it."""
-        return connect(
+        """One connection per role (scheduler, each rank); its owner closes it. An
+        engine starts (with misses) even when the daemon is not up yet; when it is,
+        the role's namespaces are opened on the caller's thread, so a refusal (a
+        layout that does not match) stops the engine at start."""
+        client = connect(
             self.socket_path,
             timeout_s=self.timeout_s,
             name=f"vllm-{self.config.engine_id}-{role}",
             lazy=True,
         )
+        client.wait_connected(self.timeout_s)
+        return client
 
     def _connected(self, client: Client, role: str, names: list[str]) -> None:
-        # An engine starts (with misses) even when the daemon is not up yet; when it
-        # is, the first steps already find the pool.
-        client.wait_connected(self.timeout_s)
         shown = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
         log.info(
             "kvoffload: %s of engine %s uses namespace %s at %s",
