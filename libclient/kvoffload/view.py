@@ -263,8 +263,6 @@ class EngineView:
         msg = self._batch.message(self.ns.ns_id, self.seq, self.want)
         self._batch = _Batch()
         self._acked, self._sent_want = self.seq, self.want
-        self._recent_use.append(self._used)
-        self._used = 0
         self.ns.send_and_wait(msg)
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:

@@ -224,6 +224,18 @@ def test_the_lease_wish_follows_the_store_rate() -> None:
     assert fields(ns.sent[-1])["want"] == 40
 
 
+def test_a_top_up_within_a_step_leaves_a_wish_for_the_whole_step() -> None:
+    view, ns = connected_view(lease_blocks=2, max_lease_blocks=100)
+    ns.grant(40, 41)
+    view.lookup(b"")
+    ns.grant_on_wait = list(range(50, 60))
+    view.prepare_store(k(30, 31, 32))  # one more than the pool: a top-up
+    view.prepare_store(k(*range(33, 40)))  # 7 more, from the grant
+    view.end_step()
+    assert view.lease_fallbacks_total == 1
+    assert fields(ns.sent[-1])["want"] == 20  # twice the step's 10, not its last 7
+
+
 def test_an_outage_answers_miss_at_once_and_stores_have_nothing_to_do() -> None:
     view, ns = connected_view()
     ns.grant(40)

@@ -12,7 +12,7 @@ layers from ``layer_types``, MLA's latent), since no model is loaded. The KV cac
 allocated like vLLM's ``allocate_kv_cache`` (one backing buffer, one view per layer),
 over plain memory or a memfd.
 
-Models (``MODELS``; ``config.json`` files written once, the hub offline):
+Models (``models/<name>/config.json``, read with the hub offline):
 - ``tiny``: the Llama of ``tiny-llama/`` (2 layers, 2 KV heads): the benchmark's;
 - ``llama``: 4 layers, 4 KV heads (TP 1, 2 and 4 shard them; PP=3 splits 1/2/1);
 - ``mqa``: one KV head (decode context parallelism needs TP above the KV heads);
@@ -25,9 +25,7 @@ Models (``MODELS``; ``config.json`` files written once, the hub offline):
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -77,91 +75,17 @@ if "KVOffloadSpec" not in OffloadingSpecFactory._registry:
     # warning whose import chain needs all of vLLM's optional dependencies.
     OffloadingSpecFactory.register_spec("KVOffloadSpec", "kvoffload.vllm", "KVOffloadSpec")
 
-_COMMON = {
-    "vocab_size": 1000,
-    "max_position_embeddings": 8192,
-    "torch_dtype": "bfloat16",
-    "rms_norm_eps": 1e-05,
-}
-_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_COMMON}
-MODELS: dict[str, dict[str, Any]] = {
-    "llama": {
-        **_LLAMA,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 16,
-        "num_hidden_layers": 4,
-    },
-    "mqa": {
-        **_LLAMA,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "num_hidden_layers": 2,
-    },
-    "mla": {
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "num_hidden_layers": 2,
-        "kv_lora_rank": 32,
-        "q_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 16,
-        "v_head_dim": 16,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 2,
-        **_COMMON,
-    },
-    "gptoss": {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_size": 64,
-        "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_hidden_layers": 4,
-        "sliding_window": 24,
-        "layer_types": ["sliding_attention", "full_attention"] * 2,
-        "num_local_experts": 2,
-        "num_experts_per_tok": 1,
-        **_COMMON,
-    },
-    "gemma3": {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_hidden_layers": 7,
-        "sliding_window": 24,
-        "layer_types": ["sliding_attention"] * 5 + ["full_attention"] * 2,
-        **_COMMON,
-    },
-}
-_DIRS: dict[str, str] = {"tiny": str(TINY_DIR)}
+MODELS_DIR = Path(__file__).with_name("models")
+MODELS = ("tiny", *sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file()))
 
 
 def model_dir(name: str) -> str:
-    if name not in _DIRS:
-        d = Path(tempfile.gettempdir(), f"kvoffload-model-{name}-{os.getuid()}")
-        d.mkdir(mode=0o700, exist_ok=True)
-        (d / "config.json").write_text(json.dumps(MODELS[name]))
-        _DIRS[name] = str(d)
-    return _DIRS[name]
+    """The directory of a model's ``config.json`` (vLLM's ``--model``)."""
+    if name == "tiny":
+        return str(TINY_DIR)
+    if name not in MODELS:
+        raise ValueError(f"no model {name!r}; the models are {MODELS}")
+    return str(MODELS_DIR / name)
 
 
 def vllm_config(
