@@ -314,13 +314,17 @@ class EngineView:
 
     def flush(self, send: bool = True) -> None:
         """Queue the batch (one-way) if anything changed since the last one, and send
-        it now unless ``send`` is False (the owner of the connection sends it)."""
+        it now unless ``send`` is False (the owner of the connection sends it). The
+        slots used since the last flush set the lease wish."""
         if not self.connected:
             return
         self._recent_use.append(self._used)
         self._used = 0
         peak = max(self._recent_use)
         self.want = max(self.min_lease_blocks, min(2 * peak, self.max_lease_blocks))
+        self._queue(send)
+
+    def _queue(self, send: bool) -> None:
         if not self._batch and self.seq == self._acked and self.want == self._sent_want:
             return
         msg = self._batch.message(self.ns.ns_id, self.seq, self.want)
@@ -336,7 +340,7 @@ class EngineView:
         keys: list[bytes] = getattr(b, field)
         if len(key) != b.key_bytes or len(keys) >= MAX_KEYS_PER_MESSAGE:
             if b:  # one key length per batch, a bounded number of keys: queue it first
-                self.flush(send=False)
+                self._queue(send=False)
                 b = self._batch
                 keys = getattr(b, field)
             b.key_bytes = len(key)
