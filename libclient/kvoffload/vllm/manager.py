@@ -111,10 +111,7 @@ class KVOffloadManager(OffloadingManager):
             for per in self.namespaces
         ]
         self.views = [v for per in self.group_views for v in per]
-        self._by_suffix = {
-            g.to_bytes(4, "big"): (i, views)
-            for i, (g, views) in enumerate(zip(group_ids, self.group_views))
-        }
+        self._by_suffix = {g.to_bytes(4, "big"): v for g, v in zip(group_ids, self.group_views)}
         self.view = self.views[0]
         self.tiers = {id(v): TierProbes(v.ns) for v in self.views}  # used with tiers only
         self._in_step = False
@@ -144,13 +141,13 @@ class KVOffloadManager(OffloadingManager):
         for v in self.views:
             v.begin_step(poll=False)
 
-    def _end(self, force: bool = False) -> None:
+    def _end(self) -> None:
         """The step's end: its batches go out when due, all in one write."""
         if not self._in_step:
             self._begin()
         self._in_step = False
         now = time.monotonic()
-        send = force or now >= self._send_at or any(v.low for v in self.views)
+        send = now >= self._send_at or any(v.low for v in self.views)
         for v in self.views:
             v.end_step(flush=False)
             if send:
@@ -159,17 +156,16 @@ class KVOffloadManager(OffloadingManager):
             self._send_at = now + self.batch_interval_s
             self.client.flush()
 
-    def _runs(self, keys: Sequence[bytes]) -> list[tuple[int, list[EngineView], list[bytes]]]:
-        """Consecutive keys of one group: (group index, its stage views, the keys)."""
-        out: list[tuple[int, list[EngineView], list[bytes]]] = []
+    def _runs(self, keys: Sequence[bytes]) -> list[tuple[list[EngineView], list[bytes]]]:
+        """Consecutive keys of one group: (the group's stage views, the keys)."""
+        out: list[tuple[list[EngineView], list[bytes]]] = []
         by_suffix, last = self._by_suffix, b""
         for key in keys:
             suffix = key[-4:]
             if suffix != last or not out:
-                g, views = by_suffix[suffix]
-                out.append((g, views, []))
+                out.append((by_suffix[suffix], []))
                 last = suffix
-            out[-1][2].append(key)
+            out[-1][1].append(key)
         return out
 
     # ------------------------------------------------------------ the contract
@@ -179,7 +175,7 @@ class KVOffloadManager(OffloadingManager):
             self._begin()
         if self._single:
             return _RESULTS[self._state(self.view, key, req_context)]
-        views = self._by_suffix[key[-4:]][1]
+        views = self._by_suffix[key[-4:]]
         states = {self._state(v, key, req_context) for v in views}
         return _RESULTS[next(s for s in _WORST if s in states)]
 
@@ -203,18 +199,18 @@ class KVOffloadManager(OffloadingManager):
             self._begin()
         keys = list(keys)
         stage_slots: list[list[int]] = [[] for _ in range(self.stages)]
-        for _, views, run in self._runs(keys):
+        for views, run in self._runs(keys):
             for s, v in enumerate(views):
                 stage_slots[s].extend(v.prepare_load(run))
         return SlotsSpec(keys, stage_slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        for _, views, run in self._runs(list(keys)):
+        for views, run in self._runs(list(keys)):
             for v in views:
                 v.touch(run)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        for _, views, run in self._runs(list(keys)):
+        for views, run in self._runs(list(keys)):
             for v in views:
                 v.complete_load(run)
 
@@ -225,7 +221,7 @@ class KVOffloadManager(OffloadingManager):
             self._begin()
         Plan = tuple[list[bytes], list[int]]
         planned: list[tuple[list[EngineView], list[Plan], list[bytes]]] = []
-        for _, views, run in self._runs(list(keys)):
+        for views, run in self._runs(list(keys)):
             if len(views) > 1 and not all(v.connected for v in views):
                 continue  # a stage is away: a block of this group would not be whole
             plans = [v.prepare_store(run) for v in views]
@@ -262,7 +258,7 @@ class KVOffloadManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        for _, views, run in self._runs(list(keys)):
+        for views, run in self._runs(list(keys)):
             for v in views:
                 v.complete_store(run, success)
 
