@@ -168,10 +168,12 @@ def test_data_parallel_engines_share(daemon: DaemonProcess) -> None:
         b.close()
 
 
-@pytest.mark.parametrize("model", ["llama", "mla"])
+@pytest.mark.parametrize("model", ["llama", "mla", "gptoss"])
 def test_canonical_engines_of_different_tp_sizes_share(daemon: DaemonProcess, model: str) -> None:
     """With the canonical layout a TP=2 engine's blocks reach TP=1 and TP=4 engines
-    (the GQA model's 4 KV heads sharded anew, MLA's latent read by every rank)."""
+    (the GQA model's 4 KV heads sharded anew, MLA's latent read by every rank, the
+    hybrid model's two groups each in a canonical namespace of its own, its 2 KV
+    heads replicated at TP=4)."""
     canonical = {"model": model, "memfd": True, "extra": {"canonical_layout": True}}
     a = engine(daemon, f"c{model}-tp2", {**canonical, "tp": 2})
     loaders = [engine(daemon, f"c{model}-tp{tp}", {**canonical, "tp": tp}) for tp in (1, 4)]
