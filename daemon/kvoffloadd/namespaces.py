@@ -5,6 +5,8 @@ Rules:
   record holds 256 with a terminator): no NUL or control character can make two names
   one after a warm restart.
 - Opening a known name with another layout is ``LAYOUT_MISMATCH``, never silent sharing.
+  Joining (``join``) opens an existing name only, whatever its layout: an engine's
+  scheduler joins what the engine's workers created from their own pages.
 - The table has ``MAX_NAMESPACES`` entries, kept in the region (they survive restarts).
   A uid may create at most ``max_namespaces_per_uid`` (root and the daemon's uid are
   not limited); when the table is full, a namespace nobody has open and nothing pins,
@@ -37,6 +39,7 @@ from kvoffload.protocol.errors import (
     InvalidArgumentError,
     LayoutMismatchError,
     NoSpaceError,
+    NotFoundError,
     QuotaExceededError,
 )
 from kvoffload.regionfmt import MAX_NAMESPACES
@@ -94,14 +97,24 @@ class NamespaceTable:
         self.revoked_total = 0
 
     def open(
-        self, name: str, layout: m.KVLayout, uid: int, users: dict[int, set[int]]
+        self,
+        name: str,
+        layout: m.KVLayout,
+        uid: int,
+        users: dict[int, set[int]],
+        join: bool = False,
     ) -> NamespaceIndex:
-        """The namespace ``name`` (created if new) for a client of ``uid``; ``users``:
-        namespace id -> uids of the connections that have it open."""
+        """The namespace ``name`` (created if new, unless ``join``: then it must exist,
+        whatever its layout) for a client of ``uid``; ``users``: namespace id -> uids of
+        the connections that have it open."""
         check_name(name)
+        index = self.by_name.get(name)
+        if join:
+            if index is None:
+                raise NotFoundError(f"namespace {name!r} does not exist (yet)")
+            return index
         check_layout(layout)
         fp = layout.fingerprint()
-        index = self.by_name.get(name)
         if index is not None:
             if index.fingerprint != fp:
                 raise LayoutMismatchError(

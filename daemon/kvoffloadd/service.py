@@ -144,7 +144,7 @@ class Service:
             m.ClientCopyDone: self._on_client_copy_done,
             m.Ping: lambda s, r: m.Pong(r.rid),
             m.OpenNamespace: lambda s, r: self._open_namespace(
-                s, r.rid, r.name, r.layout, r.subscribe
+                s, r.rid, r.name, r.layout, r.subscribe, r.join
             ),
             m.AttachWorker: lambda s, r: self.transfers.attach(s, r),
             m.DetachWorker: self._on_detach,
@@ -345,7 +345,13 @@ class Service:
         return self.namespaces[ns_id]
 
     def _open_namespace(
-        self, s: Session, rid: int, name: str, layout: m.KVLayout, subscribe: bool = True
+        self,
+        s: Session,
+        rid: int,
+        name: str,
+        layout: m.KVLayout,
+        subscribe: bool = True,
+        join: bool = False,
     ) -> m.Reply:
         if not self.access.may_open(s.peer, name):
             raise self._deny(s, f"open namespace {name!r}", "add a namespace_access rule for it")
@@ -353,7 +359,7 @@ class Service:
         for x in self.sessions.values():
             for ns_id in x.namespaces:
                 users.setdefault(ns_id, set()).add(x.uid)
-        index = self.table.open(name, layout, s.uid, users)
+        index = self.table.open(name, layout, s.uid, users, join)
         if index.ns_id not in s.namespaces:
             s.namespaces.add(index.ns_id)
             s.leases[index.ns_id] = new_token()

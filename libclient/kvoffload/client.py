@@ -4,12 +4,20 @@ Rules (DESIGN.md section 4, invariant 7 — an engine never crashes, hangs or wa
 because the cache is down):
 - Every blocking call has a timeout (``timeout_s``). A lost daemon turns into misses
   (see ``namespace.Namespace``); nothing here ever blocks on a daemon that is away.
-- A lost connection is replaced in the background: a reconnect thread retries every
-  ``RETRY_MIN_S`` to ``RETRY_MAX_S`` (so a daemon that comes back is found within a
-  quarter of a second, and a call never sits in a backoff), performs the whole
-  handshake on its own socket — Hello, every namespace re-opened, every worker
-  re-attached, every engine mirror's snapshot — and hands the finished link over.
-  The engine's thread adopts it at its next call: one pointer swap and local updates.
+- A keeper thread watches the live connection for the daemon hanging up (a poll on a
+  duplicate of its socket that wakes on hang-up only, never on data), so an outage
+  is noticed while the engine idles, not at its next request. It then builds the
+  next connection in the background, retrying every ``RETRY_MIN_S`` to
+  ``RETRY_MAX_S`` (a daemon that comes back is found within a quarter of a second,
+  and a call never sits in a backoff), performs the whole handshake on its own
+  socket — Hello, every namespace re-opened, every worker re-attached, every engine
+  mirror's snapshot and first lease grant — and hands the finished link over.
+- The engine's thread adopts it at its next call at the latest (``adopt``, which an
+  engine step makes first): one pointer swap and local updates. A connection it had
+  not yet noticed was dead is dropped then, as if noticed (its jobs and leases void).
+- A namespace joined by name (``join``: an engine's scheduler) that does not exist
+  yet holds the connection back: it is retried like an absent daemon until the
+  engine's workers have created it.
 - Registrations (namespaces, workers) take effect now if connected and are replayed
   on every reconnect. Leases, pins and in-flight jobs of an older connection are void:
   the daemon dropped them when it closed (``epoch`` counts connections).
@@ -22,9 +30,11 @@ because the cache is down):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +45,7 @@ from .channel import Registration
 from .namespace import Namespace, pack_checked
 from .paths import default_socket_path
 from .protocol import messages as m
-from .protocol.errors import DaemonUnavailableError, KVOffloadError
+from .protocol.errors import DaemonUnavailableError, KVOffloadError, NotFoundError
 from .protocol.messages import KVLayout
 from .transport import Transport
 
@@ -43,6 +53,9 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=m.Reply)
 T = TypeVar("T")
+
+_HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+_RETRYABLE = (DaemonUnavailableError, NotFoundError)  # absent daemon, or namespace
 
 
 class _Link:
@@ -72,7 +85,9 @@ class Client:
         self._pending: _Link | None = None
         self._registrations: list[Registration] = []
         self._routes: dict[tuple[type, int], Registration] = {}  # (push kind, id) -> owner
-        self._reconnector: threading.Thread | None = None
+        self._keeper: threading.Thread | None = None
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # rouses the keeper
+        self._noted: set[str] = set()  # namespaces we said we wait for
         self.epoch = 0  # bumped on every (re)connect; leases of older epochs are void
         self.welcome: m.Welcome | None = None
         self.outages_total = 0
@@ -122,15 +137,27 @@ class Client:
                 if discard is not None:
                     discard(state)
             link.transport.close()
-            self._start_reconnect()
+            self._rouse()
             return
+        if self._transport is not None:  # dead, but nobody had noticed: drop it now
+            self._drop(self._transport, "replaced by a new connection")
         self._transport, self.welcome = link.transport, link.welcome
         self.epoch += 1
         self._routes.clear()
         for reg, state in link.states:
             reg._adopt(state)
+        self._route(link.transport.take_pushed())  # the first lease grants came along
         if self.epoch > 1:
             log.warning("kvoffloadd at %s is back; offloading resumes", self.socket_path)
+        self._rouse()  # watch the new connection
+
+    def adopt(self) -> None:
+        """Take over a connection the keeper has ready (an engine step's first call)."""
+        if self._pending is not None:
+            with self._lock:
+                if self._pending is not None and not self._closed:
+                    link, self._pending = self._pending, None
+                    self._adopt(link)
 
     def _ensure(self) -> Transport:
         if self._closed:
@@ -139,60 +166,114 @@ class Client:
             link, self._pending = self._pending, None
             self._adopt(link)
         if self._transport is None:
-            self._start_reconnect()
+            if self._keeper is None:
+                self._rouse()
             raise DaemonUnavailableError(f"kvoffloadd at {self.socket_path} is unavailable")
         return self._transport
 
     def _lost(self, exc: KVOffloadError) -> None:
-        if self._transport is None:
-            return
+        if self._transport is not None:
+            self._drop(self._transport, str(exc))
+            self._rouse()
+
+    def _drop(self, t: Transport, why: str, outage: bool = True) -> None:
+        """Forget a connection: its leases, pins and jobs died with it (lock held)."""
+        if outage and not t.lost_noted:
+            self._note_lost(t, why)
+        t.close()
+        if t is self._transport:
+            self._transport = None
+        for reg in self._registrations:
+            reg._lost()
+
+    def _note_lost(self, t: Transport, why: str) -> None:
+        """Count and log an outage once per connection (either thread may see it first)."""
+        t.lost_noted = True
         self.outages_total += 1
         log.warning(
             "lost kvoffloadd at %s (%s); engines run without offloading until it is back",
             self.socket_path,
-            exc,
+            why,
         )
-        self._transport.close()
-        self._transport = None
-        for reg in self._registrations:
-            reg._lost()
-        self._start_reconnect()
 
-    def _start_reconnect(self) -> None:
-        if self._closed or self._reconnector is not None:
+    def _rouse(self) -> None:
+        """Start the keeper, or wake it: the connection changed."""
+        if self._closed:
             return
-        self._reconnector = threading.Thread(
-            target=self._reconnect_loop, name="kvoffload-reconnect", daemon=True
-        )
-        self._reconnector.start()
+        if self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep, name="kvoffload-keeper", daemon=True)
+            self._keeper.start()
+        os.eventfd_write(self._wake, 1)
 
-    def _reconnect_loop(self) -> None:
+    def _wait(self, timeout_s: float | None, fd: int = -1) -> bool:
+        """Sleep until roused or ``timeout_s``; True if ``fd`` (watched for hang-up
+        only) hung up meanwhile."""
+        poller = select.poll()
+        poller.register(self._wake, select.POLLIN)
+        if fd >= 0:
+            poller.register(fd, select.POLLRDHUP)  # errors and hang-ups always count
+        events = poller.poll(None if timeout_s is None else timeout_s * 1000)
+        if any(f == self._wake for f, _ in events):
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self._wake)
+        return any(f == fd and ev & _HUNG_UP for f, ev in events)
+
+    def _keep(self) -> None:
+        """The keeper: watch the live connection, replace a lost one in the background."""
+        try:
+            self._keep_until_closed()
+        finally:
+            with self._lock:  # whoever rouses us holds it, and checks _closed first
+                os.close(self._wake)
+
+    def _keep_until_closed(self) -> None:
         delay_s = self.RETRY_MIN_S
         refused = ""
+        stale: Transport | None = None  # hung up, not yet noticed by the engine
         while not self._closed:
+            with self._lock:
+                t, pending = self._transport, self._pending
+                fd = os.dup(t.sock.fileno()) if t is not None and t.sock and t is not stale else -1
+            if pending is not None:
+                self._wait(1.0)  # until the engine adopts it
+                continue
+            if fd >= 0:
+                try:
+                    hung_up = self._wait(None, fd)
+                finally:
+                    os.close(fd)
+                if hung_up:
+                    with self._lock:
+                        if t is self._transport and t is not None and not t.lost_noted:
+                            self._note_lost(t, "it hung up")
+                    stale = t
+                continue
             try:
                 link = self._handshake()
-            except KVOffloadError as exc:
-                wait_s = delay_s
-                if not isinstance(exc, DaemonUnavailableError):
-                    wait_s = self.RETRY_REFUSED_S
-                    if str(exc) != refused:
-                        refused = str(exc)
-                        log.error("kvoffloadd at %s refuses this client: %s", self.socket_path, exc)
-                with self._lock:
-                    self._changed.wait(wait_s)
+            except _RETRYABLE as exc:
+                if isinstance(exc, NotFoundError) and str(exc) not in self._noted:
+                    self._noted.add(str(exc))
+                    log.info("kvoffload: waiting for the engine's workers: %s", exc)
+                self._wait(delay_s)
                 delay_s = min(delay_s * 2, self.RETRY_MAX_S)
                 continue
+            except KVOffloadError as exc:
+                if str(exc) != refused:
+                    refused = str(exc)
+                    log.error("kvoffloadd at %s refuses this client: %s", self.socket_path, exc)
+                self._wait(self.RETRY_REFUSED_S)
+                continue
+            except Exception:  # a bug must not end reconnecting for good
+                log.exception("kvoffload: connecting to %s failed", self.socket_path)
+                self._wait(self.RETRY_REFUSED_S)
+                continue
+            delay_s, stale = self.RETRY_MIN_S, None
             with self._lock:
-                self._reconnector = None
                 if self._closed:
                     link.transport.close()
-                else:
-                    self._pending = link
-                    self._changed.notify_all()
-                return
-        with self._lock:
-            self._reconnector = None
+                    return
+                self._pending = link
+                self._changed.notify_all()
 
     def connect_now(self) -> None:
         """Connect on the calling thread; raises DaemonUnavailableError if it cannot."""
@@ -334,6 +415,14 @@ class Client:
                 self._lost(exc)
                 self._registrations.append(reg)
                 return
+            except NotFoundError as exc:  # a joined namespace not created yet
+                self._registrations.append(reg)
+                if str(exc) not in self._noted:
+                    self._noted.add(str(exc))
+                    log.info("kvoffload: waiting for the engine's workers: %s", exc)
+                self._drop(t, str(exc), outage=False)  # the keeper retries all of it
+                self._rouse()
+                return
             self._registrations.append(reg)
             reg._adopt(state)
 
@@ -346,10 +435,14 @@ class Client:
 
     # ------------------------------------------------------------ public API
 
-    def namespace(self, name: str, layout: KVLayout, subscribe: bool = True) -> Namespace:
-        """Open (or join) a namespace; LayoutMismatchError if it exists with another
-        layout. ``subscribe=False``: this connection takes no events of it."""
-        ns = Namespace(self, name, layout, subscribe)
+    def namespace(
+        self, name: str, layout: KVLayout, subscribe: bool = True, join: bool = False
+    ) -> Namespace:
+        """Open (or create) a namespace; LayoutMismatchError if it exists with another
+        layout. ``subscribe=False``: this connection takes no events of it. ``join``:
+        open an existing one whatever its layout, waiting (in the background) until it
+        exists."""
+        ns = Namespace(self, name, layout, subscribe, join)
         self.register(ns)
         return ns
 
@@ -385,17 +478,22 @@ class Client:
         from .worker import Worker
 
         with self._lock:
+            if self._closed:
+                return
             for reg in list(self._registrations):
                 if isinstance(reg, Worker):
                     reg.close()
             self._closed = True
             self._changed.notify_all()
+            os.eventfd_write(self._wake, 1)
             if self._transport is not None:
                 self._transport.close()
                 self._transport = None
             if self._pending is not None:
                 self._pending.transport.close()
                 self._pending = None
+            if self._keeper is None:
+                os.close(self._wake)  # else the keeper's last act, as it leaves
 
     def __enter__(self) -> Client:
         return self
@@ -417,7 +515,7 @@ def connect(
     client = Client(path, timeout_s, name)
     if lazy:
         with client._lock:
-            client._start_reconnect()
+            client._rouse()
     else:
         client.connect_now()
     return client

@@ -53,6 +53,8 @@ class Snapshot:
 class View(Protocol):
     """What a namespace needs from an engine view attached to it."""
 
+    want: int  # empty slots it wants leased (read by the keeper thread's handshake)
+
     def adopt(self, snapshot: Snapshot) -> None: ...
     def lost(self) -> None: ...
     def on_push(self, msg: m.Reply) -> None: ...
@@ -62,12 +64,18 @@ class Namespace:
     """Scheduler-side view of one namespace: vLLM's OffloadingManager contract."""
 
     def __init__(
-        self, client: Channel, name: str, layout: KVLayout, subscribe: bool = True
+        self,
+        client: Channel,
+        name: str,
+        layout: KVLayout,
+        subscribe: bool = True,
+        join: bool = False,
     ) -> None:
         self.client = client
         self.name = name
-        self.layout = layout
+        self.layout = layout  # with ``join``: unknown here (what the workers registered)
         self.subscribe = subscribe
+        self.join = join
         self.ns_id = -1
         self.slot_bytes = 0
         self.fingerprint = ""
@@ -79,11 +87,18 @@ class Namespace:
     # ------------------------------------------------------------ connection
 
     def _handshake(self, t: Transport, ns_ids: dict[int, int]) -> tuple[Any, ...]:
-        req = m.OpenNamespace(self.client.next_rid(), self.name, self.layout, self.subscribe)
+        rid = self.client.next_rid
+        req = m.OpenNamespace(rid(), self.name, self.layout, self.subscribe, self.join)
         reply = t.request(req)
         assert isinstance(reply, m.NamespaceOpened)
         ns_ids[id(self)] = reply.ns
-        snapshot = fetch_snapshot(t, self.client.next_rid, reply.ns) if self.view else None
+        snapshot = None
+        if self.view is not None:
+            snapshot = fetch_snapshot(t, rid, reply.ns)
+            # The first lease grant comes with the connection: an engine's first step
+            # on it plans stores without a round trip (the grant waits in t.pushed).
+            want = max(0, self.view.want)
+            t.request(m.StepBatch(rid(), reply.ns, 0, ack_seq=snapshot.seq, want_leases=want))
         return reply, snapshot
 
     def _adopt(self, state: tuple[Any, ...]) -> None:
@@ -96,6 +111,9 @@ class Namespace:
         self.tiers, self.lease = reply.tiers, reply.lease
         if self.view is not None:
             self.client.route(Namespace, self.ns_id, self)
+            if snapshot is None:  # the view came after this connection's handshake
+                with contextlib.suppress(DaemonUnavailableError):
+                    snapshot = self.snapshot()
             if snapshot is not None:
                 self.view.adopt(snapshot)
 
@@ -119,10 +137,11 @@ class Namespace:
         """Deliver what the daemon pushed (to the view) without blocking."""
         self.client.poll()
 
-    def post(self, msg: m.Request) -> bool:
-        """Send a one-way request now, without blocking; False when disconnected."""
+    def post(self, msg: m.Request, flush: bool = True) -> bool:
+        """Send a one-way request now (or with the connection's next write, unless
+        ``flush``), without blocking; False when disconnected."""
         sent = self.client.post(msg)
-        if sent:
+        if sent and flush:
             self.client.flush()
         return sent
 

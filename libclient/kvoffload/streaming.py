@@ -4,12 +4,20 @@ vLLM 0.33's offloading worker asserts that every submit returned True and every
 result succeeded. This worker keeps that contract whatever happens to the daemon:
 
 - Submits are one-way (queued, written without blocking, results pushed): a submit
-  returns True at once. Client-copy workers copy in the call itself.
+  returns True at once. Client-copy workers copy loads in the call itself, and the
+  stores submitted since the last report together, with one ``Wrote`` per lease
+  (``report_writes``, which every result call and every wait makes unless the
+  connection's owner does it for all of its workers); such a store is finished for
+  the engine only once its ``Wrote`` is queued.
+- A store writes each of its slots whole: every cache, every one of the
+  ``block_size_factor`` sub-blocks (a store that would not is dropped at once; the
+  daemon refuses one anyway).
 - A store that cannot happen finishes *dropped*: its result says ``success=False``
   with ``dropped=True`` (the vLLM adapter reports it finished; the block is simply not
   offloaded, later lookups miss). That covers a daemon that is away, refuses the job,
   or does not finish it by ``store_timeout_s``: the copy carries that deadline and the
   daemon never commits a copy that ends after it, so the engine may reuse its blocks.
+  Drops are counted (``stores_dropped_total``); a refusal is logged once per reason.
 - A load that was planned completes byte-exact, or this worker raises
   ``LoadLostError`` (never a silent failure). In order: the daemon's copy, which reads
   each key wherever its block is now; if the daemon is away or its copy failed, a copy
@@ -95,6 +103,9 @@ class StreamingWorker(Worker):
         self._local: LocalCopies | None = None
         self._fatal: LoadLostError | None = None
         self._wrote: dict[int, list[int]] = {}  # lease -> slots copied, for one Wrote each
+        self._unreported: list[StreamResult] = []  # client copies awaiting their Wrote
+        self._copies: list[Job] = []  # client-copy stores not copied yet
+        self._refusals: set[str] = set()  # reasons already logged
         self.stores_dropped_total = 0
         self.loads_recovered_total = 0
         super().__init__(ns, caches, rank, stream, copy_mode, canonical, parts)
@@ -103,7 +114,7 @@ class StreamingWorker(Worker):
 
     def _adopt(self, state: tuple[m.WorkerAttached, list[int]]) -> None:
         super()._adopt(state)
-        self._wrote.clear()  # copies under an earlier connection's leases: void there
+        self._void_copies()
         self._local = None
         if self._region is not None:
             self._local = self._local_copies(self._region)
@@ -138,7 +149,18 @@ class StreamingWorker(Worker):
         finally:
             api.stream_destroy(stream)
 
+    def _void_copies(self) -> None:
+        """Client copies under an earlier connection's leases are void there: finished
+        for the engine, never committed."""
+        self._wrote.clear()
+        self._results += self._unreported
+        self._unreported = []
+        copies, self._copies = self._copies, []
+        for job in copies:
+            self._drop(job, "kvoffloadd is away")
+
     def _lost(self) -> None:
+        self._void_copies()
         jobs, self._jobs = list(self._jobs.values()), {}
         for job in jobs:
             if job.is_store:
@@ -155,7 +177,7 @@ class StreamingWorker(Worker):
             if r.success:
                 self._results.append(StreamResult(r.job_id, True, r.nbytes, r.seconds))
             elif job.is_store:
-                self._drop(job, f"kvoffloadd could not copy it ({ErrorCode(r.error).name})")
+                self._drop(job, f"kvoffloadd refused or failed it ({ErrorCode(r.error).name})")
             else:
                 if r.error == ErrorCode.NOT_FOUND:
                     job.gone = "kvoffloadd no longer holds its blocks"
@@ -172,8 +194,15 @@ class StreamingWorker(Worker):
         lease: int = 0,
     ) -> bool:
         job = self._job(job_id, True, slots, engine_block_ids, 0, caches, [], lease)
+        f = self.ns.layout.block_size_factor
+        if job.ids.size != job.slots.size * f or sorted(set(job.caches)) not in (
+            [],
+            list(range(len(self.caches))),
+        ):
+            self._drop(job, "it would not write its slots whole (every cache, every sub-block)")
+            return True
         if self.copy_mode == "client":
-            self._store_locally(job)
+            self._copies.append(job)  # copied with the others at the next report
             return True
         if self._fence is not None:
             ordinal = self._fence.ordinal
@@ -263,19 +292,41 @@ class StreamingWorker(Worker):
 
     # ------------------------------------------------------------ local copies
 
-    def _store_locally(self, job: Job) -> None:
+    def _store_locally(self) -> None:
+        """Copy the stores submitted since the last report: one plan and copy for all
+        of one lease's (a job whose slots are no longer leased fails alone)."""
+        jobs, self._copies = self._copies, []
+        by_lease: dict[int, list[Job]] = {}
+        for job in jobs:
+            by_lease.setdefault(job.lease, []).append(job)
+        for lease, group in by_lease.items():
+            if len(group) > 1 and self._copy_stores(lease, group):
+                continue
+            for job in group:
+                self._copy_stores(lease, [job])
+
+    def _copy_stores(self, lease: int, jobs: list[Job]) -> bool:
+        """Copy jobs of one lease together; False (nothing copied) if that failed."""
         local = self._local
         if local is None:
-            self._drop(job, "no mapping of the region to copy into")
-            return
+            if len(jobs) == 1:
+                self._drop(jobs[0], "no mapping of the region to copy into")
+            return False
+        slots = np.concatenate([j.slots for j in jobs])
         try:
-            nbytes = local.store(job.slots, job.ids, job.caches, job.lease)
+            nbytes = local.store(slots, np.concatenate([j.ids for j in jobs]), [], lease)
         except (SlotChanged, KVOffloadError, OSError) as exc:
-            self._drop(job, str(exc))
-            return
-        self._wrote.setdefault(job.lease, []).extend(job.slots.tolist())
-        seconds = time.perf_counter() - job.started_s
-        self._results.append(StreamResult(job.job_id, True, nbytes, seconds))
+            if len(jobs) == 1:
+                self._drop(jobs[0], str(exc))
+            return False
+        self._wrote.setdefault(lease, []).extend(slots.tolist())
+        now = time.perf_counter()
+        for job in jobs:
+            # Finished for the engine only once the daemon is told: an engine that
+            # idles after its last store has every copy it made reported.
+            share = nbytes * job.slots.size // slots.size
+            self._unreported.append(StreamResult(job.job_id, True, share, now - job.started_s))
+        return True
 
     def _load(self, job: Job) -> None:
         """Complete a load without the daemon's copy, or leave it stalled."""
@@ -320,6 +371,13 @@ class StreamingWorker(Worker):
 
     def _drop(self, job: Job, why: str) -> None:
         self.stores_dropped_total += 1
+        if why not in self._refusals and "away" not in why and "deadline" not in why:
+            self._refusals.add(why)  # an outage is logged by the client, once
+            log.warning(
+                "kvoffload: a store to namespace %s was dropped: %s (each reason logged once)",
+                self.ns.name,
+                why,
+            )
         log.debug("store job %d dropped: %s", job.job_id, why)
         self._results.append(StreamResult(job.job_id, False, 0, 0.0, dropped=True))
 
@@ -348,15 +406,29 @@ class StreamingWorker(Worker):
             "not load"
         )
 
-    def _report_writes(self) -> None:
-        """One ``Wrote`` per lease for every client copy since the last report."""
+    @property
+    def loads_waiting(self) -> bool:
+        """A load is in flight or stalled: its result is read at every call."""
+        return bool(self._stalled) or any(not j.is_store for j in self._jobs.values())
+
+    def report_writes(self) -> None:
+        """Copy the client-copy stores submitted since the last report, and queue one
+        ``Wrote`` per lease (the next write to the daemon takes it); those stores are
+        then finished."""
+        if self._copies:
+            self._store_locally()
         wrote, self._wrote = self._wrote, {}
         for lease, slots in wrote.items():
             self.ns.client.post(m.Wrote(0, self.worker_id, lease, pack_ids(slots)))
+        self._results += self._unreported
+        self._unreported = []
 
-    def get_finished(self) -> list[TransferResult]:
-        self._report_writes()
-        self.ns.client.poll()
+    def get_finished(self, poll: bool = True) -> list[TransferResult]:
+        """Results so far; with ``poll`` (unless the connection's owner reads for all of
+        its workers) after reporting client copies and reading the pushes."""
+        if poll:
+            self.report_writes()
+            self.ns.client.poll()
         self._settle()
         out, self._results = self._results, []
         return list(out)
@@ -365,7 +437,7 @@ class StreamingWorker(Worker):
         """Block until the given jobs finished, at most until their deadlines."""
         wanted = set(job_ids)
         while True:
-            self._report_writes()
+            self.report_writes()
             self._settle()
             pending = [j for j in [*self._jobs.values(), *self._stalled] if j.job_id in wanted]
             if not pending:

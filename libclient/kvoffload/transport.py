@@ -55,6 +55,7 @@ class Transport:
         self._nowait: set[int] = set()
         self.received_fds: list[int] = []  # SCM_RIGHTS descriptors replies brought
         self.pushed: list[m.Reply] = []  # pushes not yet taken by ``poll``
+        self.lost_noted = False  # its loss was counted and logged (client.py)
         self._outbox = bytearray()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(timeout_s)
@@ -81,6 +82,11 @@ class Transport:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self._kernel_timeout_s = timeout_s
+
+    def take_pushed(self) -> list[m.Reply]:
+        """Pushes that arrived during blocking requests, without reading the socket."""
+        out, self.pushed = self.pushed, []
+        return out
 
     def take_fds(self) -> list[int]:
         fds, self.received_fds = self.received_fds, []

@@ -22,6 +22,14 @@ While the daemon is away the view is empty: lookups MISS at once and stores have
 nothing to do (an empty plan, which vLLM treats as "stored", so it neither retries
 nor logs). On reconnect it restarts from a snapshot and re-sends its pins.
 
+Alone, a view reads its pushes at the first call of each step and sends its batch at
+the end of each step. An owner with several views on one connection (an engine with
+several namespaces) drives both instead (``begin_step(poll=False)``,
+``end_step(flush=False)``): one read and one write for all of them, and only every
+few milliseconds (``low`` says when the lease pool cannot wait). The lease wish is
+twice the most slots used between two sends, so the pool covers what a send interval
+uses.
+
 Not thread-safe: the owner serialises calls (vLLM holds ``manager.lock``).
 """
 
@@ -175,12 +183,22 @@ class EngineView:
         if msg.lost:
             self._resync = True
 
-    def _begin_step(self) -> None:
+    def begin_step(self, poll: bool = True) -> None:
+        """A scheduler step begins: read what the daemon pushed (unless the owner of
+        the connection did), resync from a snapshot if the feed had a gap."""
         self._in_step = True
         self.steps_total += 1
-        self.ns.poll()
+        if poll:
+            self.ns.poll()
         if self._resync and self.connected:
             self._snapshot()
+
+    _begin_step = begin_step
+
+    @property
+    def low(self) -> bool:
+        """The lease pool is below a quarter of the wish: send and read now."""
+        return self.connected and len(self.leases) < self.want // 4
 
     def _snapshot(self) -> None:
         """Our feed had a gap: a fresh snapshot on the same connection (blocking)."""
@@ -280,31 +298,40 @@ class EngineView:
         for key in keys:
             self._add("touches", key)
 
-    def end_step(self) -> None:
-        """The scheduler step is over: send what changed, adapt the lease pool."""
+    def end_step(self, flush: bool = True) -> None:
+        """The scheduler step is over: send what changed (unless the owner of the
+        connection decides when), adapt the lease pool."""
         if not self._in_step:
             self._begin_step()
         self._in_step = False
-        committing, now = self.committing, time.monotonic()
-        while committing and next(iter(committing.values())) < now:
-            committing.popitem(last=False)  # never confirmed: the daemon dropped it
+        committing = self.committing
+        if committing:
+            now = time.monotonic()
+            while committing and next(iter(committing.values())) < now:
+                committing.popitem(last=False)  # never confirmed: the daemon dropped it
+        if flush:
+            self.flush()
+
+    def flush(self, send: bool = True) -> None:
+        """Queue the batch (one-way) if anything changed since the last one, and send
+        it now unless ``send`` is False (the owner of the connection sends it). The
+        slots used since the last flush set the lease wish."""
+        if not self.connected:
+            return
         self._recent_use.append(self._used)
         self._used = 0
         peak = max(self._recent_use)
         self.want = max(self.min_lease_blocks, min(2 * peak, self.max_lease_blocks))
-        self.flush()
+        self._queue(send)
 
-    def flush(self) -> None:
-        """Send the batch (one-way) if anything changed since the last one."""
-        if not self.connected:
-            return
+    def _queue(self, send: bool) -> None:
         if not self._batch and self.seq == self._acked and self.want == self._sent_want:
             return
         msg = self._batch.message(self.ns.ns_id, self.seq, self.want)
         self._batch = _Batch()
         self._acked, self._sent_want = self.seq, self.want
         self.batches_total += 1
-        self.ns.post(msg)
+        self.ns.post(msg, flush=send)
 
     def _add(self, field: str, key: bytes) -> None:
         if not self.connected:
@@ -312,8 +339,8 @@ class EngineView:
         b = self._batch
         keys: list[bytes] = getattr(b, field)
         if len(key) != b.key_bytes or len(keys) >= MAX_KEYS_PER_MESSAGE:
-            if b:  # one key length per batch, a bounded number of keys: send first
-                self.flush()
+            if b:  # one key length per batch, a bounded number of keys: queue it first
+                self._queue(send=False)
                 b = self._batch
                 keys = getattr(b, field)
             b.key_bytes = len(key)

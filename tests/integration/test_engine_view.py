@@ -17,7 +17,6 @@ from helpers import poll
 import kvoffload
 from kvoffload.streaming import StreamingWorker
 from kvoffload.view import EngineView, KeyState
-from kvoffload.vllm.identity import VllmIdentity
 from kvoffloadbench.launch import DaemonProcess
 
 HIT, MISS, PENDING = KeyState.HIT, KeyState.MISS, KeyState.HIT_PENDING
@@ -109,32 +108,32 @@ def test_an_outage_costs_hits_never_latency_and_the_view_comes_back() -> None:
     assert d2.stop() == 0
 
 
-def test_vllm_identity_shares_equal_instances_and_separates_the_rest() -> None:
-    def ident(**kw: object) -> VllmIdentity:
-        base: dict[str, object] = {
-            "model": "m/a",
-            "kv_dtype": "bfloat16",
-            "worker_kv_bytes_per_block": 65536,
-            "world_size": 2,
-            "blocks_per_chunk": 4,
-            "tokens_per_block": (16,),
-            "tokens_per_hash": 16,
-        }
-        base.update(kw)
-        return VllmIdentity(**base)  # type: ignore[arg-type]
-
-    name, lay = ident().namespace()
-    assert name.startswith("vllm/m/a/") and lay.tensor_page_bytes == [65536]
-    assert (lay.world_size, lay.block_size_factor, lay.model) == (2, 4, "m/a")
-    assert ident().namespace() == ident().namespace()
-    for change in (
-        {"model": "m/b"},
-        {"kv_dtype": "fp8"},
-        {"world_size": 4},
-        {"blocks_per_chunk": 2},
-        {"tokens_per_block": (32,)},
-        {"cache_salt": "v2"},
-        {"kv_cache_layout": "HND"},
-    ):
-        assert ident(**change).namespace()[0] != name, change
-    assert ident().namespace("shared")[0] == "shared"
+def test_a_quiet_outage_is_over_before_the_engines_next_step() -> None:
+    """The engine does nothing while the daemon dies and comes back. Its client sees
+    the hang-up by itself and connects again in the background (the namespace
+    reopened, the mirror's snapshot taken, the first lease grant received), so the
+    engine's first step afterwards stores without a round trip: a dead connection it
+    had not noticed is dropped when the new one is adopted."""
+    d = DaemonProcess("64MiB", "--log-level", "warning").start()
+    c = kvoffload.connect(d.socket_path, timeout_s=1.0)
+    view = EngineView(c.namespace("q", kvoffload.KVLayout([4096])))
+    settle(view, lambda: view.connected and view.leases, "the first lease grant")
+    view.end_step()  # the engine's last step before it idles
+    epoch = c.epoch
+    d.kill()
+    d2 = DaemonProcess(
+        "64MiB", "--log-level", "warning", socket_path=d.socket_path, instance=d.instance
+    ).start()
+    try:
+        poll(lambda: c._pending is not None, "the keeper's new connection", deadline_s=5)
+        assert c.epoch == epoch and c.outages_total == 1  # noticed, not yet adopted
+        calls = c.round_trips_total
+        assert view.lookup(b"z") == MISS  # the step's first call adopts it
+        plan = view.prepare_store([b"z"])
+        assert plan == ([b"z"], [view.writing[b"z"]])  # from the lease that came with it
+        assert c.epoch == epoch + 1 and view.lease_fallbacks_total == 0
+        assert c.round_trips_total == calls  # no blocking call on the engine's thread
+        view.end_step()
+    finally:
+        c.close()
+        assert d2.stop() == 0

@@ -142,7 +142,7 @@ def test_prometheus_endpoint_scrapes_live_counters_and_hides_namespace_names() -
         assert 'kvoffload_errors_total{code="NO_SPACE"} 0.0' in first  # every code, at 0
         c = kvoffload.connect(d.socket_path)
         keys = [b"m%07d" % i for i in range(4)]
-        ns, _ = store_blocks(c, "llama-secret-project", keys)
+        ns, _ = store_blocks(c, "llama-hidden-project", keys)
         ns.lookup([*keys, b"missing!"])
         body = ""
         end = time.monotonic() + 20
@@ -155,7 +155,7 @@ def test_prometheus_endpoint_scrapes_live_counters_and_hides_namespace_names() -
         assert 'kvoffload_blocks{namespace="all",state="stored"} 4.0' in body
         assert "kvoffload_region_bytes " in body and "kvoffload_clients 1.0" in body
         assert "# TYPE kvoffload_copy_throughput_bytes_per_second gauge" in body
-        assert "secret" not in body  # any local user can read this port
+        assert "hidden-project" not in body  # any local user can read this port
         status, health = scrape(port, "/healthz")
         assert status == 200 and json.loads(health)["alive"]
         status, ready = scrape(port, "/readyz")

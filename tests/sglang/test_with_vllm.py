@@ -29,14 +29,14 @@ from kvoffloadbench import sglang_rig as rig
 from kvoffloadbench.launch import DaemonProcess
 
 BLOCK = 256 * 1024
-VLLM = VllmIdentity("llama", "bfloat16", BLOCK, 1, 1, [16], 16)
+VLLM = VllmIdentity("llama", "bfloat16", 1, [16], 16, parallel="tp1.pp1.pcp1.dcp1")
+VLLM_NAME = VLLM.namespace(0, 1, 0, 1)  # one group, one pipeline stage
 
 
 def vllm_engine(socket_path: str, first: int, blocks: int, out: mp.SimpleQueue) -> None:  # type: ignore[type-arg]
     """Store ``blocks`` blocks of 256 KiB as the vLLM plug-in's worker would."""
-    name, layout = VLLM.namespace()
     with kvoffload.connect(socket_path) as c:
-        ns = c.namespace(name, layout)
+        ns = c.namespace(VLLM_NAME, VLLM.layout([BLOCK], 1, 0))
         cache = kvoffload.shared_kv_cache(64, BLOCK)
         w = StreamingWorker(ns, [cache])
         stored = 0
@@ -81,7 +81,7 @@ def blocks(d: DaemonProcess) -> dict[str, int]:
 
 
 def test_vllm_and_sglang_share_one_daemon_without_starving(small: DaemonProcess) -> None:
-    vllm_name = VLLM.namespace()[0]
+    vllm_name = VLLM_NAME
     # vLLM fills the whole region (and evicts its own blocks to go on storing)
     assert run_vllm(small.socket_path, 0, 320) == 320
     assert blocks(small)[vllm_name] >= 200

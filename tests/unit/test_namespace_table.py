@@ -16,7 +16,9 @@ import pytest
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
+    LayoutMismatchError,
     NoSpaceError,
+    NotFoundError,
     QuotaExceededError,
 )
 from kvoffload.protocol.messages import pack_keys, unpack_ids
@@ -123,6 +125,24 @@ def test_bad_records_and_their_extents_do_not_survive_a_restart() -> None:
         assert svc.namespaces[good].lookup([b"%d-key-%02d" % (good, i) for i in range(20)])
         table = svc.region.slot_table
         assert set(table["ns"][table["state"] != 0].tolist()) == {good}
+
+
+def test_a_join_opens_an_existing_namespace_only_whatever_its_layout() -> None:
+    """An engine's scheduler joins the namespace its workers created from their own
+    pages; a join never creates one, and a plain open still compares layouts."""
+    with service(config()) as svc:
+        s = session(svc, 1, OTHER)
+        with pytest.raises(NotFoundError, match="does not exist"):
+            svc.handle(s, m.OpenNamespace(1, "pages", m.KVLayout([]), join=True))
+        assert not svc.namespaces
+        ns = open_ns(svc, s, "pages")
+        joined = svc.handle(
+            session(svc, 2, OTHER), m.OpenNamespace(1, "pages", m.KVLayout([]), True, True)
+        )
+        assert isinstance(joined, m.NamespaceOpened) and joined.ns == ns
+        assert joined.slot_bytes == svc.namespaces[ns].slots.slot_bytes and joined.lease
+        with pytest.raises(LayoutMismatchError):
+            svc.handle(s, m.OpenNamespace(1, "pages", m.KVLayout([4096])))
 
 
 def test_a_uid_may_create_a_bounded_number_of_namespaces() -> None:

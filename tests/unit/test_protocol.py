@@ -195,7 +195,7 @@ GOLDEN = [
     (m.ErrorReply(4, ErrorCode.NO_SPACE, "full"), "0e000000 94 a56572726f72 04 01 a466756c6c"),
     (
         m.OpenNamespace(5, "n", m.KVLayout([16], 1, 2, "m", "bf16", "")),
-        "1a000000 95 a76f70656e5f6e73 05 a16e 96 9110 01 02 a16d a462663136 a0 c3",
+        "1b000000 96 a76f70656e5f6e73 05 a16e 96 9110 01 02 a16d a462663136 a0 c3 c2",
     ),
     (
         m.AttachWorker(6, 0, 1, [m.CacheDesc("cuda", 2, 16, -1, 8, 32, b"\x01")], b"\x02", b""),

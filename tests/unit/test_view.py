@@ -49,7 +49,7 @@ class FakeNamespace:
         for msg in pushes:
             self.view.on_push(msg)
 
-    def post(self, msg: m.Request) -> bool:
+    def post(self, msg: m.Request, flush: bool = True) -> bool:
         assert isinstance(msg, m.StepBatch)
         if self.connected:
             self.sent.append(msg)
@@ -159,6 +159,20 @@ def test_no_room_for_a_grant_falls_back_to_the_daemon_planning_the_store() -> No
     assert fields(ns.sent[-1])["claims"] == []  # the daemon planned it: nothing to claim
 
 
+def test_a_grant_smaller_than_asked_falls_back_to_the_daemon_planning_the_rest() -> None:
+    """The daemon may grant less than the wish (lease shares, per-uid bounds): a store
+    that finds too few slots after the top-up is planned by the daemon, counted."""
+    view, ns = connected_view(lease_blocks=2)
+    view.lookup(b"")
+    ns.grant_on_wait = [60]  # one slot, for a store of three keys
+    assert view.prepare_store(k(21, 22, 23)) == (k(21, 22, 23), [900, 901, 902])
+    assert ns.blocking == [k(21, 22, 23)]
+    assert view.lease_fallbacks_total == 1 and view.blocking_calls_total == 2
+    assert view.leases == [60]  # kept for the next store
+    assert view.prepare_store(k(24)) == (k(24), [60])
+    assert view.blocking_calls_total == 2
+
+
 def test_a_completed_store_is_never_a_hit_before_the_daemon_says_so() -> None:
     view, ns = connected_view()
     ns.grant(40, 41)
@@ -208,6 +222,18 @@ def test_the_lease_wish_follows_the_store_rate() -> None:
     view.prepare_store(k(*range(100, 120)))  # 20 stores in one step
     view.end_step()
     assert fields(ns.sent[-1])["want"] == 40
+
+
+def test_a_top_up_within_a_step_leaves_a_wish_for_the_whole_step() -> None:
+    view, ns = connected_view(lease_blocks=2, max_lease_blocks=100)
+    ns.grant(40, 41)
+    view.lookup(b"")
+    ns.grant_on_wait = list(range(50, 60))
+    view.prepare_store(k(30, 31, 32))  # one more than the pool: a top-up
+    view.prepare_store(k(*range(33, 40)))  # 7 more, from the grant
+    view.end_step()
+    assert view.lease_fallbacks_total == 1
+    assert fields(ns.sent[-1])["want"] == 20  # twice the step's 10, not its last 7
 
 
 def test_an_outage_answers_miss_at_once_and_stores_have_nothing_to_do() -> None:

@@ -4,7 +4,8 @@ at exactly one boundary of a step (after ``schedule``, before ``execute``).
 
 Every command answers ``("ok", result)`` or ``("error", type name, message)``: an
 exception inside vLLM or kvoffload reaches the test as data, never as a dead pipe.
-The child records every log line of vLLM and kvoffload at warning level or above.
+The child records every log line of vLLM and kvoffload at warning level or above
+(``logs``) and kvoffload's info lines (``notes``: which layout, which namespaces).
 """
 
 from __future__ import annotations
@@ -20,18 +21,29 @@ STEP_LIMIT_S = 2.0  # a step slower than this is a stall
 
 
 class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(f"{record.name}: {record.getMessage()}")
 
 
+def _views(engine: Any) -> list[Any]:
+    """The scheduler's engine views, one per namespace."""
+    return list(engine.manager.views)
+
+
+def _clients(engine: Any) -> list[Any]:
+    return [engine.manager.client, *(w.client for w in engine.offload_workers)]
+
+
 def _serve(conn: Connection, kwargs: dict[str, Any]) -> None:
-    logs = _Collect()
+    logs, notes = _Collect(logging.WARNING), _Collect(logging.INFO)
     for name in ("vllm", "kvoffload"):
         logging.getLogger(name).addHandler(logs)
+    logging.getLogger("kvoffload").addHandler(notes)
+    logging.getLogger("kvoffload").setLevel(logging.INFO)
     from kvoffloadbench.engine_rig import Engine
 
     engine = Engine(**kwargs)
@@ -53,9 +65,11 @@ def _serve(conn: Connection, kwargs: dict[str, Any]) -> None:
             elif cmd == "schedule":
                 pending = engine.scheduler.schedule()
                 meta = pending.kv_connector_metadata
+                loads = getattr(meta, "load_jobs", {})
                 result = {
                     "stores": len(getattr(meta, "store_jobs", ())),
-                    "loads": len(getattr(meta, "load_jobs", ())),
+                    "loads": len(loads),
+                    "load_blocks": sum(len(j.dst_spec.block_ids) for j in loads.values()),
                     "scheduled": dict(pending.num_scheduled_tokens),
                 }
             elif cmd == "execute":
@@ -75,41 +89,42 @@ def _serve(conn: Connection, kwargs: dict[str, Any]) -> None:
                         raise TimeoutError(f"requests unfinished after {args} s")
                 result = steps
             elif cmd == "connected":
-                clients = [engine.manager.ns.client, engine.offload_worker.worker.ns.client]
-                view = engine.manager.view
                 deadline = time.monotonic() + args
                 while True:
-                    for c in clients:
+                    for c in _clients(engine):
                         c.poll()  # notices a daemon that went away meanwhile
-                    view.lookup(b"")  # an idle step: pushes in, the batch out
-                    view.end_step()
-                    if all(c._transport for c in clients) and view.connected and view.leases:
+                    _idle_step(engine)
+                    views = _views(engine)
+                    if all(c._transport for c in _clients(engine)) and all(
+                        v.connected and v.leases for v in views
+                    ):
                         break
                     if time.monotonic() > deadline:
                         raise TimeoutError("the engine did not (re)connect")
                     time.sleep(0.01)
                 result = None
-            elif cmd == "ready_keys":  # an idle step: what the view holds now
-                view = engine.manager.view
-                view.lookup(b"")
-                view.end_step()
-                result = len(view.ready)
+            elif cmd == "namespaces":
+                result = [v.ns.name for v in _views(engine)]
+            elif cmd == "ready_keys":  # an idle step: what the views hold now
+                _idle_step(engine)
+                result = sum(len(v.ready) for v in _views(engine))
             elif cmd == "reset_prefix_cache":
                 result = engine.scheduler.reset_prefix_cache()
             elif cmd == "stats":
-                view = engine.manager.view
-                worker = engine.offload_worker.worker
+                workers = engine.offload_workers
                 result = {
                     "bad_blocks": engine.bad_blocks,
                     "loads": engine.loaded_blocks,
                     "unfinished": engine.unfinished,
                     "slowest_step_s": slowest,
-                    "blocking_calls": view.blocking_calls_total,
-                    "stores_dropped": worker.stores_dropped_total,
-                    "loads_recovered": worker.loads_recovered_total,
+                    "blocking_calls": engine.manager.blocking_calls_total,
+                    "stores_dropped": sum(w.stores_dropped_total for w in workers),
+                    "loads_recovered": sum(w.loads_recovered_total for w in workers),
                     "logs": list(logs.lines),
+                    "notes": list(notes.lines),
                 }
                 logs.lines.clear()
+                notes.lines.clear()
                 slowest = 0.0
             else:
                 raise ValueError(f"unknown command {cmd!r}")
@@ -118,6 +133,14 @@ def _serve(conn: Connection, kwargs: dict[str, Any]) -> None:
             conn.send(("ok", result))
         except BaseException as exc:
             conn.send(("error", type(exc).__name__, str(exc)))
+
+
+def _idle_step(engine: Any) -> None:
+    """A step that schedules nothing: the manager reads its pushes and sends its
+    batches (what an idle vLLM engine's ``has_requests`` check does)."""
+    mgr = engine.manager
+    mgr.on_schedule_end(None)
+    mgr.has_pending_work()
 
 
 class EngineProc:

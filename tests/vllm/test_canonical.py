@@ -1,7 +1,7 @@
 """vLLM's canonical layout: one pool across tensor-parallel sizes, MLA stored once.
 
 Engines are built by vLLM 0.33's own config derivation and canonical mapping code
-(canonical_rig.py). A GQA model's 4 KV heads are sharded over TP 1, 2 or 4 ranks;
+(canonical_rig.py). A Llama model's 4 KV heads are sharded over TP 1, 2 or 4 ranks;
 every head a TP=2 engine stored must reach a TP=1 and a TP=4 engine byte for byte.
 An MLA model's latent is held whole by every rank: one copy goes to the region,
 whatever the TP size, and every rank loads it.
@@ -95,7 +95,7 @@ def fill_gqa(ranks: list[Rank], kv: dict[str, torch.Tensor], blocks: list[int]) 
 def test_gqa_blocks_stored_at_tp2_load_at_tp1_and_tp4(
     daemon: DaemonProcess, layout: str, memfd: bool
 ) -> None:
-    tp2 = engine("gqa", 2, daemon, "tp2", layout=layout, memfd=memfd)
+    tp2 = engine("llama", 2, daemon, "tp2", layout=layout, memfd=memfd)
     assert {r.worker.worker.copy_mode for r in tp2} == {"daemon" if memfd else "client"}
     assert all(r.spec.canonical for r in tp2)
     n, src = 6, list(range(3, 9))
@@ -108,7 +108,7 @@ def test_gqa_blocks_stored_at_tp2_load_at_tp1_and_tp4(
     keys = [make_offload_key(b"gqa%d" % i, 0) for i in range(n)]
     store(tp2, keys, src, job=1)
     for tp in (1, 4):
-        other = engine("gqa", tp, daemon, f"tp{tp}", layout=layout, memfd=memfd)
+        other = engine("llama", tp, daemon, f"tp{tp}", layout=layout, memfd=memfd)
         assert other[0].spec.namespace_name == tp2[0].spec.namespace_name
         dst = list(range(40, 40 + n))
         load(other, keys, dst, job=2)
@@ -146,7 +146,7 @@ def test_mla_latent_is_stored_once_and_every_rank_loads_it(daemon: DaemonProcess
     local_page = shape[1] * shape[2] * shape[3] * 2  # bytes of one rank's page per layer
     assert page == local_page  # the canonical page of a latent is one rank's page
     assert ns["stored_blocks"] == n
-    slot_bytes = ranks[0].spec.layout.block_bytes
+    slot_bytes = ranks[0].worker.groups[0].layout.block_bytes
     assert slot_bytes == len(names) * page  # one copy per block, not tp copies
     copied = stats["copies"]["stored_bytes_total"]
     assert copied == n * slot_bytes  # each block written once, by one rank in turn
@@ -165,18 +165,21 @@ def test_mla_latent_is_stored_once_and_every_rank_loads_it(daemon: DaemonProcess
 def test_an_uncertified_configuration_keeps_per_rank_blocks(
     daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Pipeline parallelism: vLLM does not certify it, so each rank's pages are stored
-    as they are, in a namespace a canonical engine never meets, and the log says why."""
+    """Pipeline parallelism: vLLM's V1 runner certifies it, but derives no canonical
+    mapping for it, so each rank's pages are stored as they are, one namespace per
+    stage, which a canonical engine never meets, and the log says why."""
     caplog.set_level(logging.INFO, logger="kvoffload.vllm.spec")
-    pp = Rank("gqa", 1, 0, daemon.socket_path, "pp", pp=2)
-    assert "per-rank layout (world size 2): canonical_layout was requested, but vLLM" in (
-        caplog.text
-    )
-    assert not pp.offloading.parallel.is_parallelism_agnostic
-    assert not pp.spec.canonical and pp.spec.layout.world_size == 2
-    plain = Rank("gqa", 2, 0, daemon.socket_path, "plain", canonical=False)
-    assert not plain.spec.canonical and plain.spec.layout.world_size == 2
-    canonical = Rank("gqa", 2, 0, daemon.socket_path, "canon")
+    pp = Rank("llama", 1, 0, daemon.socket_path, "pp", pp=2)
+    assert pp.offloading.parallel.is_parallelism_agnostic  # vLLM's static answer
+    pp.spec.get_manager()
+    assert "per-rank layout (tp=1, pp=2, pcp=1, dcp=1; world size 2)" in caplog.text
+    assert "every rank holds every layer (no pipeline parallelism)" in caplog.text
+    assert not pp.spec.canonical and pp.worker.groups[0].layout.world_size == 1
+    assert pp.spec.namespace_name.endswith("/pp0")
+    plain = Rank("llama", 2, 0, daemon.socket_path, "plain", canonical=False)
+    assert not plain.spec.canonical and plain.worker.groups[0].layout.world_size == 2
+    canonical = Rank("llama", 2, 0, daemon.socket_path, "canon")
+    assert canonical.worker.groups[0].layout.world_size == 1
     names = {r.spec.namespace_name for r in (pp, plain, canonical)}
     assert len(names) == 3  # nobody shares with the canonical namespace
     for r in (pp, plain, canonical):
@@ -196,7 +199,7 @@ def test_a_canonical_block_cascaded_by_one_daemon_loads_at_another_tp_elsewhere(
         )
         args = ("--config", str(cfg), "--log-level", "warning")
         with DaemonProcess("64MiB", *args) as a, DaemonProcess("64MiB", *args) as b:
-            tp2 = engine("gqa", 2, a, "tp2")
+            tp2 = engine("llama", 2, a, "tp2")
             n, src = 4, list(range(4))
             shape = tuple(tp2[0].caches[next(iter(tp2[0].caches))].shape)
             kv = {
@@ -211,7 +214,7 @@ def test_a_canonical_block_cascaded_by_one_daemon_loads_at_another_tp_elsewhere(
                 while c.stats()["tiers"]["redis"]["stores_total"] < n:
                     assert time.monotonic() < deadline, "the cascade to Redis never ran"
                     time.sleep(0.01)
-            tp1 = engine("gqa", 1, b, "tp1")
+            tp1 = engine("llama", 1, b, "tp1")
             probe = tp1[0].spec.get_manager()
             deadline = time.monotonic() + 20
             while probe.lookup(keys[0], CTX) != LookupResult.HIT:  # promotes from Redis
@@ -231,7 +234,7 @@ def test_canonical_blocks_survive_a_warm_restart_and_load_at_another_tp() -> Non
     are found by the next daemon and loaded by a TP=4 engine."""
     args = ("--log-level", "warning", "--keep-region")
     d1 = DaemonProcess("64MiB", *args).start()
-    tp2 = engine("gqa", 2, d1, "tp2")
+    tp2 = engine("llama", 2, d1, "tp2")
     n, src = 3, list(range(3))
     shape = tuple(tp2[0].caches[next(iter(tp2[0].caches))].shape)
     kv = {
@@ -246,7 +249,7 @@ def test_canonical_blocks_survive_a_warm_restart_and_load_at_another_tp() -> Non
         r.shutdown()
     assert d1.stop() == 0
     with DaemonProcess("64MiB", *args, instance=d1.instance, socket_path=d1.socket_path) as d2:
-        tp4 = engine("gqa", 4, d2, "tp4")
+        tp4 = engine("llama", 4, d2, "tp4")
         dst = list(range(30, 30 + n))
         load(tp4, keys, dst, job=1)
         for r in tp4:
@@ -263,7 +266,7 @@ def test_a_canonical_load_planned_before_the_daemon_dies_completes_from_the_regi
     own mapping of the region, byte-exact, and vLLM sees a success."""
     d = DaemonProcess("64MiB", "--log-level", "warning").start()
     try:
-        tp2 = engine("gqa", 2, d, "tp2")
+        tp2 = engine("llama", 2, d, "tp2")
         n, src = 3, list(range(3))
         shape = tuple(tp2[0].caches[next(iter(tp2[0].caches))].shape)
         kv = {
@@ -273,7 +276,7 @@ def test_a_canonical_load_planned_before_the_daemon_dies_completes_from_the_regi
         fill_gqa(tp2, kv, src)
         keys = [make_offload_key(b"die%d" % i, 0) for i in range(n)]
         store(tp2, keys, src, job=1)
-        tp1 = engine("gqa", 1, d, "tp1")
+        tp1 = engine("llama", 1, d, "tp1")
         mgr = tp1[0].spec.get_manager()
         deadline = time.monotonic() + 20
         while not all(mgr.lookup(k, CTX) == LookupResult.HIT for k in keys):

@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -238,6 +239,38 @@ def test_an_idle_outage_and_a_warm_restart_keep_every_stored_block(
     st = finish(b)
     assert outages(st) == 2 and sum("resumes" in x for x in st["logs"]) == 2, st["logs"]
     d2.kill()
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_after_a_quiet_outage_the_very_next_request_is_offloaded(
+    engines: tuple[EngineProc, EngineProc], live: DaemonProcess, warm: bool
+) -> None:
+    """Both engines idle while the daemon dies and comes back: neither touches it in
+    between. The first request engine A serves afterwards is offloaded in its own
+    steps (its stores planned from the first scheduling step on), and engine B loads
+    all of it."""
+    a, b = engines
+    live.kill()
+    if not warm:
+        drop_region()
+    d2 = daemon()
+    try:
+        time.sleep(1.0)  # the engines idle; nothing of theirs runs meanwhile
+        p = prompt()
+        a.add(("qo-s", p, 4))
+        first = a.schedule()  # the prompt's prefill: its blocks are stored at once
+        assert first["stores"] >= 1, "the first request after the outage is not offloaded"
+        a.execute()
+        finish(a)
+        held = stored(d2)
+        assert held >= len(p) // 16
+        b.sees(held)
+        b.add(("qo-l", p, 4))
+        assert b.schedule()["load_blocks"] == len(p) // 16
+        b.execute()
+        assert finish(b)["loads"] >= 1
+    finally:
+        d2.kill()
 
 
 def test_sigterm_a_cold_restart_and_new_stores(

@@ -7,23 +7,19 @@ import time
 
 import torch
 from vllm.v1.kv_offload.base import (
-    CanonicalKVCacheRef,
-    CanonicalKVCaches,
-    CanonicalKVCacheTensor,
     GPULoadStoreSpec,
     LookupResult,
     OffloadingManager,
     OffloadingSpec,
-    OffloadingWorker,
     PrepareStoreOutput,
     ReqContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-from vllm_config import offloading_config
+from vllm_config import offloading_configs
 
 import kvoffload
 from kvoffload.vllm import KVOffloadSpec
+from kvoffloadbench.canonical_rig import Rank
 from kvoffloadbench.launch import DaemonProcess
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
@@ -35,32 +31,27 @@ def k(*ids: int) -> list[bytes]:
     return [make_offload_key(str(i).encode(), 0) for i in ids]
 
 
-# vLLM resolves spec_name + spec_module_path the same way as a registered spec, but
-# first logs a warning whose import chain needs all of vLLM's dependencies. Registering
-# the name takes the same loader (import the module, getattr the class) without it.
-if "KVOffloadSpec" not in OffloadingSpecFactory._registry:
-    OffloadingSpecFactory.register_spec("KVOffloadSpec", "kvoffload.vllm", "KVOffloadSpec")
+_workers: dict[int, Rank] = {}
 
 
-_workers: dict[int, OffloadingWorker] = {}
-
-
-def manager(d: DaemonProcess, **kw: object) -> OffloadingManager:
-    """The scheduler side of one vLLM instance; its rank-0 worker (plain CPU tensors,
-    client copies) does the stores, so completions are real."""
-    spec = OffloadingSpecFactory.create_spec(offloading_config(d.socket_path, **kw))  # type: ignore[arg-type]
+def manager(d: DaemonProcess, engine_id: str = "e0") -> OffloadingManager:
+    """The scheduler side of one vLLM engine (the tiny model, TP=1, planned by vLLM),
+    after its rank-0 worker (plain CPU tensors, client copies) registered, as in vLLM;
+    the worker does the stores, so completions are real."""
+    rank = Rank(
+        "tiny", 1, 0, d.socket_path, engine_id, canonical=False, memfd=False, kv_events=True
+    )
+    spec = rank.spec
     assert isinstance(spec, KVOffloadSpec) and isinstance(spec, OffloadingSpec)
     mgr = spec.get_manager()
-    tensor = torch.zeros(64, 4096, dtype=torch.int8)
-    kv = CanonicalKVCaches([CanonicalKVCacheTensor(tensor, 4096)], [[CanonicalKVCacheRef(0, 4096)]])
-    _workers[id(mgr)] = spec.get_worker(kv)
+    _workers[id(mgr)] = rank
     return mgr
 
 
 def written(mgr: OffloadingManager, out: PrepareStoreOutput | None) -> None:
     """Copy the blocks of a store plan, as the engine's worker would."""
     assert out is not None
-    w = _workers[id(mgr)]
+    w = _workers[id(mgr)].worker
     n = len(out.keys_to_store)
     assert w.submit_store(1, GPULoadStoreSpec(list(range(n)), [n], [0]), out.store_spec)
     deadline = time.monotonic() + 20
@@ -96,7 +87,7 @@ def test_the_manager_contract_with_no_round_trip_per_call(daemon: DaemonProcess)
     """vLLM's manager contract, answered locally: stores plan from leased slots, loads
     from the mirrored slots, completions go one-way with the step's batch."""
     mgr = manager(daemon)
-    other = manager(daemon, engine_id="e1")  # a second vLLM instance, one pool
+    other = manager(daemon, engine_id="e1")  # a second vLLM engine, one pool
     settled_leases(mgr)
 
     out = mgr.prepare_store(k(1, 2), CTX)
@@ -169,9 +160,9 @@ def test_blocks_on_a_disk_tier_come_back_through_retry(tmp_path: pathlib.Path) -
     )
     with DaemonProcess("64MiB", "--config", str(cfg), "--log-level", "warning") as d:
         mgr = manager(d)
-        w = _workers[id(mgr)]
+        w = _workers[id(mgr)].worker
         src = w.worker.caches[0]
-        src.copy_(torch.randint(-128, 128, (64, 4096), dtype=torch.int8))
+        src.copy_(torch.randint(-128, 128, tuple(src.shape), dtype=torch.int8))
         first = src[:4].clone()
         settled_leases(mgr)
         out = mgr.prepare_store(k(1, 2, 3, 4), CTX)
@@ -232,14 +223,27 @@ def test_a_daemon_that_goes_away_costs_hits_never_waits() -> None:
     mgr.shutdown()
 
 
-def test_namespace_identity_comes_from_the_vllm_config(tmp_path: object) -> None:
-    def name(**kw: object) -> str:
-        spec = KVOffloadSpec(offloading_config("/nonexistent", **kw))  # type: ignore[arg-type]
-        return spec.namespace_name
+def test_namespace_identity_is_one_for_the_scheduler_and_every_rank() -> None:
+    """PP=3 over 4 layers splits them 1/2/1: the ranks register different pages, the
+    scheduler sees rank 0's only. All of them name the same namespaces (one per
+    stage), as does every engine of the same model and shape."""
 
-    assert name() == name(engine_id="other", rank=0)  # two instances of one model share
-    assert name() != name(model="test/other")
-    assert name() != name(cache_salt="v2")
-    assert name() != name(blocks_per_chunk=2)
-    assert name() != name(worker_kv_bytes_per_block=8192)
-    assert name(namespace="team-a") == "team-a"
+    def names(config: object) -> list[str]:
+        spec = KVOffloadSpec(config)  # type: ignore[arg-type]
+        return [spec.namespace(0, s) for s in range(spec.stages)]
+
+    scheduler, ranks = offloading_configs("/nonexistent", "llama", pp=3)
+    assert [r.worker_kv_bytes_per_block for r in ranks] == [4096, 8192, 4096]
+    assert len(set(names(scheduler))) == 3
+    assert all(names(r) == names(scheduler) for r in ranks)
+    other_engine, _ = offloading_configs("/nonexistent", "llama", pp=3, engine_id="e9")
+    assert names(other_engine) == names(scheduler)
+    one = names(offloading_configs("/nonexistent", "llama")[0])
+    for other in (
+        offloading_configs("/nonexistent", "tiny")[0],
+        offloading_configs("/nonexistent", "llama", tp=2)[0],
+        offloading_configs("/nonexistent", "llama", cache_salt="v2")[0],
+        offloading_configs("/nonexistent", "llama", blocks_per_chunk=2)[0],
+    ):
+        assert names(other) != one
+    assert names(offloading_configs("/nonexistent", "llama", namespace="team-a")[0]) == ["team-a"]

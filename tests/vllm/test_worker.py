@@ -1,12 +1,16 @@
-"""KVOffloadSpec.get_worker(): vLLM canonical CPU tensors stored and loaded end to end.
+"""KVOffloadSpec.get_worker(): the KV caches vLLM registers, stored and loaded end to end.
 
-The worker never reports a failure to vLLM (vLLM 0.33 asserts on it): every result
-here succeeds, and the one load that cannot complete raises ``LoadLostError``.
+Ranks are planned and registered by vLLM itself (``canonical_rig.Rank``: the
+connector's ``register_kv_caches`` over vLLM's own KV cache views). The worker never
+reports a failure to vLLM (vLLM 0.33 asserts on it): every result here succeeds, and
+the one load that cannot complete raises ``LoadLostError``.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import time
+from collections.abc import Iterator
+
 import pytest
 import torch
 from vllm.v1.kv_offload.base import (
@@ -15,40 +19,41 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
     LookupResult,
+    OffloadingManager,
     ReqContext,
     make_offload_key,
 )
-from vllm_config import offloading_config
 
 import kvoffload
-from kvoffload.protocol.errors import LoadLostError
-from kvoffload.vllm import KVOffloadSpec
+from kvoffload.protocol.errors import LayoutMismatchError, LoadLostError
+from kvoffload.vllm.identity import VllmIdentity
+from kvoffload.vllm.transfer import canonical_parts
+from kvoffloadbench.canonical_rig import Rank
 from kvoffloadbench.launch import DaemonProcess
 
-PAGES = [512, 1024, 256]  # bytes per engine block of each canonical tensor
-BLOCKS = 48
 CTX = ReqContext(req_id="r")
 
 
-def caches(make: str, seed: int | None, groups: list[list[int]]) -> CanonicalKVCaches:
-    rng = np.random.default_rng(seed)
-    tensors = []
-    for p in PAGES:
-        t = (
-            kvoffload.shared_kv_cache(BLOCKS, p)
-            if make == "memfd"
-            else torch.zeros(BLOCKS, p, dtype=torch.int8)
-        )
-        if seed is not None:
-            t.copy_(torch.from_numpy(rng.integers(-128, 128, (BLOCKS, p), dtype=np.int8)))
-        tensors.append(CanonicalKVCacheTensor(t, p))
-    refs = [[CanonicalKVCacheRef(i, PAGES[i]) for i in g] for g in groups]
-    return CanonicalKVCaches(tensors, refs)
+@pytest.fixture
+def daemon() -> Iterator[DaemonProcess]:
+    with DaemonProcess("64MiB", "--log-level", "warning") as d:
+        yield d
+
+
+def rank(
+    d: DaemonProcess, engine: str, model: str = "tiny", f: int = 1, memfd: bool = True
+) -> Rank:
+    extra = {"blocks_per_chunk": f}
+    return Rank(model, 1, 0, d.socket_path, engine, canonical=False, memfd=memfd, extra=extra)
+
+
+def fill(r: Rank, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in r.caches.values():
+        t.copy_(torch.randint(-100, 100, tuple(t.shape), generator=gen).to(t.dtype))
 
 
 def finish(worker: object, job: int) -> object:
-    import time
-
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         for r in worker.get_finished():  # type: ignore[attr-defined]
@@ -58,122 +63,138 @@ def finish(worker: object, job: int) -> object:
     raise TimeoutError
 
 
-def committed(mgr: object, keys: list[bytes], *others: object) -> None:
+def committed(keys: list[bytes], *managers: OffloadingManager) -> None:
     """Scheduler steps until the store is visible to every manager given."""
-    import time
-
     deadline = time.monotonic() + 20
-    for m in (mgr, *others):
-        while not all(m.lookup(k, CTX) == LookupResult.HIT for k in keys):  # type: ignore[attr-defined]
+    for m in managers:
+        while not all(m.lookup(k, CTX) == LookupResult.HIT for k in keys):
             assert time.monotonic() < deadline, "the store never became visible"
-            m.on_schedule_end(None)  # type: ignore[attr-defined]
+            m.on_schedule_end(None)  # type: ignore[arg-type]
             time.sleep(0.001)
 
 
-@pytest.mark.parametrize("make", ["memfd", "plain"])
+@pytest.mark.parametrize("memfd", [True, False], ids=["daemon-copies", "client-copies"])
 @pytest.mark.parametrize(("f", "first"), [(1, 0), (3, 0), (3, 4)])
 def test_store_then_load_is_byte_identical(
-    daemon: DaemonProcess, make: str, f: int, first: int
+    daemon: DaemonProcess, memfd: bool, f: int, first: int
 ) -> None:
-    cfg = offloading_config(
-        daemon.socket_path, worker_kv_bytes_per_block=sum(PAGES), blocks_per_chunk=f
-    )
-    spec_a, spec_b = KVOffloadSpec(cfg), KVOffloadSpec(cfg)  # two instances, one namespace
-    mgr = spec_a.get_manager()
-    src = caches(make, 1, [[0, 1, 2]])
-    storer = spec_a.get_worker(src)
-    assert storer.worker.copy_mode == ("daemon" if make == "memfd" else "client")
+    a, b = rank(daemon, "a", f=f, memfd=memfd), rank(daemon, "b", f=f, memfd=memfd)
+    assert a.worker.worker.copy_mode == ("daemon" if memfd else "client")
+    fill(a, 1)
+    mgr, mgr_b = a.spec.get_manager(), b.spec.get_manager()
     chunks = 4
     keys = [make_offload_key(b"h%d" % i, 0) for i in range(chunks)]
+    committed([], mgr)  # a step: the connection and its first leases
     out = mgr.prepare_store(keys, CTX)
-    assert out is not None
+    assert out is not None and out.keys_to_store == keys
     gpu = list(range(5, 5 + chunks * f))
-    assert storer.submit_store(1, GPULoadStoreSpec(gpu, [len(gpu)], [0]), out.store_spec)
-    r = finish(storer, 1)
-    assert r.success and r.transfer_size == len(gpu) * sum(PAGES)  # type: ignore[attr-defined]
+    assert a.worker.submit_store(1, GPULoadStoreSpec(gpu, [len(gpu)], [0]), out.store_spec)
+    page = sum(t[0].numel() * t.element_size() for t in a.caches.values())
+    r = finish(a.worker, 1)
+    assert r.success and r.transfer_size == len(gpu) * page  # type: ignore[attr-defined]
     mgr.complete_store(keys, CTX)
+    mgr.on_schedule_end(None)  # type: ignore[arg-type]
 
-    # the other instance loads from logical block `first` on (maybe inside a chunk)
-    dst = caches(make, None, [[0, 1, 2]])
-    loader = spec_b.get_worker(dst)
-    mgr_b = spec_b.get_manager()
-    committed(mgr, keys, mgr_b)
+    # the other engine loads from logical block `first` on (maybe inside a chunk)
+    committed(keys, mgr, mgr_b)
     need = keys[first // f :]
     spec = mgr_b.prepare_load(need, CTX)
     n = chunks * f - first
     targets = list(range(20, 20 + n))
-    assert loader.submit_load(7, spec, GPULoadStoreSpec(targets, [n], [first]))
-    r = finish(loader, 7)
-    assert r.success and r.transfer_size == n * sum(PAGES)  # type: ignore[attr-defined]
+    assert b.worker.submit_load(7, spec, GPULoadStoreSpec(targets, [n], [first]))
+    r = finish(b.worker, 7)
+    assert r.success and r.transfer_size == n * page  # type: ignore[attr-defined]
     mgr_b.complete_load(need, CTX)
-    for s_t, d_t in zip(src.tensors, dst.tensors):
-        want = s_t.tensor[5 + first : 5 + chunks * f]
-        assert torch.equal(d_t.tensor[20 : 20 + n], want)
-        assert not d_t.tensor[:20].any() and not d_t.tensor[20 + n :].any()
-    storer.shutdown()
-    loader.shutdown()
-    mgr.shutdown()
-    mgr_b.shutdown()
+    for name, src in a.caches.items():
+        dst = b.caches[name]
+        assert torch.equal(dst[20 : 20 + n], src[5 + first : 5 + chunks * f])
+        assert not dst[:20].any() and not dst[20 + n :].any()
+    a.shutdown()
+    b.shutdown()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a store writes its slots whole now; the plug-in still stores one group's "
-    "tensors into slots sized for all groups (the vLLM plug-in's hybrid-model rework)",
-)
-def test_groups_copy_only_their_tensors_and_empty_groups_are_skipped(
+def test_hybrid_groups_store_whole_slots_and_null_blocks_keep_their_places(
     daemon: DaemonProcess,
 ) -> None:
-    cfg = offloading_config(
-        daemon.socket_path, worker_kv_bytes_per_block=sum(PAGES), blocks_per_chunk=2, groups=3
-    )
-    spec = KVOffloadSpec(cfg)
-    mgr = spec.get_manager()
-    groups = [[0, 1], [2], []]  # the third group has no tensor of its own here
-    src = caches("memfd", 3, groups)
-    w = spec.get_worker(src)
-    keys = [make_offload_key(b"g", 0), make_offload_key(b"g", 1)]
+    """A model of three sliding window groups and a full one (the third group uses one
+    of the two tensors): each group has a namespace of its own, sized for its tensors.
+    A sliding window chunk whose first block vLLM left out (null) is stored whole: the
+    null block fills its place, the others land where they belong, and a load that
+    skips it reads exactly the stored blocks."""
+    f = 2
+    a, b = rank(daemon, "a", "gemma3", f), rank(daemon, "b", "gemma3", f)
+    groups = a.worker.groups
+    assert len(groups) == 4 and len({g.namespace for g in groups}) == 4
+    assert [len(g.caches) for g in groups] == [2, 2, 1, 2]
+    assert groups[2].layout.tensor_page_bytes == groups[0].layout.tensor_page_bytes[:1]
+    fill(a, 3)
+    mgr, mgr_b = a.spec.get_manager(), b.spec.get_manager()
+    keys = [make_offload_key(b"c%d" % i, g.group_id) for g in groups for i in range(2)]
+    committed([], mgr)
     out = mgr.prepare_store(keys, CTX)
-    assert out is not None
-    # group 0: GPU blocks 0,1 -> chunk 0; group 1: GPU blocks 10,11 -> chunk 1
-    gpu = GPULoadStoreSpec([0, 1, 10, 11], [2, 2, 0], [0, 0, 0])
-    assert w.submit_store(1, gpu, out.store_spec)
-    assert finish(w, 1).success  # type: ignore[attr-defined]
+    assert out is not None and out.keys_to_store == keys
+    # groups 0, 1, 3: two whole chunks each; group 2: its first chunk's first block
+    # fell out of the sliding window (null), so 3 blocks start at logical block 1
+    ids = [[2, 3, 4, 5], [6, 7, 8, 9], [11, 12, 13], [14, 15, 16, 17]]
+    gpu = GPULoadStoreSpec([i for g in ids for i in g], [4, 4, 3, 4], [0, 0, 1, 0])
+    assert a.worker.submit_store(1, gpu, out.store_spec)
+    assert finish(a.worker, 1).success  # type: ignore[attr-defined]
+    assert a.worker.stores_dropped_total == 0  # every slot whole: the daemon took all
     mgr.complete_store(keys, CTX)
-    committed(mgr, keys)
+    mgr.on_schedule_end(None)  # type: ignore[arg-type]
+    committed(keys, mgr, mgr_b)
 
-    dst = caches("memfd", None, groups)
-    other = KVOffloadSpec(cfg).get_worker(dst)  # one worker per spec: a second instance
-    lspec = mgr.prepare_load(keys, CTX)
-    # group 0 loads from its second block only (block index 1, inside chunk 0)
-    assert other.submit_load(2, lspec, GPULoadStoreSpec([30, 40, 41], [1, 2, 0], [1, 0, 0]))
-    r = finish(other, 2)
-    assert r.success  # type: ignore[attr-defined]
-    s, d = src.tensors, dst.tensors
-    assert torch.equal(d[0].tensor[30], s[0].tensor[1]) and torch.equal(
-        d[1].tensor[30], s[1].tensor[1]
+    spec = mgr_b.prepare_load(keys, CTX)
+    # group 2 loads from logical block 0: the null block's bytes, then its own three
+    dst = [[30, 31, 32, 33], [34, 35, 36, 37], [40, 41, 42, 43], [44, 45, 46, 47]]
+    assert b.worker.submit_load(
+        2, spec, GPULoadStoreSpec([i for g in dst for i in g], [4] * 4, [0] * 4)
     )
-    assert torch.equal(d[2].tensor[40:42], s[2].tensor[10:12])
-    assert not d[2].tensor[30].any() and not d[0].tensor[40:42].any()
-    w.shutdown()
-    other.shutdown()
-    mgr.shutdown()
+    assert finish(b.worker, 2).success  # type: ignore[attr-defined]
+    mgr_b.complete_load(keys, CTX)
+    sources = [[2, 3, 4, 5], [6, 7, 8, 9], [0, 11, 12, 13], [14, 15, 16, 17]]
+    layers = {g: b.kv_cache_config.kv_cache_groups[g].layer_names for g in range(4)}
+    for g in range(4):
+        for layer in layers[g]:
+            assert torch.equal(b.caches[layer][dst[g]], a.caches[layer][sources[g]]), (g, layer)
+    with kvoffload.connect(daemon.socket_path) as admin:
+        sections = admin.stats()["namespaces"]
+    assert [sections[g.namespace]["stored_blocks"] for g in groups] == [2, 2, 2, 2]
+    a.shutdown()
+    b.shutdown()
 
 
-@pytest.mark.parametrize("make", ["memfd", "plain"])
 def test_a_load_whose_blocks_are_gone_stops_the_engine_with_one_error(
-    daemon: DaemonProcess, make: str
+    daemon: DaemonProcess,
 ) -> None:
     """Never silently: vLLM must not compute with KV that was not loaded."""
-    cfg = offloading_config(daemon.socket_path, worker_kv_bytes_per_block=sum(PAGES))
-    spec = KVOffloadSpec(cfg)
-    mgr = spec.get_manager()
-    dst = caches(make, None, [[0, 1, 2]])
-    w = spec.get_worker(dst)
+    r = rank(daemon, "a")
+    mgr = r.spec.get_manager()
     lspec = mgr.prepare_load([make_offload_key(b"never", 0)], CTX)
-    assert w.submit_load(3, lspec, GPULoadStoreSpec([0], [1], [0]))  # accepted, as vLLM needs
+    assert r.worker.submit_load(3, lspec, GPULoadStoreSpec([0], [1], [0]))  # accepted
     with pytest.raises(LoadLostError, match=r"cannot complete: .*gone"):
-        finish(w, 3)
-    assert not any(t.tensor.any() for t in dst.tensors)
-    w.shutdown()
-    mgr.shutdown()
+        finish(r.worker, 3)
+    assert not any(t.any() for t in r.caches.values())
+    r.shutdown()
+
+
+def test_a_rank_whose_pages_cannot_match_the_namespace_is_refused_at_start(
+    daemon: DaemonProcess,
+) -> None:
+    """Two engines told to share one name whose pages differ: the second one's rank
+    stops at start, the daemon's refusal naming both layouts; nothing is shared."""
+    extra = {"namespace": "team"}
+    first = Rank("tiny", 1, 0, daemon.socket_path, "a", canonical=False, extra=extra)
+    with pytest.raises(LayoutMismatchError, match=r"exists with another layout .*sent"):
+        Rank("llama", 1, 0, daemon.socket_path, "b", canonical=False, extra=extra)
+    first.shutdown()
+
+
+def test_a_rank_without_a_certified_mapping_cannot_write_canonical_pages() -> None:
+    """The scheduler chose the canonical layout from vLLM's static certification; a
+    rank vLLM then gives no certified mapping stops at start naming both layouts."""
+    tensor = torch.zeros(4, 64, dtype=torch.int8)
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(tensor, 64)], [[CanonicalKVCacheRef(0, 64)]])
+    identity = VllmIdentity("m", "bfloat16", 1, (16,), 16, canonical_format="v1-hnd")
+    with pytest.raises(RuntimeError, match=r"canonical layout v1-hnd .* rank 3 .* per-rank pages"):
+        canonical_parts(caches, [0], identity, rank=3)

@@ -1,57 +1,43 @@
-"""Build vLLM's OffloadingConfig the way the connector does, for a small fake model."""
+"""vLLM's OffloadingConfig of every role of an engine, the way vLLM builds them: the
+engine's ``VllmConfig``, its KV cache planning over every rank (``vllm_plan``), and the
+connector's ``build_offloading_config`` for the scheduler (handed rank 0's KV cache
+config, as vLLM's engine core does) and for each rank."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    build_offloading_config,
 )
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvoffloadbench.vllm_plan import plan, vllm_config
 
 
-def offloading_config(
+def offloading_configs(
     socket_path: str,
+    model: str = "tiny",
     *,
-    model: str = "test/tiny",
-    worker_kv_bytes_per_block: int = 4096,
-    blocks_per_chunk: int = 1,
-    groups: int = 1,
-    rank: int = 0,
-    world_size: int = 1,
-    events: bool = True,
+    tp: int = 1,
+    pp: int = 1,
     engine_id: str = "e0",
+    num_blocks: int = 160,
     **extra: Any,
-) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=tuple(
-            OffloadingGroupConfig(tokens_per_block=16, layer_names=(f"l{g}",), group_id=g)
-            for g in range(groups)
-        ),
-        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
-        enable_kv_cache_events=events,
-        extra_config={
-            "spec_name": "KVOffloadSpec",
-            "spec_module_path": "kvoffload.vllm",
-            "socket_path": socket_path,
-            **extra,
-        },
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name=model, dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    )
+) -> tuple[OffloadingConfig, list[OffloadingConfig]]:
+    """(the scheduler's config, each rank's)."""
+    options = {
+        "spec_name": "KVOffloadSpec",
+        "spec_module_path": "kvoffload.vllm",
+        "socket_path": socket_path,
+        **extra,
+    }
+    shape: dict[str, Any] = {"tp": tp, "pp": pp, "transfer": options, "engine_id": engine_id}
+    cfg = vllm_config(model, max_model_len=1024, **shape)
+    configs, scheduler = plan(cfg, num_blocks)
+    ranks = []
+    for r, kvc in enumerate(configs):
+        rank_cfg = vllm_config(model, rank=r, max_model_len=1024, **shape)
+        rank_cfg.cache_config = cfg.cache_config
+        ranks.append(build_offloading_config(rank_cfg, kvc))
+    return build_offloading_config(cfg, scheduler), ranks

@@ -10,13 +10,18 @@ decoding requests with block_size 16. Engine-side step time is ``schedule()`` +
 3. ``KVOffloadSpec`` against a kvoffloadd with a real worker (client copies), while a
    second engine process runs the same workload in the same namespace.
 
-The three are interleaved step by step (one step of each, the first rotating), so
-machine noise and drift hit all alike, and the second engine runs during all three.
-Stores happen every step with ``offload_prompt_only=False`` (a block fills every 16
-steps per request) and only for prompts with vLLM's default ``True``. Per step it
-counts the blocking round trips of the scheduler and of the worker (the target is
-zero) and the one-way frames sent; the daemon's CPU per engine step and its loop turns
-come from the daemon itself.
+The three run in blocks of ``--block`` steps, in turn (the first rotating every
+round), so machine noise and drift hit all alike while what one engine's step causes
+(the daemon waking on its writes, a copy) lands in its own block, not in the next
+configuration's timed step; the second engine runs during all three. Prompt lengths
+are spread over a block's 16 tokens, so with ``offload_prompt_only=False`` some
+request fills a block, a store, in every step (N/16 of them), and only prompts store
+with vLLM's default ``True``. Per step it counts the blocking round trips of the
+scheduler and of the worker (the target is zero) and the one-way frames sent; at
+N=16 it splits the engine process's time in the client into writes to the daemon
+(``send``), reads (``recv``) and delivering what was read to the views and workers
+(``apply``), for the scheduler's step and for the worker's part of the step. The
+daemon's CPU per engine step and its loop turns come from the daemon itself.
 
 ``--scale K`` (8 by default) then runs K engine processes of N=256 at full step rate on
 a daemon of their own and reports each engine's step rate and the daemon's CPU and
@@ -39,10 +44,13 @@ from kvoffloadbench.launch import DaemonProcess
 
 PROMPT_TOKENS = 40
 WARMUP_STEPS = 30
+BLOCK_TOKENS = 16
 
 
-def _prompt(i: int, salt: int = 0) -> list[int]:
-    return [(i * 131 + j * 7 + salt * 17) % 997 + 1 for j in range(PROMPT_TOKENS)]
+def _prompt(i: int, n: int, salt: int = 0) -> list[int]:
+    """Lengths spread over a block: the N requests fill their blocks in turn."""
+    length = PROMPT_TOKENS + (i * BLOCK_TOKENS // max(1, n)) % BLOCK_TOKENS
+    return [(i * 131 + j * 7 + salt * 17) % 997 + 1 for j in range(length)]
 
 
 def _engine(spec: str, n: int, prompt_only: bool, sock: str, eid: str, salt: int = 0) -> Any:
@@ -58,19 +66,94 @@ def _engine(spec: str, n: int, prompt_only: bool, sock: str, eid: str, salt: int
         verify=False,
     )
     for i in range(n):
-        e.add(f"{eid}-{i}", _prompt(i, salt), 100_000)
+        e.add(f"{eid}-{i}", _prompt(i, n, salt), 100_000)
     for _ in range(WARMUP_STEPS):
         e.step()
     return e
+
+
+def _clients(e: Any) -> list[Any]:
+    return [e.manager.client, *(w.client for w in e.offload_workers)]
 
 
 def _counters(e: Any) -> tuple[int, int, int]:
     """(scheduler round trips, worker round trips, one-way frames) so far."""
     if e.spec != "kvoffload":
         return 0, 0, 0
-    sched = e.manager.ns.client
-    worker = e.offload_worker.worker.ns.client
-    return sched.round_trips_total, worker.round_trips_total, sched.posts_total + worker.posts_total
+    sched, *workers = _clients(e)
+    return (
+        sched.round_trips_total,
+        sum(w.round_trips_total for w in workers),
+        sum(c.posts_total for c in (sched, *workers)),
+    )
+
+
+class Profile:
+    """Time the engine process spends in the client, split into writes (``send``),
+    reads (``recv``) and delivering what was read (``apply``), for the scheduler's
+    step and for the worker's part, while ``on``."""
+
+    def __init__(self) -> None:
+        self.part = ""  # "scheduler", "worker", or "" (not measured)
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list[tuple[type, str, Any]] = []
+
+    def __enter__(self) -> Profile:
+        from kvoffload.client import Client
+        from kvoffload.transport import Transport
+
+        for cls, name, what in (
+            (Transport, "flush", "send"),
+            (Transport, "poll", "recv"),
+            (Client, "_route", "apply"),
+        ):
+            orig = getattr(cls, name)
+            self._undo.append((cls, name, orig))
+            setattr(cls, name, self._timed(orig, what))
+        return self
+
+    def _timed(self, fn: Any, what: str) -> Any:
+        def timed(*args: Any, **kw: Any) -> Any:
+            if not self.part:
+                return fn(*args, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                key = f"{self.part}_{what}"
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+                self.calls[key] = self.calls.get(key, 0) + 1
+
+        return timed
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name, orig in self._undo:
+            setattr(cls, name, orig)
+
+    def report(self, steps: int) -> dict[str, float]:
+        out = {f"{k}_us_per_step": v / steps * 1e6 for k, v in sorted(self.seconds.items())}
+        out |= {f"{k}_calls_per_step": v / steps for k, v in sorted(self.calls.items())}
+        return out
+
+
+def _step(e: Any, profile: Profile | None) -> float:
+    """One step; its engine-side milliseconds (``schedule()`` + ``update_from_output()``)."""
+    if profile is None:
+        a, b = e.step()
+        return float(a + b) * 1e3
+    profile.part = "scheduler"
+    t0 = time.perf_counter()
+    out = e.scheduler.schedule()
+    t1 = time.perf_counter()
+    profile.part = "worker"
+    result = e.execute(out)
+    profile.part = "scheduler"
+    t2 = time.perf_counter()
+    e.scheduler.update_from_output(out, result)
+    t3 = time.perf_counter()
+    profile.part = ""
+    return (t1 - t0 + t3 - t2) * 1e3
 
 
 def _cpu_s(pid: int) -> float:
@@ -96,7 +179,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def measure_point(
-    d: DaemonProcess, n: int, prompt_only: bool, steps: int, rounds: int
+    d: DaemonProcess, n: int, prompt_only: bool, steps: int, rounds: int, block: int
 ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     stop, bg_steps = ctx.Event(), ctx.Value("q", 0)
@@ -104,28 +187,35 @@ def measure_point(
     bg.start()
     engines = {s: _engine(s, n, prompt_only, d.socket_path, f"{s}{n}") for s in SPECS}
     times: dict[str, list[float]] = {s: [] for s in SPECS}
-    before = _counters(engines["kvoffload"])
+    stores = dict.fromkeys(SPECS, 0)
+    kvo = engines["kvoffload"]
+    before = _counters(kvo)
     cpu0, bg0 = _cpu_s(d.pid), bg_steps.value
     order = list(engines.items())
-    for i in range(rounds * steps):  # step by step, first engine rotating: same noise
-        k = i % len(order)
-        for spec, e in order[k:] + order[:k]:
-            a, b = e.step()
-            times[spec].append((a + b) * 1e3)
+    blocks = max(1, steps // block)
+    with Profile() as profile:
+        for r in range(rounds * blocks):  # blocks in turn, first one rotating: same noise
+            k = r % len(order)
+            for spec, e in order[k:] + order[:k]:
+                for _ in range(block):
+                    times[spec].append(_step(e, profile if e is kvo else None))
+                    stores[spec] += bool(e.last_stores)
+    measured = blocks * block * rounds
     cpu1, bg1 = _cpu_s(d.pid), bg_steps.value
-    after = _counters(engines["kvoffload"])
-    view = engines["kvoffload"].manager.view
+    after = _counters(kvo)
+    views = kvo.manager.views
     point: dict[str, Any] = {"n": n, "offload_prompt_only": prompt_only}
     for spec, xs in times.items():
         point[spec] = {"p50_ms": statistics.median(xs), "p99_ms": _pct(xs, 0.99)}
-    measured = steps * rounds
     point["ratio_p50"] = point["kvoffload"]["p50_ms"] / point["vllm"]["p50_ms"]
     point["ratio_p99"] = point["kvoffload"]["p99_ms"] / point["vllm"]["p99_ms"]
+    point["steps_with_stores"] = stores["kvoffload"] / measured
     point["scheduler_round_trips_per_step"] = (after[0] - before[0]) / measured
     point["worker_round_trips_per_step"] = (after[1] - before[1]) / measured
     point["one_way_frames_per_step"] = (after[2] - before[2]) / measured
-    point["lease_fallbacks_total"] = view.lease_fallbacks_total
-    point["feed_resyncs_total"] = view.resyncs_total
+    point["lease_fallbacks_total"] = sum(v.lease_fallbacks_total for v in views)
+    point["feed_resyncs_total"] = sum(v.resyncs_total for v in views)
+    point["profile"] = profile.report(measured)
     engine_steps = measured + (bg1 - bg0)
     point["daemon_cpu_us_per_engine_step"] = (cpu1 - cpu0) / max(1, engine_steps) * 1e6
     stop.set()
@@ -140,8 +230,9 @@ SPECS = ("none", "vllm", "kvoffload")
 
 def _scale_engine(sock: str, n: int, seconds: float, out: Any) -> None:
     e = _engine("kvoffload", n, False, sock, f"s{os.getpid()}", salt=os.getpid())
-    view = e.manager.view
-    trips0, fallbacks0 = sum(_counters(e)[:2]), view.lease_fallbacks_total  # after warm-up
+    views = e.manager.views
+    trips0 = sum(_counters(e)[:2])  # after warm-up
+    fallbacks0 = sum(v.lease_fallbacks_total for v in views)
     times, t_end = [], time.monotonic() + seconds
     while time.monotonic() < t_end:
         a, b = e.step()
@@ -151,7 +242,7 @@ def _scale_engine(sock: str, n: int, seconds: float, out: Any) -> None:
             "steps_per_s": len(times) / seconds,
             "p50_ms": statistics.median(times),
             "p99_ms": _pct(times, 0.99),
-            "lease_fallbacks_total": view.lease_fallbacks_total - fallbacks0,
+            "lease_fallbacks_total": sum(v.lease_fallbacks_total for v in views) - fallbacks0,
             "round_trips": sum(_counters(e)[:2]) - trips0,
         }
     )
@@ -194,8 +285,9 @@ def _loop(d: DaemonProcess) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench-engine", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="16,64,256", help="running requests per point ('': none)")
-    p.add_argument("--steps", type=int, default=200, help="measured steps per round")
+    p.add_argument("--steps", type=int, default=400, help="measured steps per round")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--block", type=int, default=50, help="steps of one engine in a row")
     p.add_argument("--scale", type=int, default=8, help="engines for the scale run (0: off)")
     p.add_argument("--seconds", type=float, default=20.0, help="scale run length")
     p.add_argument("--json", help="write the figures here")
@@ -206,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "steps": args.steps,
         "rounds": args.rounds,
+        "block": args.block,
         "points": [],
     }
     sizes = [int(x) for x in args.sizes.split(",") if x]
@@ -214,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             for prompt_only in (False, True):
                 for n in sizes:
                     report["points"].append(
-                        measure_point(d, n, prompt_only, args.steps, args.rounds)
+                        measure_point(d, n, prompt_only, args.steps, args.rounds, args.block)
                     )
             report["daemon_loop"] = _loop(d)
             d.stop()
@@ -241,6 +334,8 @@ def render(report: dict[str, Any]) -> str:
         ]
         for pt in report["points"]:
             mode = "prompt only" if pt["offload_prompt_only"] else "every step"
+            if "steps_with_stores" in pt:
+                mode += f" ({pt['steps_with_stores']:.0%} of steps)"
             cells = [
                 f"{pt[s]['p50_ms']:.3f} / {pt[s]['p99_ms']:.3f}"
                 for s in ("none", "vllm", "kvoffload")
@@ -253,6 +348,18 @@ def render(report: dict[str, Any]) -> str:
                 f"{pt['one_way_frames_per_step']:.2f} | "
                 f"{pt['daemon_cpu_us_per_engine_step']:.0f} us |"
             )
+        for pt in report["points"]:
+            prof = pt.get("profile") or {}
+            if pt["n"] != 16 or not prof:
+                continue
+            mode = "prompt only" if pt["offload_prompt_only"] else "every step"
+            split = ", ".join(
+                f"{part} {what} {prof.get(f'{part}_{what}_us_per_step', 0.0):.1f} us "
+                f"({prof.get(f'{part}_{what}_calls_per_step', 0.0):.2f}/step)"
+                for part in ("scheduler", "worker")
+                for what in ("send", "recv", "apply")
+            )
+            lines.append(f"\nN=16, stores {mode}, time in the client per step: {split}")
         loop = report.get("daemon_loop", {})
         lines.append(
             f"\ndaemon loop turns: p50 {loop.get('turn_p50_us')} us, p99 "

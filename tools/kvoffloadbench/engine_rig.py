@@ -1,25 +1,26 @@
 """vLLM 0.33's real engine-side path, without a model: its ``Scheduler`` and its
-``OffloadingConnector`` in both roles, in one process.
+``OffloadingConnector`` in both roles, every worker rank of the engine in one process.
 
-What runs is vLLM's own code: the scheduler (prefix caching, preemption, the
+What runs is vLLM's own code: the configuration and KV cache planning of the engine at
+its parallel shape (``vllm_plan``), the scheduler (prefix caching, preemption, the
 connector's lookups, load and store planning, deferred stores), the connector's
-worker side (submits, ``get_finished``, ``wait``) and ``update_from_output``. Only the
-forward pass is replaced: it writes each KV block as a function of the block's hash
-(``pattern``), so every engine computing the same prefix writes the same bytes, and
-it checks, before each step, that every block a request counts as computed holds
-exactly those bytes (``bad_blocks``): a wrong or missing load is caught at once.
+worker side on every rank (submits, ``get_finished``, ``wait``), vLLM's aggregation of
+the ranks' outputs (``KVOutputAggregator``) and ``update_from_output``. The workers
+register their KV caches before the scheduler starts, as in a vLLM engine. Only the
+forward pass is replaced: every rank writes each KV block of its layers as a function
+of the block's hash, the layer and the KV head (``pattern``), so every engine
+computing the same prefix writes the same bytes whatever its parallel shape, and it
+checks, before each step, that every block a request counts as computed holds exactly
+those bytes (``bad_blocks``): a wrong or missing load is caught at once.
 Sampling is deterministic in the prompt, so two engines fed one prompt generate one
 sequence and offload the same keys.
 
-The configuration comes from a tiny local model ``config.json`` with the Hugging Face
-hub offline: nothing is downloaded.
-
 ``spec`` picks the offloading: "kvoffload" (``KVOffloadSpec`` against a daemon),
-"vllm" (vLLM's own ``CPUOffloadingSpec``; its worker needs CUDA, so jobs complete at
-once, which makes it the lower bound of the engine-side cost), "none" (no connector).
-KV caches come from vLLM's own allocation (``allocate_kv_cache``: plain CPU tensors,
-client-copy mode) or, with ``memfd``, the same views over a ``shared_kv_cache``
-buffer (daemon-copy mode).
+"vllm" (vLLM's own ``CPUOffloadingSpec``: its worker needs CUDA, so its jobs complete
+at once, reporting the transfer sizes and times its real worker reports; the lower
+bound of what offloading costs the scheduler), "none" (no connector). KV caches come
+from vLLM's own allocation over plain memory (client-copy mode) or, with ``memfd``,
+over a ``shared_kv_cache`` buffer (daemon-copy mode).
 """
 
 from __future__ import annotations
@@ -28,21 +29,15 @@ import hashlib
 import os
 import time
 from collections.abc import Iterable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before vLLM imports the hub (vllm_plan)
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
@@ -53,35 +48,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-from vllm.v1.core.kv_cache_planning import (
-    get_global_kv_cache_groups,
-    get_kv_cache_configs,
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_dcp_kv_block_size,
+    resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, create_kv_cache_views
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-MODEL_DIR = Path(__file__).with_name("tiny-llama")
-BLOCK_TOKENS = 16
-LAYERS = 2
+from .vllm_plan import allocate_kv_caches, plan, vllm_config
+
 VOCAB = 1000
 MAX_MODEL_LEN = 2048
 
-if "KVOffloadSpec" not in OffloadingSpecFactory._registry:
-    # vLLM resolves spec_name + spec_module_path with this same loader, after a
-    # warning whose import chain needs all of vLLM's optional dependencies.
-    OffloadingSpecFactory.register_spec("KVOffloadSpec", "kvoffload.vllm", "KVOffloadSpec")
 
-
-def pattern(block_hash: bytes, tensor: int, nbytes: int) -> torch.Tensor:
-    """The KV bytes of one block in one canonical tensor: a function of its hash."""
-    raw = hashlib.shake_128(block_hash + tensor.to_bytes(2, "little")).digest(nbytes)
+def pattern(block_hash: bytes, layer: str, head: int, nbytes: int) -> torch.Tensor:
+    """The KV bytes of one block of one layer and KV head: a function of its hash."""
+    tag = f"{layer}/{head}".encode()
+    raw = hashlib.shake_128(block_hash + tag).digest(nbytes)
     return torch.frombuffer(bytearray(raw), dtype=torch.int8)
 
 
@@ -90,11 +79,31 @@ def next_token(prompt: list[int], position: int) -> int:
     return (sum(prompt[-8:]) * 31 + position * 7) % (VOCAB - 1) + 1
 
 
+@dataclass
+class RankKV:
+    """One worker rank: its vLLM config, KV cache config, caches and connector."""
+
+    cfg: VllmConfig
+    kv_cache_config: KVCacheConfig
+    caches: dict[str, torch.Tensor]  # layer -> vLLM's [blocks, heads, tokens, ...] view
+    first_head: int  # the rank's first KV head (of the model's, or its replica's)
+    connector: OffloadingConnector | None = None
+
+    def group_layers(self, group: int) -> list[str]:
+        return list(self.kv_cache_config.kv_cache_groups[group].layer_names)
+
+
 class Engine:
     def __init__(
         self,
         spec: str,
         *,
+        model: str = "tiny",
+        tp: int = 1,
+        pp: int = 1,
+        dcp: int = 1,
+        dp: int = 1,
+        dp_index: int = 0,
         socket_path: str = "",
         engine_id: str = "e0",
         num_blocks: int = 2048,
@@ -109,91 +118,67 @@ class Engine:
         self.verify = verify
         self.bad_blocks = 0
         self.loaded_blocks = 0
+        self.last_stores = 0  # store jobs the last executed step carried
         self.prompts: dict[str, list[int]] = {}
-        self.cfg = self._config(
-            spec, socket_path, engine_id, max_num_seqs, max_batched_tokens,
-            offload_prompt_only, extra or {},
-        )  # fmt: skip
-        kv_spec = FullAttentionSpec(
-            block_size=BLOCK_TOKENS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16
-        )
-        specs = {f"model.layers.{i}.self_attn.attn": kv_spec for i in range(LAYERS)}
-        resolve_kv_cache_layout(self.cfg, [["LBHNC"]], specs.values())
-        groups = get_global_kv_cache_groups(self.cfg, [specs])
-        memory = num_blocks * kv_spec.page_size_bytes * LAYERS
-        self.kv_cache_config = get_kv_cache_configs(self.cfg, [specs], [memory], groups)[0]
-        self.cfg.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
-        hash_fn = get_hash_fn_by_name(self.cfg.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        self._hasher = get_request_block_hasher(BLOCK_TOKENS, hash_fn)
-        self.scheduler = Scheduler(
-            self.cfg, self.kv_cache_config, StructuredOutputManager(self.cfg), BLOCK_TOKENS
-        )
-        self.worker: OffloadingConnector | None = None
-        self.tensors: list[torch.Tensor] = []
-        if spec == "kvoffload":
-            self.worker = OffloadingConnector(
-                self.cfg, KVConnectorRole.WORKER, self.kv_cache_config
-            )
-            self.worker.register_kv_caches(self._allocate(memfd))
-            self.tensors = list(self.offload_worker.worker.caches)
-
-    # ------------------------------------------------------------ set-up
-
-    @staticmethod
-    def _config(
-        spec: str,
-        socket_path: str,
-        engine_id: str,
-        max_num_seqs: int,
-        max_batched_tokens: int,
-        offload_prompt_only: bool,
-        extra: dict[str, Any],
-    ) -> VllmConfig:
-        transfer = None
+        transfer: dict[str, Any] | None = None
         if spec != "none":
-            options: dict[str, Any] = {"offload_prompt_only": offload_prompt_only}
+            transfer = {"offload_prompt_only": offload_prompt_only}
             if spec == "kvoffload":
-                options |= {
+                transfer |= {
                     "spec_name": "KVOffloadSpec",
                     "spec_module_path": "kvoffload.vllm",
                     "socket_path": socket_path,
                 }
             else:
-                options |= {"cpu_bytes_to_use": 1 << 30}
-            transfer = KVTransferConfig(
-                kv_connector="OffloadingConnector",
-                kv_role="kv_both",
-                engine_id=engine_id,
-                kv_connector_extra_config=options | extra,
+                transfer["cpu_bytes_to_use"] = 1 << 30
+            transfer |= extra or {}
+        shape = {"tp": tp, "pp": pp, "dcp": dcp, "dp": dp, "dp_index": dp_index}
+        common = {
+            "transfer": transfer,
+            "engine_id": engine_id,
+            "max_num_seqs": max_num_seqs,
+            "max_batched_tokens": max_batched_tokens,
+            "max_model_len": MAX_MODEL_LEN,
+        }
+        self.cfg = vllm_config(model, **shape, **common)  # type: ignore[arg-type]
+        self.world = self.cfg.parallel_config.world_size
+        configs, self.kv_cache_config = plan(self.cfg, num_blocks)
+        self.ranks: list[RankKV] = []
+        for r, kvc in enumerate(configs):
+            rcfg = self.cfg if r == 0 else vllm_config(model, rank=r, **shape, **common)  # type: ignore[arg-type]
+            rcfg.cache_config = self.cfg.cache_config  # the layout and block count resolved
+            self.ranks.append(
+                RankKV(rcfg, kvc, allocate_kv_caches(rcfg, kvc, memfd), _first_head(rcfg, r))
             )
-        model = ModelConfig(
-            model=str(MODEL_DIR),
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            max_model_len=MAX_MODEL_LEN,
+        if spec == "kvoffload":  # workers register first, as in vLLM's engine start-up
+            for rk in self.ranks:
+                rk.connector = OffloadingConnector(
+                    rk.cfg, KVConnectorRole.WORKER, rk.kv_cache_config
+                )
+                rk.connector.register_kv_caches(rk.caches)
+        block, hash_block = resolve_kv_cache_block_sizes(self.kv_cache_config, self.cfg)
+        hash_fn = get_hash_fn_by_name(self.cfg.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(hash_block, hash_fn)
+        self.scheduler = Scheduler(
+            self.cfg,
+            self.kv_cache_config,
+            StructuredOutputManager(self.cfg),
+            block,
+            hash_block,
         )
-        return VllmConfig(
-            model_config=model,
-            cache_config=CacheConfig(block_size=BLOCK_TOKENS, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_batched_tokens,
-                max_model_len=MAX_MODEL_LEN,
-                is_encoder_decoder=False,
-            ),
-            kv_transfer_config=transfer,
-            device_config=DeviceConfig("cpu"),
-        )
+        self._aggregator = KVOutputAggregator(self.world)
 
-    def _allocate(self, memfd: bool) -> dict[str, torch.Tensor]:
-        return allocate_kv_caches(self.cfg, self.kv_cache_config, memfd)
+    # ------------------------------------------------------------ accessors
 
     @property
     def offload_worker(self) -> Any:
-        """The connector's worker: our ``KVOffloadWorker``."""
-        assert self.worker is not None and self.worker.connector_worker is not None
-        return self.worker.connector_worker.worker
+        """Rank 0's ``KVOffloadWorker``."""
+        return self.offload_workers[0]
+
+    @property
+    def offload_workers(self) -> list[Any]:
+        return [rk.connector.connector_worker.worker for rk in self.ranks if rk.connector]
 
     @property
     def manager(self) -> Any:
@@ -236,39 +221,62 @@ class Engine:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         meta = out.kv_connector_metadata
-        kv_out: KVConnectorOutput | None = None
-        if self.worker is not None:
-            w = self.worker
-            assert isinstance(meta, OffloadingConnectorMetadata)
-            w.handle_preemptions(meta)
-            w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
-            self._forward(out)
-            w.wait_for_save()
-            sending, recving = w.get_finished(out.finished_req_ids)
-            self.loaded_blocks += 0 if not recving else len(recving)
-            kv_out = KVConnectorOutput(
-                finished_sending=sending or None,
-                finished_recving=recving or None,
-                kv_connector_worker_meta=w.build_connector_worker_meta(),
-            )
-            w.clear_connector_metadata()
-        elif isinstance(meta, OffloadingConnectorMetadata):
-            done = OffloadingWorkerMetadata()
-            for job_id in (*meta.load_jobs, *meta.store_jobs):
-                done.mark_completed(job_id)
-            recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
-            kv_out = KVConnectorOutput(
-                finished_recving=recving or None,
-                kv_connector_worker_meta=done if done.completed_jobs else None,
-            )
+        self.last_stores = len(getattr(meta, "store_jobs", ()))
         ids = list(out.num_scheduled_tokens)
         sampled = [self._sample(req_id) for req_id in ids]
-        return ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_out,
+        outputs = []
+        for rk in self.ranks:
+            kv_out = None
+            if rk.connector is not None:
+                w = rk.connector
+                assert isinstance(meta, OffloadingConnectorMetadata)
+                w.handle_preemptions(meta)
+                w.bind_connector_metadata(meta)
+                w.start_load_kv(None)  # type: ignore[arg-type]
+                self._forward(out, rk)
+                w.wait_for_save()
+                sending, recving = w.get_finished(out.finished_req_ids)
+                kv_out = KVConnectorOutput(
+                    finished_sending=sending or None,
+                    finished_recving=recving or None,
+                    kv_connector_worker_meta=w.build_connector_worker_meta(),
+                )
+                w.clear_connector_metadata()
+            else:
+                self._forward(out, rk)
+                if isinstance(meta, OffloadingConnectorMetadata):
+                    kv_out = self._vllm_worker(meta)
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=ids,
+                    req_id_to_index={r: i for i, r in enumerate(ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=kv_out,
+                )
+            )
+        result = self._aggregator.aggregate(outputs)
+        assert result is not None
+        recving = result.kv_connector_output and result.kv_connector_output.finished_recving
+        self.loaded_blocks += len(recving or ())
+        return result
+
+    def _vllm_worker(self, meta: OffloadingConnectorMetadata) -> KVConnectorOutput:
+        """vLLM's CPU worker, without CUDA: every job completes at once and reports its
+        size and time, as ``CPUOffloadingWorker.get_finished`` does."""
+        done = OffloadingWorkerMetadata()
+        page = self.kv_cache_config.kv_cache_tensors[0].size // self.kv_cache_config.num_blocks
+        for jobs, stats in (
+            (meta.load_jobs, done.transfer_stats.load),
+            (meta.store_jobs, done.transfer_stats.store),
+        ):
+            for job_id, job in jobs.items():
+                done.mark_completed(job_id)
+                gpu = job.dst_spec if jobs is meta.load_jobs else job.src_spec
+                stats.record(len(gpu.block_ids) * page, 1e-5)  # type: ignore[attr-defined]
+        recving = {job.req_id for job in meta.load_jobs.values() if not job.sync}
+        return KVConnectorOutput(
+            finished_recving=recving or None,
+            kv_connector_worker_meta=done if done.completed_jobs else None,
         )
 
     def _sample(self, req_id: str) -> list[int]:
@@ -277,27 +285,62 @@ class Engine:
             return []  # a chunked prefill step samples nothing
         return [next_token(self.prompts[req_id], req.num_tokens)]
 
-    def _forward(self, out: SchedulerOutput) -> None:
-        """Check every block the requests count as computed; write the new ones."""
-        if not self.tensors:
+    def _forward(self, out: SchedulerOutput, rk: RankKV) -> None:
+        """Check every block the requests count as computed; write the new ones, in
+        every KV cache group's blocks of the rank's layers (null blocks skipped)."""
+        if not rk.caches:
             return
+        dcp = self.cfg.parallel_config.decode_context_parallel_size
+        tokens = [
+            resolve_dcp_kv_block_size(g.kv_cache_spec, dcp)
+            for g in self.kv_cache_config.kv_cache_groups
+        ]
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             end = req.num_computed_tokens
             start = end - n
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             hashes = req.block_hashes
-            if self.verify:
-                self.bad_blocks += self._check(block_ids[: start // BLOCK_TOKENS], hashes)
-            for i in range(start // BLOCK_TOKENS, end // BLOCK_TOKENS):
-                for t, tensor in enumerate(self.tensors):
-                    tensor[block_ids[i]] = pattern(hashes[i], t, tensor.shape[1])
+            per_group = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            for g, block_ids in enumerate(per_group):
+                layers = rk.group_layers(g)
+                if not layers:
+                    continue
+                bt = tokens[g]
+                if self.verify:
+                    self.bad_blocks += self._check(rk, layers, block_ids[: start // bt], hashes)
+                for i in range(start // bt, end // bt):
+                    if block_ids[i]:
+                        self._write(rk, layers, block_ids[i], hashes[i])
 
-    def _check(self, block_ids: Iterable[int], hashes: list[bytes]) -> int:
+    @staticmethod
+    def _write(rk: RankKV, layers: list[str], block: int, block_hash: bytes) -> None:
+        for layer in layers:
+            view = rk.caches[layer][block]
+            for h in range(view.shape[0]):
+                page = view[h]
+                nbytes = page.numel() * page.element_size()
+                page.copy_(
+                    pattern(block_hash, layer, rk.first_head + h, nbytes)
+                    .view(page.dtype)
+                    .view(page.shape)
+                )
+
+    @staticmethod
+    def _check(rk: RankKV, layers: list[str], block_ids: Iterable[int], hashes: list[bytes]) -> int:
         bad = 0
         for i, b in enumerate(block_ids):
-            for t, tensor in enumerate(self.tensors):
-                if not torch.equal(tensor[b], pattern(hashes[i], t, tensor.shape[1])):
+            if not b:
+                continue  # a sliding window block that fell out of the window
+            for layer in layers:
+                view = rk.caches[layer][b]
+                nbytes = view[0].numel() * view.element_size()
+                if not all(
+                    torch.equal(
+                        view[h].contiguous().view(torch.int8).view(-1),
+                        pattern(hashes[i], layer, rk.first_head + h, nbytes),
+                    )
+                    for h in range(view.shape[0])
+                ):
                     bad += 1
                     break
         return bad
@@ -306,24 +349,20 @@ class Engine:
         connector = self.scheduler.connector
         if connector is not None:
             connector.shutdown()
-        if self.worker is not None:
-            self.worker.shutdown()
+        for rk in self.ranks:
+            if rk.connector is not None:
+                rk.connector.shutdown()
 
 
-def allocate_kv_caches(cfg: VllmConfig, kvc: Any, memfd: bool) -> dict[str, torch.Tensor]:
-    """vLLM's own KV allocation (``allocate_kv_cache``'s views), over a memfd (the
-    daemon copies) or plain memory (the worker copies itself: client-copy mode)."""
-    size = kvc.kv_cache_tensors[0].size
-    if memfd:
-        import kvoffload
-
-        buf = kvoffload.shared_kv_cache(1, size).view(-1)
-    else:
-        buf = torch.zeros(size, dtype=torch.int8)
-    layout = cfg.cache_config.get_resolved_kv_cache_layout()
-    spec = kvc.kv_cache_groups[0].kv_cache_spec
-    caches: dict[str, torch.Tensor] = {}
-    for t in kvc.kv_cache_tensors:
-        views = create_kv_cache_views(buf, spec, kvc.num_blocks_of(t), layout, t)
-        caches.update(zip(t.layers, views))
-    return caches
+def _first_head(cfg: VllmConfig, rank: int) -> int:
+    """The model's KV head a rank's first cache head holds: heads are sharded over TP
+    (replicated when TP exceeds them), an MLA latent is one head on every rank; decode
+    context parallel ranks of one head hold other tokens, so they count apart."""
+    mc, p = cfg.model_config, cfg.parallel_config
+    if mc.use_mla:
+        return 0
+    total, tp = mc.get_total_num_kv_heads(), p.tensor_parallel_size
+    tp_rank = rank % tp
+    first = tp_rank * total // tp if tp <= total else tp_rank // (tp // total)
+    dcp = p.decode_context_parallel_size
+    return int(first + total * (tp_rank % dcp if dcp > 1 else 0))

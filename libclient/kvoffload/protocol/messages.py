@@ -83,10 +83,15 @@ class Ping(_Msg, frozen=True, tag="ping"):
 
 
 class OpenNamespace(_Msg, frozen=True, tag="open_ns"):
+    """Open (or create) a namespace. With ``join`` the namespace must exist already
+    (NOT_FOUND otherwise) and ``layout`` is not compared: an engine's scheduler, which
+    cannot know every rank's pages, joins what its workers created."""
+
     rid: int
     name: str
     layout: KVLayout
     subscribe: bool = True  # queue the namespace's events for this connection
+    join: bool = False
 
 
 class Lookup(_Msg, frozen=True, tag="lookup"):

@@ -42,6 +42,7 @@ class KeyMirror:
     def __init__(self, ns: Namespace) -> None:
         self.ns = ns
         self.keys: set[bytes] = set()
+        self.want = 0  # a mirror leases no slots (SGLang's backups prepare their stores)
         self.seq = 0
         self.connected = False
         self._acked = -1

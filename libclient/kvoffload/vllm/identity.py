@@ -1,71 +1,95 @@
-"""Which kvoffload namespace a vLLM instance uses, from its configuration alone.
+"""Which kvoffload namespaces a vLLM engine uses, from facts every role of it shares.
 
 Rules:
-- Two instances share blocks exactly when the bytes of a block mean the same to both:
-  same model, KV dtype, bytes per worker block, world size, blocks per chunk (vLLM's
-  block size factor), tokens per block and per hash, KV cache layout, and cache salt.
-  All of these go into the namespace's layout, so its fingerprint differs whenever
-  any differs; a named namespace opened with another layout is refused
-  (LAYOUT_MISMATCH), never shared silently.
-- Without an explicit ``namespace`` the name is derived from the model and the
-  fingerprint, so different models (or layouts) never meet and equal ones always do.
-- The scheduler does not know the worker's canonical tensors, only the bytes one
-  worker block takes, so the layout has one page per rank; workers register their
-  tensors as parts of it (``copyplan.place_caches``).
-- Canonical layout (``canonical_format`` set, vLLM certified the configuration as
-  parallelism-agnostic): the page is the whole block without parallelism and the
-  world size is 1, so engines of one model and KV format share blocks whatever their
-  TP size; vLLM's canonical format id replaces the world size in the identity. A
-  canonical namespace never meets a per-rank one (their layouts differ).
+- An engine's scheduler is handed rank 0's KV cache config; each worker rank its own.
+  Under pipeline parallelism the stages hold different layers (61 layers at PP=2 split
+  31/30), and the KV cache groups of a hybrid model may each use a different subset
+  of the tensors, so no role knows every rank's pages. The namespace *names* therefore
+  come only from what every role of an engine, and every engine of the same model and
+  parallel shape, agrees on: model, KV dtype, blocks per chunk, tokens per block (each
+  KV cache group) and per hash, KV cache layout, cache salt, and either vLLM's
+  canonical format (canonical layout: no parallel shape, so every TP size meets) or the
+  parallel shape (TP, PP, PCP, DCP, world size).
+- One namespace per KV cache group and pipeline stage: ``<base>/g<group id>`` when the
+  model has several groups, ``/pp<stage>`` when it has several stages. Keys carry
+  their group (vLLM's OffloadKey ends in it), so a key lives in its group's namespace
+  of every stage; a block is loadable when every stage holds it.
+- The *layout* of a namespace (its slot size and fingerprint) is what the workers of
+  that group and stage register: their tensors' pages (canonical pages in the
+  canonical layout) times the stage's ranks. Workers create the namespaces; the
+  scheduler joins them by name (``join``), so it never needs pages it cannot know, and
+  two workers that disagree about a namespace's layout are refused at start
+  (LAYOUT_MISMATCH names both layouts), never shared silently.
+- Without an explicit ``namespace`` the base name is derived from the model and a hash
+  of the identity, so different models never meet and equal ones always do.
 - Pure: no vLLM import, unit-tested without vLLM.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..protocol.messages import KVLayout
 
 MAX_NAME_CHARS = 200
+SUFFIX_CHARS = 24  # room for "/g<id>/pp<stage>"
 
 
 @dataclass(frozen=True)
 class VllmIdentity:
     model: str
     kv_dtype: str
-    worker_kv_bytes_per_block: int
-    world_size: int
     blocks_per_chunk: int
-    tokens_per_block: Sequence[int]
+    tokens_per_block: Sequence[int]  # each offloaded KV cache group's
     tokens_per_hash: int
     kv_cache_layout: str | None = None
     cache_salt: str = ""
     canonical_format: str = ""  # vLLM's canonical_format_id; "": per-rank pages
+    parallel: str = ""  # the parallel shape, per-rank pages only ("tp2.pp1.pcp1.dcp1")
 
-    def layout(self) -> KVLayout:
-        if self.worker_kv_bytes_per_block <= 0:
-            raise ValueError("vLLM reported no KV bytes per block; nothing to offload")
-        salt = (
+    def salt(self) -> str:
+        """Every fact of the identity, as the layout's salt (so, in its fingerprint)."""
+        s = (
             f"vllm;tokens_per_block={','.join(map(str, self.tokens_per_block))};"
             f"tokens_per_hash={self.tokens_per_hash};kv_layout={self.kv_cache_layout};"
             f"salt={self.cache_salt}"
         )
         if self.canonical_format:
-            salt += f";canonical={self.canonical_format}"
+            return s + f";canonical={self.canonical_format}"
+        return s + f";parallel={self.parallel}"
+
+    def base_name(self, name: str | None = None) -> str:
+        """``name`` if given, else one derived from the model and the identity."""
+        if name:
+            return name[: MAX_NAME_CHARS - SUFFIX_CHARS]
+        digest = hashlib.sha256(
+            f"{self.model};{self.kv_dtype};f={self.blocks_per_chunk};{self.salt()}".encode()
+        ).hexdigest()[:12]
+        model = self.model[: MAX_NAME_CHARS - SUFFIX_CHARS - 18]
+        return f"vllm/{model}/{digest}"
+
+    def namespace(
+        self, group_id: int, groups: int, stage: int, stages: int, name: str | None = None
+    ) -> str:
+        """The namespace of one KV cache group at one pipeline stage."""
+        out = self.base_name(name)
+        if groups > 1:
+            out += f"/g{group_id}"
+        if stages > 1:
+            out += f"/pp{stage}"
+        return out
+
+    def layout(self, tensor_page_bytes: Sequence[int], world_size: int, group_id: int) -> KVLayout:
+        """A group's namespace layout, from the pages one worker registers in it."""
+        if not tensor_page_bytes or min(tensor_page_bytes) <= 0:
+            raise ValueError("vLLM reported no KV bytes per block; nothing to offload")
         return KVLayout(
-            tensor_page_bytes=[self.worker_kv_bytes_per_block],
-            world_size=self.world_size,
+            tensor_page_bytes=list(tensor_page_bytes),
+            world_size=world_size,
             block_size_factor=self.blocks_per_chunk,
             model=self.model,
             kv_dtype=self.kv_dtype,
-            salt=salt,
+            salt=f"{self.salt()};group={group_id}",
         )
-
-    def namespace(self, name: str | None = None) -> tuple[str, KVLayout]:
-        """(namespace name, layout): ``name`` if given, else one derived from both."""
-        layout = self.layout()
-        if name:
-            return name, layout
-        model = self.model[: MAX_NAME_CHARS - 32]
-        return f"vllm/{model}/{layout.fingerprint()[:12]}", layout

@@ -1,11 +1,18 @@
-"""vLLM's OffloadingManager (scheduler side), backed by a kvoffloadd namespace.
+"""vLLM's OffloadingManager (scheduler side), backed by an engine's kvoffload namespaces.
 
 Rules:
-- Every answer is local (``kvoffload.view.EngineView``): lookups, store plans from
-  leased slots, load plans from the mirrored slots, completions. What changed goes to
-  the daemon once per scheduler step, one-way, at ``on_schedule_end`` (and from
-  ``has_pending_work`` when the engine idles after its last completions). A blocking
-  round trip remains only as the fallback of an empty lease pool, counted in
+- One namespace per KV cache group and pipeline stage (``identity``), each mirrored by
+  a ``kvoffload.view.EngineView``; a key goes to its group's namespaces (vLLM's
+  OffloadKey ends in its group). With several stages a key is HIT only when every
+  stage holds it, and a store or a load plans a slot in each stage
+  (``SlotsSpec.stage_slots``); a stage whose namespace is away or full gets none, and
+  then none of them does (a block is only loadable whole).
+- Every answer is local. What changed goes to the daemon one-way, in one frame per
+  namespace, all in one write, and the pushes are read in one read: at most once per
+  ``batch_interval_s`` (at a step's first call and end), or at once when a lease pool
+  runs low, and when the engine idles (``has_pending_work``). A connection the client
+  rebuilt in the background is adopted at every step's first call. A blocking round
+  trip remains only as the fallback of an empty lease pool, counted in
   ``blocking_calls_total``.
 - With secondary tiers below the daemon's region, a mirror MISS asks further
   (``kvoffload.tierprobe``): a block on disk or in Redis is promoted into the region
@@ -13,16 +20,18 @@ Rules:
 - A kvoffloadd fault never reaches vLLM: while the daemon is away, lookups MISS and
   stores have nothing to do (an empty plan); a store the worker could not make is
   never committed (later lookups miss). Load plans carry their keys and the store
-  plans the engine's lease token, so the worker can complete them whatever happened
+  plans the engine's lease tokens, so the workers can complete them whatever happened
   to the daemon meanwhile (``kvoffload.streaming``).
-- Events: with vLLM's KV events enabled, ``take_events`` reports the namespace's
-  stores and evictions, by this engine and by every engine sharing the pool: each of
-  them can load those blocks.
+- Events: with vLLM's KV events enabled, ``take_events`` reports the namespaces'
+  stores and evictions, by this engine and by every engine sharing the pool (each of
+  them can load those blocks); with several stages, a store once every stage holds
+  the key, a removal once any dropped it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Iterable, Sequence
 
 from vllm.v1.kv_offload.base import (
@@ -40,6 +49,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..channel import Channel
 from ..namespace import Namespace
 from ..tierprobe import TierProbes
 from ..view import EngineView, KeyState
@@ -52,98 +62,266 @@ _RESULTS = {
     KeyState.HIT_PENDING: LookupResult.HIT_PENDING,
     KeyState.RETRY: LookupResult.RETRY,
 }
+# Several stages answer together: the first of these any stage gives.
+_WORST = (KeyState.MISS, KeyState.RETRY, KeyState.HIT_PENDING, KeyState.HIT)
 
 
 class SlotsSpec(CPULoadStoreSpec):
-    """Region slots of a store or load, with what the worker needs to complete it
-    whatever happened to the daemon: a load's keys, a store's lease token."""
+    """Region slots of a store or load, with what the workers need to complete it
+    whatever happened to the daemon: the keys, and for stores the lease tokens.
 
-    def __init__(self, slots: list[int], keys: Sequence[bytes] = (), lease: int = 0) -> None:
-        super().__init__(slots)
+    ``stage_slots[s][i]`` is the slot of ``keys[i]`` in its group's namespace of
+    pipeline stage ``s`` (-1: that stage holds the key already, or, for a load, the
+    slot is not known and the load reads by key); ``leases[s][g]`` the engine's lease
+    token in group ``g``'s namespace of stage ``s``. ``block_ids`` are stage 0's.
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[bytes],
+        stage_slots: Sequence[Sequence[int]],
+        leases: Sequence[Sequence[int]] = (),
+    ) -> None:
+        super().__init__(list(stage_slots[0]) if stage_slots else [])
         self.keys = list(keys)
-        self.lease = lease
+        self.stage_slots = [list(s) for s in stage_slots]
+        self.leases = [list(t) for t in leases]
 
 
 class KVOffloadManager(OffloadingManager):
-    def __init__(self, ns: Namespace, enable_events: bool = False, lease_blocks: int = 64) -> None:
-        self.ns = ns
+    def __init__(
+        self,
+        namespaces: Sequence[Sequence[Namespace]],
+        group_ids: Sequence[int],
+        enable_events: bool = False,
+        lease_blocks: int = 64,
+        batch_interval_s: float = 0.01,
+    ) -> None:
+        """``namespaces[g][s]``: KV cache group ``g``'s namespace of stage ``s``, on
+        one connection; ``group_ids[g]``: vLLM's id of the group (its keys' suffix)."""
+        self.namespaces = [list(per) for per in namespaces]
+        self.ns = self.namespaces[0][0]
+        self.client: Channel = self.ns.client
         self.medium = Medium.CPU
-        self.view = EngineView(ns, lease_blocks, keep_events=enable_events)
         self.enable_events = enable_events
-        self.tiers = TierProbes(ns)  # used while the daemon reports secondary tiers
+        self.batch_interval_s = batch_interval_s
+        self.stages = len(self.namespaces[0])
+        self.group_views = [
+            [EngineView(ns, lease_blocks, keep_events=enable_events) for ns in per]
+            for per in self.namespaces
+        ]
+        self.views = [v for per in self.group_views for v in per]
+        self._by_suffix = {g.to_bytes(4, "big"): v for g, v in zip(group_ids, self.group_views)}
+        self.view = self.views[0]
+        self.tiers = {id(v): TierProbes(v.ns) for v in self.views}  # used with tiers only
+        self._in_step = False
+        self._read_at = self._send_at = 0.0
+        self._stored: set[bytes] = set()  # several stages: keys reported stored
+        self._single = len(self.views) == 1
+
+    # ------------------------------------------------------------ step I/O
+
+    @property
+    def blocking_calls_total(self) -> int:
+        return sum(v.blocking_calls_total for v in self.views)
+
+    @property
+    def connected(self) -> bool:
+        return all(v.connected for v in self.views)
+
+    def _begin(self) -> None:
+        """A step's first call: adopt a new connection, read pushes when due."""
+        self._in_step = True
+        self.client.adopt()
+        now = time.monotonic()
+        poll = now >= self._read_at or any(v.low for v in self.views)
+        if poll:
+            self._read_at = now + self.batch_interval_s
+            self.client.poll()
+        for v in self.views:
+            v.begin_step(poll=False)
+
+    def _end(self) -> None:
+        """The step's end: its batches go out when due, all in one write."""
+        if not self._in_step:
+            self._begin()
+        self._in_step = False
+        now = time.monotonic()
+        send = now >= self._send_at or any(v.low for v in self.views)
+        for v in self.views:
+            v.end_step(flush=False)
+            if send:
+                v.flush(send=False)
+        if send:
+            self._send_at = now + self.batch_interval_s
+            self.client.flush()
+
+    def _runs(self, keys: Sequence[bytes]) -> list[tuple[list[EngineView], list[bytes]]]:
+        """Consecutive keys of one group: (the group's stage views, the keys)."""
+        out: list[tuple[list[EngineView], list[bytes]]] = []
+        by_suffix, last = self._by_suffix, b""
+        for key in keys:
+            suffix = key[-4:]
+            if suffix != last or not out:
+                out.append((by_suffix[suffix], []))
+                last = suffix
+            out[-1][1].append(key)
+        return out
+
+    # ------------------------------------------------------------ the contract
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        view = self.view
+        if not self._in_step:
+            self._begin()
+        if self._single:
+            return _RESULTS[self._state(self.view, key, req_context)]
+        views = self._by_suffix[key[-4:]]
+        states = {self._state(v, key, req_context) for v in views}
+        return _RESULTS[next(s for s in _WORST if s in states)]
+
+    def _state(self, view: EngineView, key: bytes, req_context: ReqContext) -> KeyState:
         state = view.lookup(key)
         # a key this engine is committing is in the region already, not in a tier
         if (
             state is KeyState.MISS
-            and self.ns.tiers
+            and view.ns.tiers
             and view.connected
             and key not in view.committing
         ):
-            state = self.tiers.lookup(key, req_context.req_id)
-        return _RESULTS[state]
+            state = self.tiers[id(view)].lookup(key, req_context.req_id)
+        return state
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        if not self._in_step:
+            self._begin()
         keys = list(keys)
-        return SlotsSpec(self.view.prepare_load(keys), keys)
+        stage_slots: list[list[int]] = [[] for _ in range(self.stages)]
+        for views, run in self._runs(keys):
+            for s, v in enumerate(views):
+                stage_slots[s].extend(v.prepare_load(run))
+        return SlotsSpec(keys, stage_slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.view.touch(list(keys))
+        for views, run in self._runs(list(keys)):
+            for v in views:
+                v.touch(run)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.view.complete_load(list(keys))
+        for views, run in self._runs(list(keys)):
+            for v in views:
+                v.complete_load(run)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        plan = self.view.prepare_store(list(keys))
-        if plan is None:
-            return None
-        todo, slots = plan
+        if not self._in_step:
+            self._begin()
+        Plan = tuple[list[bytes], list[int]]
+        planned: list[tuple[list[EngineView], list[Plan], list[bytes]]] = []
+        for views, run in self._runs(list(keys)):
+            if len(views) > 1 and not all(v.connected for v in views):
+                continue  # a stage is away: a block of this group would not be whole
+            plans = [v.prepare_store(run) for v in views]
+            done = [p for p in plans if p is not None]
+            if len(done) < len(plans):  # no space: nothing of this call happens
+                for v, p in zip(views, plans):
+                    if p is not None and p[0]:
+                        v.complete_store(p[0], success=False)
+                for vs, ps, _ in planned:
+                    for v, p in zip(vs, ps):
+                        if p[0]:
+                            v.complete_store(p[0], success=False)
+                return None  # vLLM counts it and asks again later
+            planned.append((views, done, run))
+        todo: list[bytes] = []
+        stage_slots: list[list[int]] = [[] for _ in range(self.stages)]
+        for views, plans_g, run in planned:
+            if len(views) == 1:
+                todo += plans_g[0][0]
+                stage_slots[0] += plans_g[0][1]
+                continue
+            where = [dict(zip(k, sl)) for k, sl in plans_g]
+            new = [k for k in dict.fromkeys(run) if any(k in w for w in where)]
+            todo += new
+            for s, w in enumerate(where):
+                stage_slots[s] += [w.get(k, -1) for k in new]
+        leases = [[per[s].ns.lease for per in self.group_views] for s in range(self.stages)]
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in todo],
-            store_spec=SlotsSpec(slots, lease=self.ns.lease),
+            store_spec=SlotsSpec(todo, stage_slots, leases),
             evicted_keys=[],  # the daemon evicts in the background; events report it
         )
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self.view.complete_store(list(keys), success)
+        for views, run in self._runs(list(keys)):
+            for v in views:
+                v.complete_store(run, success)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self.ns.tiers:
-            self.tiers.end_step()
-        self.view.end_step()
+        for v in self.views:
+            if v.ns.tiers:
+                self.tiers[id(v)].end_step()
+        self._end()
 
     def has_pending_work(self) -> bool:
-        self.view.flush()  # completions of the engine's last step, before it idles
+        """The engine is going idle: what its last steps changed goes out now."""
+        for v in self.views:
+            v.flush(send=False)
+        self.client.flush()
         return False
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self.enable_events:
             return ()
-        events, self.view.events = self.view.events, []
-        return [
+        out = [
             OffloadingEvent(keys=[OffloadKey(k) for k in keys], medium=self.medium, removed=r)
-            for keys, r in events
+            for keys, r in self._events()
         ]
+        return out
+
+    def _events(self) -> list[tuple[list[bytes], bool]]:
+        if self.stages == 1:
+            events = [e for v in self.views for e in v.events]
+            for v in self.views:
+                v.events = []
+            return events
+        out: list[tuple[list[bytes], bool]] = []
+        stored = self._stored
+        for views in self.group_views:
+            for v in views:
+                for keys, removed in v.events:
+                    if removed:
+                        gone = [k for k in keys if k in stored]
+                        stored.difference_update(gone)
+                        if gone:
+                            out.append((gone, True))
+                    else:
+                        whole = [
+                            k for k in keys if k not in stored and all(k in w.ready for w in views)
+                        ]
+                        stored.update(whole)
+                        if whole:
+                            out.append((whole, False))
+                v.events = []
+        return out
 
     def reset_cache(self) -> None:
         """Forget this engine's view. The shared pool is left alone: other engines use
         it; give engines whose KV changed a new ``cache_salt`` instead."""
-        log.info("namespace %s: reset_cache resyncs the key mirror", self.ns.name)
-        self.view._resync = True
-        self.tiers.forget()
+        log.info("kvoffload: reset_cache resyncs the key mirrors")
+        for v in self.views:
+            v._resync = True
+        for probes in self.tiers.values():
+            probes.forget()
 
     def shutdown(self) -> None:
-        self.view.flush()
-        self.ns.client.close()
+        self.has_pending_work()
+        self.client.close()

@@ -1,27 +1,40 @@
 """vLLM's OffloadingWorker (one per engine rank), backed by kvoffloadd copies.
 
 Rules:
-- Built from vLLM's ``CanonicalKVCaches``: every canonical tensor is registered, in
-  order, as a part of the rank's page (``identity``), CUDA tensors by IPC handle,
-  memfd tensors by descriptor, plain CPU tensors in client-copy mode. The mode is
-  picked automatically and logged.
+- Built from vLLM's ``CanonicalKVCaches``: each KV cache group's tensors (those its
+  layers reference) are one worker in the group's namespace of the rank's pipeline
+  stage (``identity``), so a slot holds exactly one group's pages. CUDA tensors go by
+  IPC handle, memfd tensors by descriptor, plain CPU tensors in client-copy mode; the
+  mode is picked automatically and logged. A group with no layer on this rank's stage
+  registers a one-byte placeholder, so its blocks are whole on every stage.
 - A vLLM job covers one or more KV cache groups (``GPULoadStoreSpec.group_sizes``);
-  each group's blocks live only in that group's tensors, so each non-empty group is
-  one kvoffload job that copies only those tensors. The first engine block of a group
-  may sit inside its first offloaded block (``block_indices[g] % blocks_per_chunk``):
-  that many sub-blocks are skipped, as in vLLM's ``compute_sub_block_ptrs``.
+  each non-empty group is one kvoffload job in its namespace, with this stage's slots
+  (``SlotsSpec.stage_slots``). The keys of a job are grouped as its blocks are.
+- A store writes every sub-block of each slot it names: where vLLM left null blocks
+  at the head of a sliding window group's first chunk (``block_indices[g] %
+  blocks_per_chunk`` of them), the null block (id 0) fills their places, so the slot
+  is whole and loads, which skip those sub-blocks, read only bytes of this store. A
+  group whose blocks cannot be placed whole (a null block inside a chunk) is not
+  stored (counted in ``unplaced_stores_total``, logged once). A stage that already
+  holds a key skips its chunk.
 - vLLM 0.33 asserts that every submit and every result succeeded, so this worker
   never reports a failure (``kvoffload.streaming``): a store that could not happen is
   reported finished and is simply not offloaded; a planned load completes byte-exact
   or stops the engine with ``LoadLostError`` naming why.
-- A vLLM job finishes when all its parts did.
+- A vLLM job finishes when all its parts did. Results are read at most every
+  ``batch_interval_s`` while only stores are in flight, at every call while loads are.
+- The first call of a step adopts a connection the client rebuilt in the background,
+  before any job names a worker or a lease.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -34,13 +47,29 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from ..cache import shared_kv_cache
 from ..canonical import CanonicalPart
-from ..namespace import Namespace
+from ..client import Client
 from ..protocol.messages import KVLayout
 from ..streaming import StreamingWorker
+from .identity import VllmIdentity
 from .manager import SlotsSpec
 
 log = logging.getLogger(__name__)
+
+PLACEHOLDER_BYTES = 1  # a group with no layer on this stage: one byte per block
+
+
+@dataclass
+class GroupCaches:
+    """One KV cache group's caches on this rank, and the namespace they go to."""
+
+    group_id: int
+    namespace: str
+    layout: KVLayout
+    caches: list[Any]
+    canonical: list[CanonicalPart] = field(default_factory=list)
+    placeholder: bool = False
 
 
 @dataclass
@@ -50,51 +79,70 @@ class _Job:
     seconds: float = 0.0
 
 
-Part = tuple[list[int], list[int], int, list[int], list[bytes]]  # ids, slots, skip, caches, keys
+# (group index, engine block ids, slots, skip, keys, lease)
+Part = tuple[int, list[int], list[int], int, list[bytes], int]
 
 
 class KVOffloadWorker(OffloadingWorker):
     def __init__(
         self,
-        ns: Namespace,
-        kv_caches: CanonicalKVCaches,
+        client: Client,
+        groups: Sequence[GroupCaches],
         rank: int,
+        stage: int,
         blocks_per_chunk: int,
         copy_mode: str = "auto",
         store_timeout_s: float = 10.0,
         load_wait_s: float = 10.0,
         parts: int = 0,
+        batch_interval_s: float = 0.0,
     ) -> None:
-        tensors = [t.tensor for t in kv_caches.tensors]
-        canonical = canonical_parts(kv_caches, ns.layout) if parts else []
+        self.client = client
+        self.stage = stage
         self.f = blocks_per_chunk
-        everything = list(range(len(tensors)))
-        self.group_caches: list[list[int]] = []
-        for refs in kv_caches.group_data_refs:
-            used = sorted({ref.tensor_idx for ref in refs})
-            self.group_caches.append([] if used == everything else used)
-        self.worker = StreamingWorker(
-            ns,
-            tensors,
-            rank,
-            copy_mode=copy_mode,
-            store_timeout_s=store_timeout_s,
-            load_wait_s=load_wait_s,
-            canonical=canonical,
-            parts=max(parts, 1),
-        )
-        log.info(
-            "kvoffload: rank %d attached %d KV tensors to namespace %s (%s copies, %s pages)",
-            rank,
-            len(tensors),
-            ns.name,
-            "client" if self.worker.copy_mode == "client" else "daemon",
-            f"canonical, part {rank} of {parts}" if parts else "per-rank",
-        )
+        self.batch_interval_s = batch_interval_s
+        self.groups = list(groups)
+        self._suffixes = [g.group_id.to_bytes(4, "big") for g in self.groups]
+        self.workers: list[StreamingWorker] = []
+        for g in self.groups:
+            ns = client.namespace(g.namespace, g.layout, subscribe=False)
+            w = StreamingWorker(
+                ns,
+                g.caches,
+                rank,
+                copy_mode="auto" if g.placeholder else copy_mode,
+                store_timeout_s=store_timeout_s,
+                load_wait_s=load_wait_s,
+                canonical=g.canonical,
+                parts=max(parts, 1),
+            )
+            self.workers.append(w)
+            log.info(
+                "kvoffload: rank %d (stage %d) attached %s to namespace %s (%s copies, %s)",
+                rank,
+                stage,
+                "a placeholder: no layer of this KV cache group is on this stage"
+                if g.placeholder
+                else f"{len(g.caches)} KV tensors",
+                ns.name,
+                "client" if w.copy_mode == "client" else "daemon",
+                f"canonical pages, part {rank} of {parts}" if parts else "per-rank pages",
+            )
+        self.worker = self.workers[0]
         self._part_ids = itertools.count(1)
-        self._part_job: dict[int, int] = {}  # kvoffload job id -> vLLM job id
+        self._part_job: dict[int, tuple[int, int]] = {}  # part id -> (vLLM job, group)
         self._jobs: dict[int, _Job] = {}
         self._done: list[TransferResult] = []
+        self._io_at = 0.0
+        self.unplaced_stores_total = 0
+
+    @property
+    def stores_dropped_total(self) -> int:
+        return sum(w.stores_dropped_total for w in self.workers) + self.unplaced_stores_total
+
+    @property
+    def loads_recovered_total(self) -> int:
+        return sum(w.loads_recovered_total for w in self.workers)
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
@@ -115,106 +163,184 @@ class KVOffloadWorker(OffloadingWorker):
     ) -> bool:
         if not isinstance(slot_spec, SlotsSpec):
             raise TypeError(f"expected kvoffload slots, got {type(slot_spec).__name__}")
-        parts = self._split(gpu, slot_spec.block_ids.tolist(), slot_spec.keys)
+        self.client.adopt()  # workers and leases of a new connection, before any job
+        slots = slot_spec.stage_slots[self.stage] if slot_spec.stage_slots else []
+        leases = slot_spec.leases[self.stage] if slot_spec.leases else []
+        parts = self._split(gpu, slot_spec.keys, slots, leases, is_store)
         if not parts:
             self._done.append(TransferResult(job_id, True, 0, 0.0))
             return True
         self._jobs[job_id] = _Job(len(parts))
-        for ids, slots, skip, caches, keys in parts:
+        for g, ids, part_slots, skip, keys, lease in parts:
             part = next(self._part_ids)
-            self._part_job[part] = job_id
+            self._part_job[part] = (job_id, g)
+            w = self.workers[g]
             if is_store:
-                self.worker.submit_store(part, ids, slots, caches, lease=slot_spec.lease)
+                w.submit_store(part, ids, part_slots, lease=lease)
             else:
-                self.worker.submit_load(part, slots, ids, skip, caches, keys=keys)
+                w.submit_load(part, part_slots, ids, skip, keys=keys)
         return True
 
-    def _split(self, gpu: GPULoadStoreSpec, slots: list[int], keys: list[bytes]) -> list[Part]:
-        """(engine block ids, slots, skip, cache indices, keys) per non-empty group."""
+    def _split(
+        self,
+        gpu: GPULoadStoreSpec,
+        keys: list[bytes],
+        slots: list[int],
+        leases: list[int],
+        is_store: bool,
+    ) -> list[Part]:
+        """One part per non-empty group: its blocks, this stage's slots and keys."""
         ids = gpu.block_ids.tolist()
-        out = []
-        at_id = at_slot = 0
+        f, out = self.f, []
+        at_id = at_key = 0
         for g, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
-            if size == 0:
+            suffix, n = self._suffixes[g], 0
+            while at_key + n < len(keys) and keys[at_key + n][-4:] == suffix:
+                n += 1
+            group_ids = ids[at_id : at_id + size]
+            group_slots, group_keys = slots[at_key : at_key + n], keys[at_key : at_key + n]
+            at_id, at_key = at_id + size, at_key + n
+            if not size:
                 continue
-            skip = first % self.f
-            n_slots = -(-(size + skip) // self.f)
-            out.append(
-                (
-                    ids[at_id : at_id + size],
-                    slots[at_slot : at_slot + n_slots],
-                    skip,
-                    self.group_caches[g],
-                    keys[at_slot : at_slot + n_slots],
-                )
-            )
-            at_id += size
-            at_slot += n_slots
-        if at_id != len(ids) or at_slot != len(slots):
+            if not is_store:
+                out.append((g, group_ids, group_slots, first % f, group_keys, 0))
+                continue
+            whole = whole_chunks(group_ids, n, first % f, f)
+            if whole is None:
+                self._unplaced(g, size, n, first)
+                continue
+            keep = [i for i, s in enumerate(group_slots) if s >= 0]
+            if keep:
+                chunk_ids = [whole[i * f + j] for i in keep for j in range(f)]
+                lease = leases[g] if g < len(leases) else 0
+                out.append((g, chunk_ids, [group_slots[i] for i in keep], 0, [], lease))
+        if at_id != len(ids) or at_key != len(keys):
             raise ValueError(
-                f"spec does not add up: {len(ids)} GPU blocks and {len(slots)} slots for "
+                f"spec does not add up: {len(ids)} GPU blocks and {len(keys)} keys for "
                 f"groups {list(gpu.group_sizes)} starting at {list(gpu.block_indices)}"
             )
         return out
 
+    def _unplaced(self, g: int, size: int, chunks: int, first: int) -> None:
+        self.unplaced_stores_total += 1
+        if self.unplaced_stores_total == 1:
+            log.warning(
+                "kvoffload: a store of KV cache group %d (%d blocks for %d chunks of %d, "
+                "the first at block %d) has a null block inside a chunk; its chunks are not "
+                "offloaded (counted in unplaced_stores_total; logged once)",
+                self.groups[g].group_id,
+                size,
+                chunks,
+                self.f,
+                first,
+            )
+
     def get_finished(self) -> list[TransferResult]:
-        for r in self.worker.get_finished():
-            job_id = self._part_job.pop(r.job_id, None)
-            if job_id is None:
-                continue
-            job = self._jobs[job_id]
-            job.parts_left -= 1
-            job.nbytes += r.nbytes
-            job.seconds = max(job.seconds, r.seconds)
-            if job.parts_left == 0:
-                del self._jobs[job_id]
-                self._done.append(TransferResult(job_id, True, job.nbytes, job.seconds))
+        now = time.monotonic()
+        if now >= self._io_at or any(w.loads_waiting for w in self.workers):
+            self._io_at = now + self.batch_interval_s
+            for w in self.workers:
+                w.report_writes()
+            self.client.poll()
+        else:
+            self.client.adopt()
+        for w in self.workers:
+            for r in w.get_finished(poll=False):
+                job_id, _ = self._part_job.pop(r.job_id, (None, 0))
+                if job_id is None:
+                    continue
+                job = self._jobs[job_id]
+                job.parts_left -= 1
+                job.nbytes += r.nbytes
+                job.seconds = max(job.seconds, r.seconds)
+                if job.parts_left == 0:
+                    del self._jobs[job_id]
+                    self._done.append(TransferResult(job_id, True, job.nbytes, job.seconds))
         out, self._done = self._done, []
         return out
 
     def wait(self, job_ids: set[int]) -> None:
-        self.worker.wait([p for p, j in self._part_job.items() if j in job_ids])
+        for g, w in enumerate(self.workers):
+            w.wait([p for p, (j, pg) in self._part_job.items() if pg == g and j in job_ids])
 
     def shutdown(self) -> None:
-        self.worker.close()
-        self.worker.ns.client.close()
+        for w in self.workers:
+            w.close()
+        self.client.close()
 
 
-def canonical_parts(kv_caches: CanonicalKVCaches, layout: KVLayout) -> list[CanonicalPart]:
-    """How each registered tensor's page maps into its canonical page (from the
-    ``CanonicalPageMapping`` vLLM derived for this rank); RuntimeError, failing
-    closed, where vLLM certified no mapping or the pages do not make the
-    namespace's canonical block."""
+def whole_chunks(ids: list[int], chunks: int, skip: int, f: int) -> list[int] | None:
+    """A store's engine block ids as ``chunks`` whole chunks of ``f``: the ``skip``
+    null blocks vLLM left out at the head of the first chunk put back (block 0); None
+    when the ids cannot be placed so (a null block inside a chunk)."""
+    if len(ids) == chunks * f and not skip:
+        return ids
+    if len(ids) + skip == chunks * f:
+        return [0] * skip + ids
+    return None
+
+
+def group_caches(
+    kv_caches: CanonicalKVCaches,
+    identity: VllmIdentity,
+    namespaces: Sequence[str],
+    group_ids: Sequence[int],
+    world_size: int,
+    canonical: bool,
+    rank: int,
+) -> list[GroupCaches]:
+    """Each KV cache group's caches on this rank and its namespace's layout."""
+    tensors = kv_caches.tensors
+    blocks = int(tensors[0].tensor.shape[0]) if tensors else 1
+    out = []
+    for name, gid, refs in zip(namespaces, group_ids, kv_caches.group_data_refs):
+        used = sorted({ref.tensor_idx for ref in refs})
+        if not used:
+            cache = shared_kv_cache(blocks, PLACEHOLDER_BYTES)
+            layout = identity.layout([PLACEHOLDER_BYTES], world_size, gid)
+            out.append(GroupCaches(gid, name, layout, [cache], placeholder=True))
+            continue
+        parts = canonical_parts(kv_caches, used, identity, rank) if canonical else []
+        pages = (
+            [p.canonical_page_bytes for p in parts]
+            if canonical
+            else [tensors[i].page_size_bytes for i in used]
+        )
+        layout = identity.layout(pages, world_size, gid)
+        out.append(GroupCaches(gid, name, layout, [tensors[i].tensor for i in used], parts))
+    return out
+
+
+def canonical_parts(
+    kv_caches: CanonicalKVCaches, used: list[int], identity: VllmIdentity, rank: int
+) -> list[CanonicalPart]:
+    """How each of a group's tensors maps into its canonical page (vLLM's
+    ``CanonicalPageMapping`` for this rank). The scheduler chose the canonical layout
+    from vLLM's static certification; a rank vLLM gives no certified mapping cannot
+    write it: an error at start naming both layouts, never a silent per-rank page."""
     by_tensor: dict[int, CanonicalPageMapping] = {}
     for refs in kv_caches.group_data_refs:
         for ref in refs:
+            if ref.tensor_idx not in used:
+                continue
             mapping = ref.mapping
             if mapping is None or not mapping.parallelism_agnostic:
                 raise RuntimeError(
-                    "canonical_layout: vLLM certified no parallelism-agnostic mapping for "
-                    f"KV tensor {ref.tensor_idx}; remove canonical_layout from "
-                    "kv_connector_extra_config"
+                    f"kvoffload: the engine uses the canonical layout "
+                    f"{identity.canonical_format} (vLLM certified its configuration), but "
+                    f"rank {rank} has no parallelism-agnostic mapping for KV tensor "
+                    f"{ref.tensor_idx}, only its per-rank pages; remove canonical_layout "
+                    "from kv_connector_extra_config"
                 )
             if by_tensor.setdefault(ref.tensor_idx, mapping) != mapping:
                 raise RuntimeError(
-                    f"canonical_layout: KV tensor {ref.tensor_idx} has layers with different "
-                    "canonical mappings; kvoffload needs one per tensor"
+                    f"kvoffload: KV tensor {ref.tensor_idx} has layers with different "
+                    "canonical mappings; the canonical layout needs one per tensor"
                 )
-    if sorted(by_tensor) != list(range(len(kv_caches.tensors))):
-        raise RuntimeError("canonical_layout: a KV tensor has no layer to map it")
-    out = [
+    return [
         CanonicalPart(m.canonical_page_size_bytes, fragments(m.runs), m.num_writers, m.writer_index)
         for _, m in sorted(by_tensor.items())
     ]
-    want = layout.tensor_page_bytes[0]
-    if sum(p.canonical_page_bytes for p in out) != want:
-        raise RuntimeError(
-            f"canonical_layout: this rank's canonical pages add up to "
-            f"{sum(p.canonical_page_bytes for p in out)} bytes per block, not the {want} the "
-            "scheduler sized the namespace for (more TP ranks than KV heads is not "
-            "supported); remove canonical_layout from kv_connector_extra_config"
-        )
-    return out
 
 
 def fragments(runs: tuple[CopyRun, ...]) -> np.ndarray:
