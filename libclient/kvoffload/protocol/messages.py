@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEY_BYTES = 64
 MAX_KEYS_PER_MESSAGE = 65536  # bounds the loop time one request can take
