@@ -102,7 +102,9 @@ class ChecksumCheck:
 
 
 @dataclass
-class _Job:
+class CopyJob:
+    """A job split into parts that copier threads run (CPU and descriptor copiers)."""
+
     token: int
     nbytes: int
     parts_left: int
@@ -112,11 +114,55 @@ class _Job:
     corrupt: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def finish(self) -> Completion:
-        """The completion of a job whose every part ran (verification included)."""
+    def run_part(self, copy: Callable[[], bool]) -> Completion | None:
+        """Run one part (a verified load checks its blocks first, and copies nothing
+        if one differs); the job's completion once its last part ran."""
+        ok = True
+        try:
+            if self.check is not None and self.check.expected is not None:
+                self.corrupt = self.check.mismatches()
+            if not self.corrupt:
+                ok = copy()
+        except OSError as exc:  # a descriptor copy whose engine shrank its memory
+            log.info("copy job %d failed: %s", self.token, exc)
+            ok = False
+        except Exception:  # pragma: no cover - memmove of validated ranges
+            log.exception("copy job %d failed", self.token)
+            ok = False
+        with self.lock:
+            self.failed |= not ok
+            self.parts_left -= 1
+            if self.parts_left:
+                return None
         return finished(
             self.token, not self.failed, self.nbytes, self.started_s, self.check, self.corrupt
         )
+
+
+class CopyThreads:
+    """Threads that take items off one queue (``_handle``) until ``close``."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._handle(item)
+
+    def _handle(self, item: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
 
 
 def finished(
@@ -185,7 +231,7 @@ class CompletionSink:
         os.close(self.wake_fd)
 
 
-class CpuCopier:
+class CpuCopier(CopyThreads):
     MIN_SPLIT_BYTES = 4 * 1024 * 1024
     CHUNK_BYTES = 4 * 1024 * 1024
     INLINE_BYTES = 64 * 1024  # smaller jobs are copied at once, on the caller's thread
@@ -193,15 +239,7 @@ class CpuCopier:
     def __init__(self, threads: int) -> None:
         self.sink = CompletionSink()
         self.wake_fd = self.sink.wake_fd
-        self._queue: queue.SimpleQueue[tuple[_Job, I64, I64, I64] | _Task | _Planned | None] = (
-            queue.SimpleQueue()
-        )
-        self._threads = [
-            threading.Thread(target=self._run, name=f"kvoffload-copy-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for t in self._threads:
-            t.start()
+        super().__init__(threads, "kvoffload-copy")
 
     def submit(
         self, token: int, dst: I64, src: I64, nbytes: I64, check: ChecksumCheck | None = None
@@ -220,7 +258,7 @@ class CpuCopier:
         if parts > 1:
             dst, src, nbytes = chunk_runs(dst, src, nbytes, self.CHUNK_BYTES)
         ranges = split_by_bytes(nbytes, parts)
-        job = _Job(token, total, len(ranges), time.perf_counter(), check)
+        job = CopyJob(token, total, len(ranges), time.perf_counter(), check)
         for a, b in ranges:
             self._queue.put((job, dst[a:b], src[a:b], nbytes[a:b]))
 
@@ -261,40 +299,24 @@ class CpuCopier:
             result, ok = None, False
         self.sink.post(Completion(task.token, ok, 0, time.perf_counter() - t0, result=result))
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if isinstance(item, _Task):
-                self._task(item)
-                continue
-            if isinstance(item, _Planned):
-                self._planned(item)
-                continue
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _Task):
+            self._task(item)
+        elif isinstance(item, _Planned):
+            self._planned(item)
+        else:
             job, dst, src, sizes = item
-            ok = True
-            try:
-                if job.check is not None and job.check.expected is not None:
-                    job.corrupt = job.check.mismatches()
-                if not job.corrupt:
-                    copy_runs(dst, src, sizes)
-            except Exception:  # pragma: no cover - memmove of validated ranges
-                log.exception("copy job %d failed", job.token)
-                ok = False
-            with job.lock:
-                job.failed |= not ok
-                job.parts_left -= 1
-                last = job.parts_left == 0
-            if last:
-                self.sink.post(job.finish())
+
+            def copy() -> bool:
+                copy_runs(dst, src, sizes)
+                return True
+
+            if (done := job.run_part(copy)) is not None:
+                self.sink.post(done)
 
     def drain(self) -> list[Completion]:
         return self.sink.drain()
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for t in self._threads:
-            t.join()
+        super().close()
         self.sink.close()

@@ -42,11 +42,10 @@ import itertools
 import logging
 import mmap
 import os
-import queue
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -55,7 +54,15 @@ from kvoffload.copyplan import CacheGeometry, JobPlan
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
 
-from .copier import ChecksumCheck, CompletionSink, chunk_runs, finished, split_by_bytes
+from .copier import (
+    ChecksumCheck,
+    CompletionSink,
+    CopyJob,
+    CopyThreads,
+    chunk_runs,
+    finished,
+    split_by_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,18 +133,6 @@ def is_descriptor(cache: object) -> bool:
     return isinstance(cache, DescriptorCache)
 
 
-@dataclass
-class _Job:
-    token: int
-    nbytes: int
-    parts_left: int
-    started_s: float
-    check: ChecksumCheck | None
-    failed: bool = False
-    corrupt: list[int] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
 @dataclass(frozen=True)
 class _Planned:
     """A validated job whose runs a copier thread builds, then splits into parts."""
@@ -153,7 +148,7 @@ class _Planned:
 class _Part:
     """Runs of one job: read ``nbytes`` from ``fds`` at ``offsets`` into ``buffers``."""
 
-    job: _Job
+    job: CopyJob
     fds: I64
     offsets: I64
     buffers: I64
@@ -161,7 +156,7 @@ class _Part:
     deadline_ns: int
 
 
-class FdCopier:
+class FdCopier(CopyThreads):
     """Threads that copy between the region and descriptor caches."""
 
     CHUNK_BYTES = 1024 * 1024
@@ -171,13 +166,7 @@ class FdCopier:
         self.sink = sink
         self.region_fd = region_fd  # the daemon's own descriptor of the region (loads)
         self.region_address = region_address
-        self._queue: queue.SimpleQueue[_Part | _Planned | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._run, name=f"kvoffload-fdcopy-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for t in self._threads:
-            t.start()
+        super().__init__(threads, "kvoffload-fdcopy")
 
     def submit(
         self,
@@ -205,7 +194,7 @@ class FdCopier:
         if check is not None and check.expected is not None:
             parts = 1  # a verified load checks everything before it copies anything
         ranges = split_by_bytes(nbytes, parts)
-        job = _Job(token, total, len(ranges), time.perf_counter(), check)
+        job = CopyJob(token, total, len(ranges), time.perf_counter(), check)
         for a, b in ranges:
             part = _Part(job, fds[a:b], src[a:b], dst[a:b], nbytes[a:b], deadline_ns)
             self._queue.put(part)
@@ -241,40 +230,11 @@ class FdCopier:
             item.check,
         )
 
-    def _run(self) -> None:
-        while True:
-            part = self._queue.get()
-            if part is None:
-                return
-            if isinstance(part, _Planned):
-                self._plan(part)
-                continue
-            job = part.job
-            ok = True
-            try:
-                if job.check is not None and job.check.expected is not None:
-                    job.corrupt = job.check.mismatches()
-                if not job.corrupt:
-                    ok = copy_part(part)
-            except OSError as exc:
-                log.info("descriptor copy of job %d failed: %s", job.token, exc)
-                ok = False
-            with job.lock:
-                job.failed |= not ok
-                job.parts_left -= 1
-                last = job.parts_left == 0
-            if last:
-                self.sink.post(
-                    finished(
-                        job.token, not job.failed, job.nbytes, job.started_s, job.check, job.corrupt
-                    )
-                )
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for t in self._threads:
-            t.join()
+    def _handle(self, item: _Part | _Planned) -> None:
+        if isinstance(item, _Planned):
+            self._plan(item)
+        elif (done := item.job.run_part(lambda: copy_part(item))) is not None:
+            self.sink.post(done)
 
 
 def _chunk(src: I64, dst: I64, nbytes: I64, fds: I64, chunk: int) -> tuple[I64, ...]:

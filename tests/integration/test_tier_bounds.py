@@ -30,13 +30,6 @@ FLOOD = 400_000
 
 
 @pytest.fixture
-def redis_server(redis_server_name: str) -> Iterator[RedisServer]:
-    server = RedisServer(name=redis_server_name).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def wake() -> Iterator[WakeFd]:
     w = WakeFd()
     yield w
