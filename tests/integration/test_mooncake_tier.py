@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from helpers import poll
-from tiered import Engine, evict_by_storing_more, keys, shared_by_two, tier_daemon
+from tiered import Engine, evict_by_storing_more, keys, mooncake_toml, shared_by_two, tier_daemon
 
 import kvoffload
 from kvoffloadbench.mooncake_master import MooncakeMaster
@@ -34,17 +34,6 @@ def master(mooncake_ready: None) -> Iterator[MooncakeMaster]:
     m.stop()
 
 
-def mooncake_toml(
-    m: MooncakeMaster, admin: bool = True, full_sync_s: float = 0.5, segment: str = "32MiB"
-) -> str:
-    out = (
-        f'[[tiers]]\ntype = "mooncake"\nmaster = "{m.master}"\n'
-        f'metadata_server = "{m.metadata_url}"\nsegment_size = "{segment}"\n'
-        f"refresh_s = 0.05\nfull_sync_s = {full_sync_s}\ntimeout_s = 1.0\n"
-    )
-    return out + (f'admin_url = "{m.admin_url}"\n' if admin else "")
-
-
 def ours(m: MooncakeMaster) -> list[str]:
     return [k for k in m.objects() if k.startswith("kvoffload/")]
 
@@ -52,7 +41,7 @@ def ours(m: MooncakeMaster) -> list[str]:
 def test_store_evict_promote_is_byte_identical(tmp_path: pathlib.Path, master: MooncakeMaster):
     with tier_daemon(tmp_path, mooncake_toml(master)) as d:
         e = Engine(d)
-        poll(lambda: e.tier("mooncake")["healthy"], "the tier to connect")
+        e.wait_healthy("mooncake")
         a = keys(b"a", 4)
         data = e.store(a, seed=1)
         evict_by_storing_more(e, "mooncake")
@@ -117,7 +106,7 @@ def test_a_block_removed_behind_the_daemons_back_costs_one_miss(
     block fails one promotion and then misses; with it, the view drops it first."""
     with tier_daemon(tmp_path, mooncake_toml(master, admin=False, full_sync_s=30.0)) as d:
         e = Engine(d)
-        poll(lambda: e.tier("mooncake")["healthy"], "the tier to connect")
+        e.wait_healthy("mooncake")
         a = keys(b"a", 4)
         data = e.store(a, seed=4)
         evict_by_storing_more(e, "mooncake")
@@ -144,7 +133,7 @@ def test_a_killed_master_degrades_to_misses_and_recovers(
 ) -> None:
     with tier_daemon(tmp_path, mooncake_toml(master), top="tier_job_timeout_s = 5.0\n") as d:
         e = Engine(d)
-        poll(lambda: e.tier("mooncake")["healthy"], "the tier to connect")
+        e.wait_healthy("mooncake")
         a = keys(b"a", 4)
         e.store(a, seed=5)
         big = e.client.namespace("big", kvoffload.KVLayout(tensor_page_bytes=[1 << 20]))
@@ -199,7 +188,7 @@ def test_a_daemon_starts_before_its_master_and_connects_when_it_comes(
         assert not e.tier("mooncake")["healthy"] and d.alive()
         m.start()
         try:
-            poll(lambda: e.tier("mooncake")["healthy"], "the tier to connect", deadline_s=30)
+            e.wait_healthy("mooncake")
             b = keys(b"b", 4)
             e.store(b, seed=9)
             poll(lambda: e.tier("mooncake")["stores_total"] >= 4, "cascades to start")

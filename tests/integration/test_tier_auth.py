@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 from helpers import poll
-from tiered import LAYOUT, Engine, disk_toml, keys, redis_toml, tier_daemon
+from tiered import LAYOUT, Engine, disk_toml, keys, mooncake_toml, redis_toml, tier_daemon
 
 from kvoffloadbench.mooncake_master import MooncakeMaster
 from kvoffloadbench.redis_server import RedisServer
@@ -67,7 +67,7 @@ def test_redis_blocks_without_the_secret_or_replayed_miss(
     r = redis_py.Redis.from_url(redis_server.url)
     with tier_daemon(tmp_path, redis_toml(redis_server.url)) as d:
         e, other_ns = Engine(d), Engine(d, "mistral")
-        poll(lambda: e.tier("redis")["healthy"], "the tier to connect")
+        e.wait_healthy("redis")
         a = keys(b"a", 2)
         e.store(a, seed=1)
         other_ns.store(keys(b"m", 1), seed=2)
@@ -227,14 +227,6 @@ def master() -> Iterator[MooncakeMaster]:
     m.stop()
 
 
-def mooncake_toml(m: MooncakeMaster) -> str:
-    return (
-        f'[[tiers]]\ntype = "mooncake"\nmaster = "{m.master}"\n'
-        f'metadata_server = "{m.metadata_url}"\nsegment_size = "32MiB"\n'
-        f'refresh_s = 0.05\nfull_sync_s = 0.5\ntimeout_s = 1.0\nadmin_url = "{m.admin_url}"\n'
-    )
-
-
 @pytest.mark.timeout(180)
 def test_mooncake_objects_without_the_secret_or_replayed_miss(
     tmp_path: pathlib.Path, master: MooncakeMaster, capfd: pytest.CaptureFixture[str]
@@ -247,7 +239,7 @@ def test_mooncake_objects_without_the_secret_or_replayed_miss(
 
     with tier_daemon(tmp_path, mooncake_toml(master), "a") as d:
         e, m = Engine(d), Engine(d, "mistral")
-        poll(lambda: e.tier("mooncake")["healthy"], "the tier to connect")
+        e.wait_healthy("mooncake")
         a = keys(b"a", 2)
         e.store(a, seed=7)
         m.store(keys(b"m", 1), seed=8)
@@ -285,7 +277,7 @@ def test_mooncake_objects_without_the_secret_or_replayed_miss(
         secret = tmp_path / "c-secret"
         with tier_daemon(tmp_path, mooncake_toml(master), "c", secret=secret) as dc:
             ec = Engine(dc)
-            poll(lambda: ec.tier("mooncake")["healthy"], "the tier to connect")
+            ec.wait_healthy("mooncake")
             refused(ec, "mooncake", a, 2)
             assert ec.tier("mooncake")["auth_other_secret_total"] == 2
             ec.close()

@@ -60,7 +60,7 @@ def test_a_flood_of_far_future_index_members_neither_stalls_nor_grows_the_daemon
     the canary never stalls, memory stays, real blocks still round-trip."""
     with tier_daemon(tmp_path, redis_toml(redis_server.url)) as d:
         e = Engine(d)
-        poll(lambda: e.tier("redis")["healthy"], "the tier to connect")
+        e.wait_healthy("redis")
         tid = TierNamespace.of("llama", LAYOUT.fingerprint(), 4096).tier_id
         canary = Canary(d.socket_path)
         time.sleep(0.5)

@@ -16,6 +16,7 @@ from helpers import poll
 
 import kvoffload
 from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.mooncake_master import MooncakeMaster
 
 PAGE = 4096
 LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[PAGE])
@@ -65,6 +66,13 @@ class Engine:
     def tier(self, name: str) -> dict[str, Any]:
         stats: dict[str, Any] = self.client.stats()["tiers"][name]
         return stats
+
+    def wait_healthy(self, name: str, deadline_s: float = 30.0) -> None:
+        """Until the tier is connected; on time out, say what the tier last said."""
+        try:
+            poll(lambda: self.tier(name)["healthy"], f"tier {name} to connect", deadline_s)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {self.tier(name).get('last_error', '')}") from None
 
     def close(self) -> None:
         self.w.close()
@@ -127,3 +135,14 @@ def evict_by_storing_more(e: Engine, cascaded: str) -> bytes:
     other = e.store(keys(b"x", 4), seed=99)
     poll(lambda: e.tier(cascaded)["stores_total"] >= 8, "the other blocks to cascade")
     return other
+
+
+def mooncake_toml(
+    m: MooncakeMaster, admin: bool = True, full_sync_s: float = 0.5, segment: str = "32MiB"
+) -> str:
+    out = (
+        f'[[tiers]]\ntype = "mooncake"\nmaster = "{m.master}"\n'
+        f'metadata_server = "{m.metadata_url}"\nsegment_size = "{segment}"\n'
+        f"refresh_s = 0.05\nfull_sync_s = {full_sync_s}\ntimeout_s = 1.0\n"
+    )
+    return out + (f'admin_url = "{m.admin_url}"\n' if admin else "")

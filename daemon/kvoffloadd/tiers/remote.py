@@ -147,7 +147,8 @@ class RemoteTier(SecondaryTier):
         view[e] = now
 
     def _apply_health(self, up: bool, why: str, used: int) -> None:
-        if up != self.healthy:
+        # a change, or a new reason not to connect (a tier that never came up says why)
+        if up != self.healthy or (not up and why and why != self.last_error):
             log.log(
                 logging.INFO if up else logging.WARNING,
                 "tier %s: %s",
