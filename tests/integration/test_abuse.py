@@ -244,7 +244,7 @@ def test_a_refused_uid_is_disconnected_at_once(tmp_path: Path) -> None:
 
 def test_idle_connections_to_the_metrics_port_are_bounded() -> None:
     """1,100 idle TCP connections to the metrics port: one thread, at most 64 held."""
-    from test_operations import free_port
+    from kvoffloadbench.server_process import free_port
 
     port = free_port()
     with DaemonProcess("64MiB", "--metrics-port", str(port), "--log-level", "error") as d:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from test_probes import PROBE_TIMEOUT_S
 
 import kvoffload
 from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.server_process import free_port
 from kvoffloadd.config import load_config
 
 ROOT = Path(__file__).parents[2]
@@ -112,12 +112,6 @@ def test_the_vllm_example_reaches_the_daemon_of_its_node() -> None:
     volumes = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
     assert mounts["socket-dir"] == volumes["socket-dir"] == str(Path(socket_path).parent)
     assert mounts["dshm"] == volumes["dshm"] == "/dev/shm"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def exported_series(tmp_path: Path) -> dict[str, set[str]]:

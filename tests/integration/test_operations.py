@@ -24,14 +24,9 @@ from helpers import ctl, store_blocks
 import kvoffload
 from kvoffload.protocol import messages as m
 from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def recv_states(mgr: socket.socket, want: str, deadline_s: float = 20.0) -> list[str]:

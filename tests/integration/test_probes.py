@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from hostile import as_uid, fd_count, requires_root, rss_bytes
-from test_operations import free_port
 
 from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.server_process import free_port
 from kvoffloadd.httpd import MAX_CONNECTIONS
 
 PROBES = 32

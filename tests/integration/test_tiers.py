@@ -24,7 +24,8 @@ from tiered import (
 )
 
 import kvoffload
-from kvoffloadbench.redis_server import RedisServer, free_port, restart_on_same_port
+from kvoffloadbench.redis_server import RedisServer, restart_on_same_port
+from kvoffloadbench.server_process import free_port
 
 
 def test_disk_tier_promotes_evicted_blocks_byte_identical(tmp_path: pathlib.Path) -> None:

@@ -15,8 +15,7 @@ import sys
 import time
 import urllib.request
 
-from .redis_server import free_port
-from .server_process import ServerProcess
+from .server_process import ServerProcess, accepts, free_port
 
 
 def _binary() -> str:
@@ -75,9 +74,16 @@ class MooncakeMaster(ServerProcess):
                 return self
             time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"mooncake_master did not answer on port {self.admin_port}")
+        raise RuntimeError(
+            f"mooncake_master did not answer on all of ports {self.rpc_port} (RPC), "
+            f"{self.metadata_port} (metadata), {self.admin_port} (admin)"
+        )
 
     def healthy(self) -> bool:
+        """Its admin server says so, and its RPC and metadata ports accept connections
+        (a master that could not bind one of them still answers on the others)."""
+        if not (accepts(self.rpc_port) and accepts(self.metadata_port)):
+            return False
         try:
             with urllib.request.urlopen(self.admin_url + "/health", timeout=0.5) as r:
                 return bool(r.status == 200)

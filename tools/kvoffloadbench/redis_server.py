@@ -14,14 +14,7 @@ import shutil
 import socket
 import time
 
-from .server_process import ServerProcess
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from .server_process import ServerProcess, free_port
 
 
 def server_name() -> str:
@@ -82,4 +75,4 @@ def restart_on_same_port(old: RedisServer) -> RedisServer:
     return RedisServer(port=old.port, maxmemory=old.maxmemory, name=old.name).start()
 
 
-__all__ = ["RedisServer", "free_port", "restart_on_same_port"]
+__all__ = ["RedisServer", "restart_on_same_port"]

@@ -1,14 +1,56 @@
 """A throwaway server process for tests and benchmarks: its own session and temporary
-directory, stopped with SIGTERM (SIGKILL after 10 s), or killed at once as in a crash."""
+directory, stopped with SIGTERM (SIGKILL after 10 s), or killed at once as in a crash.
+
+Ports (``free_port``) are chosen below the kernel's ephemeral range: a port taken from
+that range is free when chosen but may be the local port of some outgoing connection
+by the time the server binds it (a busy suite makes thousands), and a server that
+cannot bind one of its ports may still answer on the others.
+"""
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 from types import TracebackType
 from typing import Any
+
+_PORTS_FROM = 10000  # below this, well-known and registered services are common
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A loopback TCP port that nothing is bound to now, outside the ephemeral range."""
+    high = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(_PORTS_FROM, high) if high > _PORTS_FROM + 1000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            bound: int = s.getsockname()[1]
+            return bound
+    raise RuntimeError("no free loopback port below the ephemeral range")
+
+
+def accepts(port: int, timeout_s: float = 0.5) -> bool:
+    """Does something accept TCP connections on ``127.0.0.1:port``?"""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 class ServerProcess:
