@@ -293,3 +293,56 @@ def test_pins_held_past_the_timeout_are_dropped_oldest_first() -> None:
     assert idx.pinned_by(A) == 0 and idx.pinned_by(B) == 1
     assert idx.evict(ks(1)) == 1  # evictable again
     assert idx.statistics().pins_expired_total == 3
+
+
+def test_engines_of_a_full_region_find_their_refills_free_every_step() -> None:
+    """Eight engines store a step's worth each into a full region. The space a refill
+    evicts frees only once every mirror has seen the eviction, so the channel must
+    evict ahead for every holder's next refill, not one's: otherwise the later engines
+    of a step find their pools dry and fall back to blocking stores that fail."""
+    from kvoffload.protocol import messages as m
+    from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids
+    from kvoffloadd.engines import EngineChannel
+    from kvoffloadd.session import Session
+
+    engines, want = 8, 4  # the namespace's lease budget is 256 // 8 = 32: 4 each
+    idx = make_index(blocks=256)
+    for conn in (A, B):
+        idx.graves.drop_mirror(conn)
+    channel = EngineChannel({0: idx}, 1 << 20)
+    sessions = [Session(10 + i, 0, 0, 0) for i in range(engines)]  # one uid, as on a node
+    idx.uid_of = lambda client: 0  # as the service wires it: the connection's uid
+    for s in sessions:
+        s.leases[0] = new_token()
+        idx.events.subscribe(s.session_id)
+        idx.add_mirror(s.session_id)
+    pool: dict[int, list[int]] = {s.session_id: [] for s in sessions}
+    n, short = 0, []
+    for step in range(40):  # past the first 256 // 32 = 8 steps the region is full
+        for s in sessions:
+            slots, pool[s.session_id] = pool[s.session_id], []
+            keys = [b"k%07d" % (n + i) for i in range(len(slots))]
+            n += len(slots)
+            claimed, kb = pack_keys(keys) if keys else (b"", 8)
+            idx.mark_written(slots, area=0)  # the worker's copies landed
+            channel.apply(
+                s,
+                idx,
+                m.StepBatch(
+                    0,
+                    0,
+                    kb,
+                    claimed,
+                    pack_ids(slots),
+                    commit_keys=claimed,
+                    ack_seq=idx.events.seq,
+                    want_leases=want,
+                ),
+            )
+            for push in s.pushes:
+                pool[s.session_id] += unpack_ids(push.slots).tolist()
+            s.pushes.clear()
+            if step >= 2 and len(pool[s.session_id]) < want:
+                short.append((step, s.session_id, len(pool[s.session_id])))
+    assert idx.statistics().evicted_blocks_total > 0, "the region never filled"
+    assert short == [], f"(step, engine, slots) of refills short of {want}: {short[:8]}"
