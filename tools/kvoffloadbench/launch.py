@@ -3,14 +3,20 @@
 The daemon prints one "listening on" line on stdout once its socket is bound; this
 waits for that line with a deadline, never by polling the socket path (a stale path
 could exist before the daemon binds it).
+
+Each daemon gets a private temporary directory (socket, config, region record). It
+outlives the daemon, so that a test can start another on the same state, and is
+removed when the process that made it exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +29,16 @@ from typing import Any
 # Benchmarks store most of the region in one prepare_store from one client, which the
 # daemon's default max_writing_fraction refuses (a client may have half in flight).
 BULK_STORES = {"max_writing_fraction": 1.0}
+
+
+_made: list[tuple[int, str]] = []  # (pid that made it, temporary directory)
+
+
+@atexit.register
+def _remove_made() -> None:
+    for pid, path in _made:
+        if pid == os.getpid():  # never from a forked child
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class DaemonProcess:
@@ -38,6 +54,7 @@ class DaemonProcess:
         """``settings``: config keys with scalar values, written to a config file."""
         self.instance = instance or f"t{uuid.uuid4().hex[:10]}"
         self._tmp = tempfile.mkdtemp(prefix="kvoffload-")
+        _made.append((os.getpid(), self._tmp))
         self.socket_path = socket_path or os.path.join(self._tmp, "kvoffloadd.sock")
         if settings:
             config = os.path.join(self._tmp, "kvoffloadd.toml")
