@@ -224,8 +224,8 @@ class SlotPool:
             for s in range(self.capacity - 1, -1, -1)
             if s not in used and self.extents[s // spe] is not None
         ]
-        self._extents_changed()
         self._trim_holes()
+        self._extents_changed()
 
     def chunk_slots(self, chunk: int) -> range:
         """Slot ids of one chunk."""

@@ -260,19 +260,17 @@ class NamespaceIndex(StoreIndex):
     def _pinned_at(self, client: int, key: bytes) -> None:
         """``client`` pinned ``key`` (its first pin of it): from now its pin ages."""
         if client >= 0:  # the daemon's own pins (tiers) end by their jobs' deadlines
-            since = self.clock()
-            self._pin_since[(client, key)] = since
-            self._pin_order.append((since, client, key))
+            self._pin_since[(client, key)] = self.clock()  # inserted in age order
 
     def expire_pins(self, now_s: float) -> int:
         """Drop pins held longer than ``pin_timeout_s`` (a load takes a step, not a
         minute): a client cannot keep a block, or the extent it lies in, for good.
         Returns how many pins went."""
-        order, since_of, dropped = self._pin_order, self._pin_since, 0
-        while order and order[0][0] <= now_s - self.pin_timeout_s:
-            since, client, key = order.popleft()
-            if since_of.get((client, key)) != since:
-                continue  # unpinned (and maybe pinned again) since
+        since_of, dropped = self._pin_since, 0
+        while since_of:
+            (client, key), since = next(iter(since_of.items()))  # the oldest pin
+            if since > now_s - self.pin_timeout_s:
+                break
             pins = self._pins.get(client)
             n = pins[key] if pins is not None else 0
             if n and pins is not None:

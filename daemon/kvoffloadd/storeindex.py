@@ -33,7 +33,7 @@ admin operations. Everything here runs on the daemon's loop thread only: no lock
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
@@ -150,8 +150,9 @@ class StoreIndex:
         # when each (client, key) was first pinned, oldest first (pins expire)
         self.pin_timeout_s = 60.0
         self.clock: Callable[[], float] = time.monotonic  # when pins were taken
-        self._pin_since: dict[tuple[int, bytes], float] = {}
-        self._pin_order: deque[tuple[float, int, bytes]] = deque()
+        # (client, key) -> when its first pin was taken, oldest first: a key's entry
+        # goes with its last pin, so this holds one entry per pinned key, never more
+        self._pin_since: OrderedDict[tuple[int, bytes], float] = OrderedDict()
         # pins held per client, per uid and in total (the service's; unlimited alone)
         self.pin_ledger = Ledger("pins", Limits.scaled(0))
         self.leases = LeaseBook()

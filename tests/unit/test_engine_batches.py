@@ -295,6 +295,30 @@ def test_pins_held_past_the_timeout_are_dropped_oldest_first() -> None:
     assert idx.statistics().pins_expired_total == 3
 
 
+def test_pinning_and_unpinning_in_a_loop_holds_nothing_once_unpinned() -> None:
+    """What the daemon keeps to age pins follows the pins held, not how often a client
+    pins: a client pinning and unpinning one key as fast as it can grows nothing."""
+    import tracemalloc
+
+    idx = make_index()
+    slots = idx.lease(TA, 1)
+    idx.claim(TA, A, ks(1), slots)
+    idx.mark_written(slots, 0)
+    idx.commit(TA, A, ks(1), True)
+    idx.pin(ks(1), A), idx.unpin(ks(1), A)  # warm the containers up
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(50_000):
+            idx.pin(ks(1), A)
+            idx.unpin(ks(1), A)
+        grown_bytes = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert idx.pinned_by(A) == 0
+    assert grown_bytes < 64 * 1024, f"{grown_bytes} bytes kept for 50,000 pins gone"
+
+
 def test_engines_of_a_full_region_find_their_refills_free_every_step() -> None:
     """Eight engines store a step's worth each into a full region. The space a refill
     evicts frees only once every mirror has seen the eviction, so the channel must
