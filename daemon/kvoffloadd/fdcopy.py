@@ -43,7 +43,6 @@ import logging
 import mmap
 import os
 import stat
-import threading
 import time
 from dataclasses import dataclass
 
@@ -51,6 +50,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.copyplan import CacheGeometry, JobPlan
+from kvoffload.memruns import populate_async
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
 
@@ -69,7 +69,6 @@ log = logging.getLogger(__name__)
 MEMFD_IO = "memfd_io"
 I64 = npt.NDArray[np.int64]
 IOV_MAX = 1024
-MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
 @dataclass
@@ -112,21 +111,6 @@ def import_descriptor(geometry: CacheGeometry, desc: CacheDesc, fd: int) -> Desc
     del anchor
     populate_async(address, st.st_size)
     return DescriptorCache(geometry, os.dup(fd), st.st_size, mm, address)
-
-
-def populate_async(address: int, nbytes: int) -> None:
-    """Fill the daemon's page tables for a new memfd mapping in the background
-    (``MADV_POPULATE_WRITE``, which releases the GIL; the engine's pages exist
-    already): a load into a fresh mapping takes a fault per 4 KiB page. A page that is
-    gone fails the call with EFAULT, never a signal. Best effort."""
-
-    def run() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.madvise(address, nbytes, MADV_POPULATE_WRITE) != 0:
-            log.debug("madvise(MADV_POPULATE_WRITE): errno %d", ctypes.get_errno())
-
-    threading.Thread(target=run, name="kvoffload-populate", daemon=True).start()
 
 
 def is_descriptor(cache: object) -> bool:

@@ -24,7 +24,6 @@ stalls every rank):
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
@@ -39,7 +38,7 @@ import numpy as np
 
 from ..client import Client
 from ..client_copy import RegionMapping, describe_plain_cache
-from ..memruns import copy_runs
+from ..memruns import copy_runs, populate_async
 from ..namespace import Namespace, pack_checked
 from ..protocol import messages as m
 from ..protocol.errors import KVOffloadError, NoSpaceError, NotFoundError
@@ -52,7 +51,6 @@ R = TypeVar("R", bound=m.Reply)
 COPY_THREADS = 2  # a client copy of at least PARALLEL_MIN_BYTES runs on two threads
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 FULL_RETRY_S = 0.005
-MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,6 @@ class PoolWorker:
 
     def __init__(self, ns: Namespace, caches: Sequence[Any], fd: int | None) -> None:
         self.ns = ns
-        self.caches = list(caches)
         self.fd = fd
         self.client_copy = fd is None
         if self.client_copy:
@@ -99,7 +96,6 @@ class PoolWorker:
         else:
             self.descs, self.bases = list(caches), []
         self.worker_id = -1
-        self.epoch = 0
         self.region: RegionMapping | None = None
         self.results: dict[int, m.JobResult] = {}
         self._jobs = itertools.count(1)
@@ -128,7 +124,6 @@ class PoolWorker:
         if self.region is not None and self.client_copy:
             self.populating = populate_async(self.region.base_address, reply.region_bytes)
         self.worker_id = reply.worker
-        self.epoch = self.ns.client.epoch
         self.results.clear()
         self.ns.client.route(m.JobsDone, self.worker_id, self)
 
@@ -257,8 +252,7 @@ class PageLink:
         ids = block_ids[[where[k] for k in todo]]
         ok = self._run(True, ids, unpack_ids(plan.slots), b"", 0, deadline, epoch)
         try:
-            tp, tkb = pack_checked(todo)
-            self._keys_call(m.CompleteStore, tp, tkb, m.OkReply, deadline, ok)
+            self._keys_call(m.CompleteStore, plan.keys, plan.key_bytes, m.OkReply, deadline, ok)
         except KVOffloadError as exc:  # the daemon dropped the store with the connection
             log.debug("store not completed: %s", exc)
             ok = False
@@ -366,23 +360,6 @@ class PageLink:
             if left <= 0 or self.client.epoch != epoch or not self.client.connected:
                 return False
             self.client.poll(timeout_s=min(left, 0.05))
-
-
-def populate_async(address: int, nbytes: int) -> threading.Thread:
-    """Fill this process's page tables for a new mapping of the region, in the
-    background (``MADV_POPULATE_WRITE``; the call releases the GIL): the region's pages
-    exist already, but a client copy that first touches them pays a page fault per
-    4 KiB (a 128-page load took 25 ms before, 10.5 ms after, measured). Best effort."""
-
-    def run() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.madvise(address, nbytes, MADV_POPULATE_WRITE) != 0:
-            log.debug("madvise(MADV_POPULATE_WRITE): errno %d", ctypes.get_errno())
-
-    thread = threading.Thread(target=run, name="kvoffload-populate", daemon=True)
-    thread.start()
-    return thread
 
 
 def msgspec_replace(msg: m.Request, rid: int) -> m.Request:
