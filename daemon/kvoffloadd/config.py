@@ -20,8 +20,7 @@ from typing import Any
 import msgspec
 
 from kvoffload.paths import default_socket_path
-
-from .access import AccessPolicy, NamespaceRule
+from kvoffloadd.access import AccessPolicy, NamespaceRule
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -233,7 +232,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def extent_bytes(self) -> int:
         if self.extent_size in (0, "0"):
-            from .region import default_extent_bytes
+            from kvoffloadd.region.region import default_extent_bytes
 
             return default_extent_bytes(self.region_bytes)
         return parse_size(self.extent_size, "extent_size")
@@ -256,7 +255,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.state_dir or os.path.dirname(os.path.abspath(self.socket_path))
 
     def validate(self) -> DaemonConfig:
-        from .policies import POLICIES
+        from kvoffloadd.index.policies import POLICIES
 
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.instance):
             raise ConfigError(

@@ -12,19 +12,19 @@ import socket
 import sys
 from typing import Any
 
-from .config import ConfigError, DaemonConfig, load_config
-from .copier import CpuCopier
-from .gpu import start_gpu
-from .logfmt import setup_logging
-from .metrics import MetricsEndpoint
-from .region import Geometry, RegionError, SharedOffloadRegion
-from .regionstate import RegionState, open_region
-from .server import Server, bind_listener
-from .service import Service
-from .systemd import Notifier, listen_fds
-from .tiering import Tiering
-from .tiers import BlockMac, SecondaryTier, TierError, WakeFd, build_tier, read_secret
-from .trust import FileLock, UntrustedError, raise_fd_limit, secure_dir
+from kvoffloadd.config import ConfigError, DaemonConfig, load_config
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.copies.gpu import start_gpu
+from kvoffloadd.region.region import Geometry, RegionError, SharedOffloadRegion
+from kvoffloadd.region.regionstate import RegionState, open_region
+from kvoffloadd.server.logfmt import setup_logging
+from kvoffloadd.server.metrics import MetricsEndpoint
+from kvoffloadd.server.server import Server, bind_listener
+from kvoffloadd.server.systemd import Notifier, listen_fds
+from kvoffloadd.service.service import Service
+from kvoffloadd.tiers import BlockMac, SecondaryTier, TierError, WakeFd, build_tier, read_secret
+from kvoffloadd.tiers.tiering import Tiering
+from kvoffloadd.trust import FileLock, UntrustedError, raise_fd_limit, secure_dir
 
 log = logging.getLogger("kvoffloadd")
 

@@ -11,13 +11,26 @@ Worker side::
     caches = [kvoffload.shared_kv_cache(num_blocks, page_bytes) for _ in range(n)]
     w = ns.attach_worker(caches, rank=0)
     w.submit_store(job_id, engine_block_ids, plan.slots)
+
+Layers, lowest first; a module imports only from its own layer or below (checked by
+``tests/unit/test_layout.py``):
+
+1. ``protocol``: the sans-IO wire protocol (no sockets, no torch); the daemon and the
+   CLI import it too.
+2. ``datapath``, ``cuda``: how blocks lie in slots and the region and the copies that
+   move them (shared with the daemon); the CUDA driver seam.
+3. ``link``: the unix-socket connection under the API, and who the daemon is.
+4. The API: ``client``, ``namespace``, ``worker``, ``cache``, ``plans``, ``paths``.
+5. ``engine``: engines' never-waiting machinery (key mirror view, streaming worker,
+   tier probes).
+6. ``vllm``, ``sglang``: the engine plug-ins.
 """
 
-from .cache import shared_kv_cache
-from .client import Client, connect
-from .namespace import Namespace
-from .plans import LoadPlan, OffloadEvent, StorePlan
-from .protocol.errors import (
+from kvoffload.cache import shared_kv_cache
+from kvoffload.client import Client, connect
+from kvoffload.namespace import Namespace
+from kvoffload.plans import LoadPlan, OffloadEvent, StorePlan
+from kvoffload.protocol.errors import (
     DaemonUnavailableError,
     ErrorCode,
     InvalidArgumentError,
@@ -33,8 +46,8 @@ from .protocol.errors import (
     ShuttingDownError,
     VersionMismatchError,
 )
-from .protocol.messages import KEY_ABSENT, KEY_PROMOTING, KEY_READY, KVLayout
-from .worker import TransferResult, Worker
+from kvoffload.protocol.messages import KEY_ABSENT, KEY_PROMOTING, KEY_READY, KVLayout
+from kvoffload.worker import TransferResult, Worker
 
 __version__ = "0.1.0"
 

@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol.errors import InvalidArgumentError
-from .protocol.messages import CacheDesc
+from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import CacheDesc
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

@@ -41,13 +41,13 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from .channel import Registration
-from .namespace import Namespace, pack_checked
-from .paths import default_socket_path
-from .protocol import messages as m
-from .protocol.errors import DaemonUnavailableError, KVOffloadError, NotFoundError
-from .protocol.messages import KVLayout
-from .transport import Transport
+from kvoffload.link.channel import Registration
+from kvoffload.link.transport import Transport
+from kvoffload.namespace import Namespace, pack_checked
+from kvoffload.paths import default_socket_path
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import DaemonUnavailableError, KVOffloadError, NotFoundError
+from kvoffload.protocol.messages import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -475,7 +475,7 @@ class Client:
         return self.call(m.GetConfig, m.ConfigReply).config
 
     def close(self) -> None:
-        from .worker import Worker
+        from kvoffload.worker import Worker
 
         with self._lock:
             if self._closed:

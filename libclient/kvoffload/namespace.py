@@ -5,7 +5,7 @@ Rules (invariant 7):
   misses: ``lookup`` -> 0, ``prepare_store`` -> None, completions and ``touch`` ->
   no-ops, ``take_events`` -> []. Only ``prepare_load`` raises, because a load cannot
   be planned without the daemon; callers treat that as a failed load.
-- Engines that must not wait per call use a ``kvoffload.view.EngineView`` over the
+- Engines that must not wait per call use a ``kvoffload.engine.view.EngineView`` over the
   namespace instead: the view is attached here (``view``), gets its snapshot on every
   (re)connect and the namespace's pushes (feed, leases).
 - After a reconnect the namespace has a new id and lease token; calls made with the
@@ -21,22 +21,22 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
-from .plans import LoadPlan, OffloadEvent, StorePlan
-from .protocol import messages as m
-from .protocol.errors import (
+from kvoffload.link.transport import Transport
+from kvoffload.plans import LoadPlan, OffloadEvent, StorePlan
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import (
     DaemonUnavailableError,
     InvalidArgumentError,
     KVOffloadError,
     NoSpaceError,
     QuotaExceededError,
 )
-from .protocol.messages import KVLayout, pack_keys, unpack_ids, unpack_keys
-from .transport import Transport
-from .worker import Worker
+from kvoffload.protocol.messages import KVLayout, pack_keys, unpack_ids, unpack_keys
+from kvoffload.worker import Worker
 
 if TYPE_CHECKING:
-    from .canonical import CanonicalPart
-from .channel import Channel
+    from kvoffload.datapath.canonical import CanonicalPart
+from kvoffload.link.channel import Channel
 
 R = TypeVar("R", bound=m.Reply)
 
@@ -268,7 +268,7 @@ class Namespace:
         the daemon allows only for trusted uids. For CUDA, stores wait on work queued on
         ``stream`` (a raw ``cudaStream_t``; default: PyTorch's current stream). In a
         canonical namespace, each of an engine's ``parts`` ranks gives how its page of
-        each cache maps into the canonical page (``canonical``, kvoffload.canonical).
+        each cache maps into the canonical page (``canonical``, kvoffload.datapath.canonical).
         """
         return Worker(self, caches, rank, stream, copy_mode, canonical, parts)
 

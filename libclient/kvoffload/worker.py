@@ -7,7 +7,7 @@ Rules:
   expects.
 - Jobs in flight when the connection is lost are reported by ``get_finished`` as
   failed: their leases died with the connection. (Engines that must never see a
-  failure use ``kvoffload.streaming.StreamingWorker``.)
+  failure use ``kvoffload.engine.streaming.StreamingWorker``.)
 - Engine block ids and slots travel packed (int64).
 - CUDA caches are exported by IPC handle (``cuda_export``); each store first records
   the worker's store fence on the engine's current CUDA stream (or ``stream``), so
@@ -34,19 +34,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
-from .cache import describe_cache
-from .canonical import CanonicalPart
-from .client_copy import RegionMapping, describe_plain_cache
-from .copyplan import CacheGeometry
-from .cuda_driver import CudaApi
-from .cuda_export import StoreFence, current_stream, export_cuda_caches, require_driver
-from .protocol import messages as m
-from .protocol.errors import DaemonUnavailableError, InvalidArgumentError, KVOffloadError
-from .protocol.messages import pack_ids
-from .transport import Transport
+from kvoffload.cache import describe_cache
+from kvoffload.cuda.driver import CudaApi
+from kvoffload.cuda.export import StoreFence, current_stream, export_cuda_caches, require_driver
+from kvoffload.datapath.canonical import CanonicalPart
+from kvoffload.datapath.client_copy import RegionMapping, describe_plain_cache
+from kvoffload.datapath.copyplan import CacheGeometry
+from kvoffload.link.transport import Transport
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import DaemonUnavailableError, InvalidArgumentError, KVOffloadError
+from kvoffload.protocol.messages import pack_ids
 
 if TYPE_CHECKING:
-    from .channel import NamespaceHandle
+    from kvoffload.link.channel import NamespaceHandle
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 from hostile import NOBODY, as_uid, requires_root
 
 import kvoffload
-from kvoffload.canonical import CanonicalPart
+from kvoffload.datapath.canonical import CanonicalPart
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffloadbench.launch import DaemonProcess
 

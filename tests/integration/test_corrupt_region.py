@@ -26,8 +26,7 @@ import posix_ipc
 import pytest
 
 import kvoffload
-from kvoffload.protocol.errors import KVOffloadError
-from kvoffload.regionfmt import (
+from kvoffload.datapath.regionfmt import (
     FREE_OWNER,
     HEADER,
     NAMESPACE_CRC_OFFSET,
@@ -39,11 +38,12 @@ from kvoffload.regionfmt import (
     namespace_crc,
     ready_crc,
 )
+from kvoffload.protocol.errors import KVOffloadError
 from kvoffloadbench.launch import DaemonProcess
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copier import CpuCopier
-from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service.service import Service
 
 MIB = 1 << 20
 ARGS = ("--extent-size", "1MiB", "--keep-region", "--log-level", "error")

@@ -15,8 +15,8 @@ from engines import FACTOR, filled_caches, keys, layout
 from helpers import poll
 
 import kvoffload
-from kvoffload.streaming import StreamingWorker
-from kvoffload.view import EngineView, KeyState
+from kvoffload.engine.streaming import StreamingWorker
+from kvoffload.engine.view import EngineView, KeyState
 from kvoffloadbench.launch import DaemonProcess
 
 HIT, MISS, PENDING = KeyState.HIT, KeyState.MISS, KeyState.HIT_PENDING

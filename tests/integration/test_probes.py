@@ -26,7 +26,7 @@ from hostile import as_uid, fd_count, requires_root, rss_bytes
 
 from kvoffloadbench.launch import DaemonProcess
 from kvoffloadbench.server_process import free_port
-from kvoffloadd.httpd import MAX_CONNECTIONS
+from kvoffloadd.server.httpd import MAX_CONNECTIONS
 
 PROBES = 32
 PROBE_TIMEOUT_S = 3.0  # the DaemonSet's timeoutSeconds

@@ -25,7 +25,7 @@ from liar import Liar, packed
 from test_abuse import STALL_LIMIT_S, Canary
 
 import kvoffload
-from kvoffload.canonical import CanonicalPart
+from kvoffload.datapath.canonical import CanonicalPart
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import KVOffloadError
 from kvoffloadbench.launch import DaemonProcess

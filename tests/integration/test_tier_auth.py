@@ -17,7 +17,7 @@ from tiered import LAYOUT, Engine, disk_toml, keys, mooncake_toml, redis_toml, t
 
 from kvoffloadbench.mooncake_master import MooncakeMaster
 from kvoffloadbench.redis_server import RedisServer
-from kvoffloadd.crc import crc32
+from kvoffloadd.copies.crc import crc32
 from kvoffloadd.tiers import disk, mooncake_tier, redis_tier
 from kvoffloadd.tiers.base import TierNamespace
 from kvoffloadd.tiers.blockauth import SEAL, BlockMac, read_secret

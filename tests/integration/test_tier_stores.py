@@ -15,7 +15,7 @@ from hostile import requires_root
 from test_tiers import keys
 
 from kvoffloadbench.redis_server import RedisServer
-from kvoffloadd.crc import crc32
+from kvoffloadd.copies.crc import crc32
 from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
 from kvoffloadd.tiers.blockauth import BlockMac
 from kvoffloadd.tiers.disk import DiskTier, file_bytes

@@ -19,9 +19,9 @@ from helpers import poll
 from hostile import NOBODY, as_uid, requires_root
 
 import kvoffload
-from kvoffload.peer import UntrustedDaemonError
+from kvoffload.link.peer import UntrustedDaemonError
 from kvoffloadbench.launch import DaemonProcess
-from kvoffloadd.region import Geometry, SharedOffloadRegion
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
 
 
 def start_fails(*args: str, socket_path: str, instance: str) -> str:

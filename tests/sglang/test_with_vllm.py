@@ -9,7 +9,7 @@ The SGLang side is SGLang's real controller.
 
 What must hold: separate namespaces; the same access rules and budgets (one daemon
 config for both); and neither starves the other of region space: the region's
-extents are shared out between namespaces (``kvoffloadd.namespaces``): one below its
+extents are shared out between namespaces (``kvoffloadd.service.namespaces``): one below its
 fair share (extents / namespaces holding any) takes whole extents from the fattest
 one above it, and one at or above it evicts its own blocks.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import kvoffload
-from kvoffload.streaming import StreamingWorker
+from kvoffload.engine.streaming import StreamingWorker
 from kvoffload.vllm.identity import VllmIdentity
 from kvoffloadbench import sglang_rig as rig
 from kvoffloadbench.launch import DaemonProcess

@@ -1,4 +1,4 @@
-"""A fake of ``kvoffload.cuda_driver.CudaApi`` for machines without a GPU.
+"""A fake of ``kvoffload.cuda.driver.CudaApi`` for machines without a GPU.
 
 "Device memory" is host memory (numpy buffers), so copies are real memmoves and
 their bytes can be checked. Streams are ordered operation queues that run as far as
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.cuda_driver import IPC_HANDLE_BYTES, CudaError
+from kvoffload.cuda.driver import IPC_HANDLE_BYTES, CudaError
 
 I64 = npt.NDArray[np.int64]
 DEADLINE_S = 10.0

@@ -15,10 +15,10 @@ from kvoffload.protocol.errors import PermissionDeniedError, QuotaExceededError
 from kvoffload.protocol.messages import pack_keys, unpack_ids
 from kvoffloadd.access import AccessPolicy, NamespaceRule, Peer, peer_groups
 from kvoffloadd.config import DaemonConfig, NamespaceQuota, TierConfig, load_config
-from kvoffloadd.copier import CpuCopier
-from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service
-from kvoffloadd.session import Session
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service.service import Service
+from kvoffloadd.service.session import Session
 
 MIB = 1 << 20
 OTHER = 4242  # a uid/gid that is neither root nor ours
@@ -171,7 +171,7 @@ def test_config_example_documents_every_key_and_loads(tmp_path: Path) -> None:
 def test_socket_is_0660_in_a_0750_directory(tmp_path: Path) -> None:
     import stat
 
-    from kvoffloadd.server import bind_listener
+    from kvoffloadd.server.server import bind_listener
 
     path = tmp_path / "run" / "k.sock"
     sock = bind_listener(str(path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvoffloadd.allocator import ExtentPool, SlotPool
+from kvoffloadd.region.allocator import ExtentPool, SlotPool
 
 EXT = 4 * 4096
 

@@ -22,15 +22,15 @@ from hypothesis import strategies as st
 
 from kvoffload import shared_kv_cache
 from kvoffload.cache import describe_cache
-from kvoffload.canonical import CanonicalPart, expand
+from kvoffload.datapath.canonical import CanonicalPart, expand
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import pack_ids, pack_keys
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copier import CpuCopier
-from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service
-from kvoffloadd.session import Session
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service.service import Service
+from kvoffloadd.service.session import Session
 
 MIB = 1 << 20
 LOCAL = 2048  # one rank's page (half the heads)
@@ -198,7 +198,7 @@ def test_a_transfer_that_would_expand_past_the_copy_limit_is_refused(
 ) -> None:
     """Blocks times fragments is what the loop builds arrays for: a worker cannot
     make one submit allocate without bound."""
-    import kvoffload.canonical as canonical
+    import kvoffload.datapath.canonical as canonical
 
     monkeypatch.setattr(canonical, "MAX_JOB_COPIES", 64)
     s = svc.open_session(1, os.getpid(), 0, 0)

@@ -17,10 +17,10 @@ from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError
 from kvoffload.protocol.messages import pack_ids, pack_keys
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copier import CpuCopier
-from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service
-from kvoffloadd.session import Session
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service.service import Service
+from kvoffloadd.service.session import Session
 
 MIB = 1 << 20
 PAGE = 16384

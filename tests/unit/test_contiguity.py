@@ -18,10 +18,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.copyplan import CacheGeometry, build_runs, has_duplicates, merge_runs, place_caches
+from kvoffload.datapath.copyplan import (
+    CacheGeometry,
+    build_runs,
+    has_duplicates,
+    merge_runs,
+    place_caches,
+)
 from kvoffload.protocol.messages import KVLayout
-from kvoffloadd.allocator import ExtentPool, SlotPool
-from kvoffloadd.leases import LeaseBook
+from kvoffloadd.index.leases import LeaseBook
+from kvoffloadd.region.allocator import ExtentPool, SlotPool
 
 EXT = 8 * 4096
 

@@ -7,7 +7,7 @@ import select
 
 import numpy as np
 
-from kvoffloadd.copier import CpuCopier
+from kvoffloadd.copies.copier import CpuCopier
 
 
 def addrs(a: np.ndarray, offsets: list[int]) -> np.ndarray:

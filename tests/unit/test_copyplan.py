@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.canonical import CanonicalPart
-from kvoffload.copyplan import (
+from kvoffload.datapath.canonical import CanonicalPart
+from kvoffload.datapath.copyplan import (
     CacheGeometry,
     JobPlan,
     build_runs,
@@ -16,7 +16,7 @@ from kvoffload.copyplan import (
     merge_runs,
     place_caches,
 )
-from kvoffload.memruns import copy_runs
+from kvoffload.datapath.memruns import copy_runs
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 

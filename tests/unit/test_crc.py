@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffloadd import crc
+from kvoffloadd.copies import crc
 
 
 def test_the_fast_implementation_is_the_one_loaded() -> None:

@@ -14,9 +14,9 @@ from test_index_story import ks
 from kvoffload.plans import OffloadEvent
 from kvoffload.protocol.errors import NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
-from kvoffloadd.allocator import ExtentPool, SlotPool
-from kvoffloadd.index import NamespaceIndex
-from kvoffloadd.leases import new_token
+from kvoffloadd.index.index import NamespaceIndex
+from kvoffloadd.index.leases import new_token
+from kvoffloadd.region.allocator import ExtentPool, SlotPool
 
 A, B = 1, 2  # two engines (connections) sharing the namespace
 TA, TB = new_token(), new_token()
@@ -206,7 +206,7 @@ def test_pins_and_unpins_of_unknown_keys_are_counted_not_raised() -> None:
 def test_a_subscriber_that_never_takes_holds_a_bounded_number_of_bytes() -> None:
     """Issue scenario: a client opens the namespace and never takes its events while
     stores and evictions go on; its queue stays within its byte budget, marked lost."""
-    from kvoffloadd.events import EventFeed
+    from kvoffloadd.index.events import EventFeed
 
     feed = EventFeed(max_bytes=64 << 10)
     feed.subscribe(A)
@@ -326,8 +326,8 @@ def test_engines_of_a_full_region_find_their_refills_free_every_step() -> None:
     of a step find their pools dry and fall back to blocking stores that fail."""
     from kvoffload.protocol import messages as m
     from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids
-    from kvoffloadd.engines import EngineChannel
-    from kvoffloadd.session import Session
+    from kvoffloadd.service.engines import EngineChannel
+    from kvoffloadd.service.session import Session
 
     engines, want = 8, 4  # the namespace's lease budget is 256 // 8 = 32: 4 each
     idx = make_index(blocks=256)

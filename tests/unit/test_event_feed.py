@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvoffload.plans import OffloadEvent
-from kvoffloadd.events import EventFeed, FeedBudget, event_bytes
+from kvoffloadd.index.events import EventFeed, FeedBudget, event_bytes
 
 KEYS = [b"k" * 40] * 100  # one event: 100 keys of 40 bytes
 SIZE = event_bytes(OffloadEvent(KEYS, removed=False))

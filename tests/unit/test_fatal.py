@@ -14,11 +14,11 @@ import pytest
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copier import CpuCopier
-from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.server import Server, bind_listener
-from kvoffloadd.service import Service
-from kvoffloadd.session import Session
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.server.server import Server, bind_listener
+from kvoffloadd.service.service import Service
+from kvoffloadd.service.session import Session
 
 
 class BrokenService(Service):

@@ -19,17 +19,17 @@ from fake_cuda import FakeCuda, FakeCudaTensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.copyplan import split_at_boundaries
-from kvoffload.cuda_export import StoreFence, export_cuda_caches
+from kvoffload.cuda.export import StoreFence, export_cuda_caches
+from kvoffload.datapath.copyplan import split_at_boundaries
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import pack_ids, pack_keys
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copier import CpuCopier
-from kvoffloadd.gpu import GpuRuntime
-from kvoffloadd.pinning import MAX_CHUNK_BYTES, RegionPinner, plan_chunks
-from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.copies.gpu import GpuRuntime
+from kvoffloadd.region.pinning import MAX_CHUNK_BYTES, RegionPinner, plan_chunks
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service.service import Service
 
 MIB = 1 << 20
 PAGES = [4096, 8192]

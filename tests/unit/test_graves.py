@@ -11,7 +11,7 @@ from test_index_story import CopyingIndex, ks
 
 from kvoffload.protocol.errors import NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
-from kvoffloadd.allocator import ExtentPool, SlotPool
+from kvoffloadd.region.allocator import ExtentPool, SlotPool
 
 A, B = 1, 2  # two engines, both with key mirrors
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvoffloadd.httpd import MAX_CONNECTIONS, MAX_PER_PEER, HttpServer
-from kvoffloadd.metrics import HEALTH_STALE_S, MetricsEndpoint, readiness
+from kvoffloadd.server.httpd import MAX_CONNECTIONS, MAX_PER_PEER, HttpServer
+from kvoffloadd.server.metrics import HEALTH_STALE_S, MetricsEndpoint, readiness
 
 
 def stats(**over: Any) -> dict[str, Any]:

@@ -10,9 +10,9 @@ import pytest
 
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
-from kvoffloadd.allocator import ExtentPool, SlotPool
-from kvoffloadd.index import NamespaceIndex, OffloadEvent
-from kvoffloadd.policies import POLICIES
+from kvoffloadd.index.index import NamespaceIndex, OffloadEvent
+from kvoffloadd.index.policies import POLICIES
+from kvoffloadd.region.allocator import ExtentPool, SlotPool
 
 CLIENT = 1
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.client_copy import LocalCopies, RegionMapping, SlotChanged
-from kvoffload.copyplan import CacheGeometry
+from kvoffload.datapath.client_copy import LocalCopies, RegionMapping, SlotChanged
+from kvoffload.datapath.copyplan import CacheGeometry
 from kvoffload.protocol.messages import KVLayout
-from kvoffloadd.allocator import SlotPool
-from kvoffloadd.index import NamespaceIndex
-from kvoffloadd.leases import new_token
-from kvoffloadd.region import Geometry, SharedOffloadRegion
+from kvoffloadd.index.index import NamespaceIndex
+from kvoffloadd.index.leases import new_token
+from kvoffloadd.region.allocator import SlotPool
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
 
 PAGE = 4096
 BLOCKS = 16

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from kvoffloadd.stats import LoopTurns
+from kvoffloadd.service.stats import LoopTurns
 
 
 def test_turns_give_percentiles_and_the_longest() -> None:

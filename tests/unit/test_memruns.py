@@ -1,4 +1,4 @@
-"""Copy runs as strided groups (``kvoffload.memruns``), against the runs one by one.
+"""Copy runs as strided groups (``kvoffload.datapath.memruns``), against the runs one by one.
 
 - Every group expands back to exactly the runs it was made of, in order.
 - Runs that step alike become one group: one per cache for a job with a cache per layer.
@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.memruns import GROUP_MIN_RUNS, Groups, copy_groups, copy_runs, group_runs
+from kvoffload.datapath.memruns import GROUP_MIN_RUNS, Groups, copy_groups, copy_runs, group_runs
 
 PAGE = 64
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffloadd.crc import crc32
+from kvoffloadd.copies.crc import crc32
 from kvoffloadd.tiers.base import TierJob, TierNamespace, TierResult, WakeFd
 from kvoffloadd.tiers.blockauth import BlockMac
 from kvoffloadd.tiers.mooncake_local import read_own_segment, segment_span

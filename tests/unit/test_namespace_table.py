@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvoffload.datapath.regionfmt import MAX_NAMESPACES, SLOT_GRAVE, SLOT_READY
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
@@ -22,12 +23,11 @@ from kvoffload.protocol.errors import (
     QuotaExceededError,
 )
 from kvoffload.protocol.messages import pack_keys, unpack_ids
-from kvoffload.regionfmt import MAX_NAMESPACES, SLOT_GRAVE, SLOT_READY
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copier import CpuCopier
-from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service
-from kvoffloadd.session import Session
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service.service import Service
+from kvoffloadd.service.session import Session
 
 MIB = 1 << 20
 OTHER = 4242  # neither root nor the daemon's uid
@@ -298,7 +298,7 @@ def test_a_hole_a_reclaim_left_survives_a_warm_restart() -> None:
         assert svc.region.recovered and index.slots.extents[1] is None
         assert {k: index.slots_of([k])[0] for k in before} == before
         assert index.lookup(keys[:2]) == 2 and index.lookup(keys[4:]) == 2
-        from kvoffload.regionfmt import RegionTables, SlotMap
+        from kvoffload.datapath.regionfmt import RegionTables, SlotMap
 
         smap = SlotMap(RegionTables(svc.region.buffer), index.ns_id, index.slots.slot_bytes)
         top = np.asarray([before[keys[4]]], dtype=np.int64)

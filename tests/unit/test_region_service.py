@@ -11,13 +11,13 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from kvoffload.datapath.regionfmt import FORMAT_VERSION, HEADER, MAGIC, SLOT_DTYPE, SLOT_READY
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_keys, unpack_ids
-from kvoffload.regionfmt import FORMAT_VERSION, HEADER, MAGIC, SLOT_DTYPE, SLOT_READY
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copier import CpuCopier
-from kvoffloadd.region import Geometry, RegionError, SharedOffloadRegion
-from kvoffloadd.service import Service
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.region.region import Geometry, RegionError, SharedOffloadRegion
+from kvoffloadd.service.service import Service
 
 MIB = 1 << 20
 
@@ -141,7 +141,7 @@ def test_copier_moves_bytes_and_reports(service: Service) -> None:
 
 
 def test_chunk_runs_and_split_cover_every_byte_once() -> None:
-    from kvoffloadd.copier import chunk_runs, split_by_bytes
+    from kvoffloadd.copies.copier import chunk_runs, split_by_bytes
 
     dst = np.array([1000, 50_000], dtype=np.int64)
     src = np.array([0, 90_000], dtype=np.int64)

@@ -15,9 +15,9 @@ from pathlib import Path
 import posix_ipc
 import pytest
 
-from kvoffload.regionfmt import HEADER, MAGIC
-from kvoffloadd.region import Geometry, RegionError
-from kvoffloadd.regionstate import RegionState, open_region
+from kvoffload.datapath.regionfmt import HEADER, MAGIC
+from kvoffloadd.region.region import Geometry, RegionError
+from kvoffloadd.region.regionstate import RegionState, open_region
 from kvoffloadd.trust import UntrustedError
 
 MIB = 1 << 20

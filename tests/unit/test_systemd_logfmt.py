@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffloadd.logfmt import LogfmtFormatter
-from kvoffloadd.systemd import Notifier, listen_fds, watchdog_interval_s
+from kvoffloadd.server.logfmt import LogfmtFormatter
+from kvoffloadd.server.systemd import Notifier, listen_fds, watchdog_interval_s
 
 
 def fake_manager(tmp_path: Path) -> tuple[socket.socket, str]:

@@ -11,10 +11,10 @@ import pytest
 from test_index_story import CopyingIndex, ks
 
 from kvoffload.protocol.messages import KEY_ABSENT, KEY_PROMOTING, KEY_READY, KVLayout
-from kvoffloadd.allocator import ExtentPool, SlotPool
-from kvoffloadd.index import NamespaceIndex
-from kvoffloadd.tiering import TIER_CLIENT, Tiering
+from kvoffloadd.index.index import NamespaceIndex
+from kvoffloadd.region.allocator import ExtentPool, SlotPool
 from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
+from kvoffloadd.tiers.tiering import TIER_CLIENT, Tiering
 
 PAGE = 4096
 ENGINE = 7

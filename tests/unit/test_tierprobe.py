@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+from kvoffload.engine.tierprobe import TierProbes
+from kvoffload.engine.view import KeyState
 from kvoffload.protocol.messages import KEY_ABSENT, KEY_PROMOTING, KEY_READY
-from kvoffload.tierprobe import TierProbes
-from kvoffload.view import KeyState
 
 
 class FakeDaemon:

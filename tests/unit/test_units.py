@@ -9,9 +9,9 @@ from pathlib import Path
 
 import tomllib
 
-from kvoffloadd.budgets import FD_RESERVE
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.main import config_of, parse_args
+from kvoffloadd.service.budgets import FD_RESERVE
 
 ROOT = Path(__file__).parents[2]
 UNITS = ROOT / "systemd"

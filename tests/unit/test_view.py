@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 import pytest
 
+from kvoffload.engine.view import EngineView, KeyState
 from kvoffload.namespace import Snapshot
 from kvoffload.plans import StorePlan
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import DaemonUnavailableError
 from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
-from kvoffload.view import EngineView, KeyState
 
 HIT, MISS, PENDING = KeyState.HIT, KeyState.MISS, KeyState.HIT_PENDING
 

@@ -21,15 +21,15 @@ from test_canonical_parts import CANON, HALF, LOCAL, attach, frags, open_ns, set
 
 from kvoffload import shared_kv_cache
 from kvoffload.cache import describe_cache
-from kvoffload.canonical import CanonicalPart, covers_pages
+from kvoffload.datapath.canonical import CanonicalPart, covers_pages
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import pack_ids, pack_keys
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copier import CpuCopier
-from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service
-from kvoffloadd.session import Session
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service.service import Service
+from kvoffloadd.service.session import Session
 
 MIB = 1 << 20
 PAGE = 4096

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 
+from kvoffload.engine.view import EngineView
 from kvoffload.namespace import Snapshot
 from kvoffload.plans import StorePlan
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_ids, pack_keys
-from kvoffload.view import EngineView
 from kvoffload.vllm.manager import KVOffloadManager, SlotsSpec
 
 CTX = ReqContext(req_id="r")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 import kvoffload
-from kvoffload.view import EngineView
+from kvoffload.engine.view import EngineView
 
 from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .bench_tiers import run_tiers, tier_rows
@@ -169,8 +169,8 @@ def mirror_lookup_us(
 def filled_index(keys: list[bytes]) -> Any:
     """An in-process namespace index (no daemon) holding ``keys`` as stored blocks."""
     from kvoffload.protocol.messages import KVLayout
-    from kvoffloadd.allocator import ExtentPool, SlotPool
-    from kvoffloadd.index import NamespaceIndex
+    from kvoffloadd.index.index import NamespaceIndex
+    from kvoffloadd.region.allocator import ExtentPool, SlotPool
 
     pool = ExtentPool(len(keys) // 1024 + 1, 1024 * 4096)
     idx = NamespaceIndex(0, "m", KVLayout([4096]), "f", SlotPool(pool, 0, 4096))

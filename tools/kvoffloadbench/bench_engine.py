@@ -101,7 +101,7 @@ class Profile:
 
     def __enter__(self) -> Profile:
         from kvoffload.client import Client
-        from kvoffload.transport import Transport
+        from kvoffload.link.transport import Transport
 
         for cls, name, what in (
             (Transport, "flush", "send"),

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 import kvoffload
-from kvoffload.cuda_driver import load_driver
+from kvoffload.cuda.driver import load_driver
 
 from .launch import BULK_STORES, DaemonProcess
 

@@ -37,10 +37,10 @@ from kvoffload.cache import describe_cache
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copier import Completion, CpuCopier
-from kvoffloadd.region import Geometry, SharedOffloadRegion
-from kvoffloadd.service import Service
-from kvoffloadd.session import Session
+from kvoffloadd.copies.copier import Completion, CpuCopier
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.service.service import Service
+from kvoffloadd.service.session import Session
 
 PAGE_BYTES = 16384  # per block: 16 blocks are past the copier's inline size, not timed
 LAYERS = 32  # caches of the layered shape, PAGE_BYTES // LAYERS bytes of page each
@@ -111,7 +111,7 @@ class _Rig:
         self.s.pushes.clear()
         self.pool.extend(s for g in grants for s in unpack_ids(g.slots).tolist())
         assert len(self.pool) >= n, f"a lease pool of {n} slots holds {len(self.pool)}"
-        slots = self.pool[-n:]  # what kvoffload.view takes
+        slots = self.pool[-n:]  # what kvoffload.engine.view takes
         del self.pool[-n:]
         return slots
 

@@ -1,14 +1,30 @@
-"""Secondary tiers below the region: the interface (base.py), disk, Redis, Mooncake,
-and the MAC that seals every block they hold (blockauth.py)."""
+"""Secondary tiers below the region: the interface (``base``), disk, Redis, Mooncake,
+the MAC that seals every block they hold (``blockauth``), and the cascade and
+promotion between the region and them (``tiering``).
+
+Rules:
+- Nothing a tier holds is trusted: every block carries a keyed MAC over its namespace,
+  key, length and bytes, and fails closed (a miss) when it does not verify.
+- Tier I/O runs on each tier's own threads; ``tiering`` runs on the loop thread and
+  pins region blocks only for bounded, timed jobs.
+- A tier fault stays inside its key or its tier; the daemon serves on without it.
+"""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from ..config import TierConfig, parse_size
-from .base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult, WakeFd
-from .blockauth import BlockMac, read_secret
+from kvoffloadd.config import TierConfig, parse_size
+from kvoffloadd.tiers.base import (
+    SecondaryTier,
+    TierError,
+    TierJob,
+    TierNamespace,
+    TierResult,
+    WakeFd,
+)
+from kvoffloadd.tiers.blockauth import BlockMac, read_secret
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +51,7 @@ def build_tier(cfg: TierConfig, wake: Any, mac: BlockMac) -> SecondaryTier:
             cfg.name,
         )
     if cfg.type == "disk":
-        from .disk import DiskTier
+        from kvoffloadd.tiers.disk import DiskTier
 
         return DiskTier(
             cfg.name,
@@ -47,7 +63,7 @@ def build_tier(cfg: TierConfig, wake: Any, mac: BlockMac) -> SecondaryTier:
             fsync=cfg.fsync,
         )
     if cfg.type == "mooncake":
-        from .mooncake_tier import MooncakeSettings, MooncakeTier
+        from kvoffloadd.tiers.mooncake_tier import MooncakeSettings, MooncakeTier
 
         where = f"tiers.{cfg.name}"
         settings = MooncakeSettings(
@@ -68,7 +84,7 @@ def build_tier(cfg: TierConfig, wake: Any, mac: BlockMac) -> SecondaryTier:
             max_view_blocks=cfg.max_view_blocks,
         )
         return MooncakeTier(cfg.name, settings, cfg.capacity_bytes, wake, mac=mac)
-    from .redis_tier import RedisTier
+    from kvoffloadd.tiers.redis_tier import RedisTier
 
     return RedisTier(
         cfg.name,

@@ -46,8 +46,8 @@ from typing import Any
 
 import blake3
 
-from ..trust import UntrustedError, check_private_file, secure_dir
-from .base import TierError, TierNamespace, auth_statistics
+from kvoffloadd.tiers.base import TierError, TierNamespace, auth_statistics
+from kvoffloadd.trust import UntrustedError, check_private_file, secure_dir
 
 log = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..trust import UntrustedError, private_dir
-from .base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
-from .blockauth import PIECE_BYTES, SEAL, BlockMac, SealCheck
-from .remote import VIEW_CHUNK, VIEW_ENTRIES_PER_TURN
+from kvoffloadd.tiers.base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
+from kvoffloadd.tiers.blockauth import PIECE_BYTES, SEAL, BlockMac, SealCheck
+from kvoffloadd.tiers.remote import VIEW_CHUNK, VIEW_ENTRIES_PER_TURN
+from kvoffloadd.trust import UntrustedError, private_dir
 
 log = logging.getLogger(__name__)
 

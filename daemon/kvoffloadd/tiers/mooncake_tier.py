@@ -50,9 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import TierError, TierJob, TierNamespace
-from .blockauth import SEAL, BlockMac, SealCheck
-from .mooncake_local import (
+from kvoffloadd.tiers.base import TierError, TierJob, TierNamespace
+from kvoffloadd.tiers.blockauth import SEAL, BlockMac, SealCheck
+from kvoffloadd.tiers.mooncake_local import (
     WARM_CHUNK_BYTES,
     OwnSegmentRead,
     Span,
@@ -60,7 +60,7 @@ from .mooncake_local import (
     read_own_segment,
     warm_segment,
 )
-from .remote import MAX_VIEW_BLOCKS, Entry, RemoteTier
+from kvoffloadd.tiers.remote import MAX_VIEW_BLOCKS, Entry, RemoteTier
 
 log = logging.getLogger(__name__)
 

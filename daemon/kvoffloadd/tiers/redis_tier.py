@@ -44,10 +44,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .base import TierError, TierJob
-from .blockauth import BlockMac, SealCheck
-from .remote import MAX_VIEW_BLOCKS, Entry, RemoteTier
-from .resp import RespConnection, RespError, encode
+from kvoffloadd.tiers.base import TierError, TierJob
+from kvoffloadd.tiers.blockauth import BlockMac, SealCheck
+from kvoffloadd.tiers.remote import MAX_VIEW_BLOCKS, Entry, RemoteTier
+from kvoffloadd.tiers.resp import RespConnection, RespError, encode
 
 log = logging.getLogger(__name__)
 

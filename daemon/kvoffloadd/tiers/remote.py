@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .base import SecondaryTier, TierJob, TierNamespace, TierResult
+from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult
 
 log = logging.getLogger(__name__)
 

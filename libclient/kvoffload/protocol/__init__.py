@@ -1,9 +1,13 @@
 """kvoffload wire protocol: messages, errors and the sans-IO connection state machine.
 
-Imported by the client library, the daemon and the CLI. Imports neither socket nor torch.
+Rules:
+- Imported by the client library, the daemon and the CLI; imports neither socket nor
+  torch (ruff bans ``socket`` here).
+- Messages evolve by appending fields with defaults; tags never change; a client and a
+  daemon of different protocol versions meet ``VERSION_MISMATCH`` at ``Hello``.
 """
 
-from .connection import (
+from kvoffload.protocol.connection import (
     HEADER_BYTES,
     NEED_DATA,
     ClientConnection,
@@ -13,8 +17,15 @@ from .connection import (
     State,
     encode_frame,
 )
-from .errors import ErrorCode, KVOffloadError, ProtocolError, error_for_code
-from .messages import PROTOCOL_VERSION, KVLayout, pack_ids, pack_keys, unpack_ids, unpack_keys
+from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError, error_for_code
+from kvoffload.protocol.messages import (
+    PROTOCOL_VERSION,
+    KVLayout,
+    pack_ids,
+    pack_keys,
+    unpack_ids,
+    unpack_keys,
+)
 
 __all__ = [
     "HEADER_BYTES",

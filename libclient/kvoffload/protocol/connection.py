@@ -32,8 +32,8 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from .errors import ProtocolError, error_for_code
-from .messages import (
+from kvoffload.protocol.errors import ProtocolError, error_for_code
+from kvoffload.protocol.messages import (
     DEFAULT_MAX_FRAME_BYTES,
     ONE_WAY,
     PUSHES,

@@ -215,7 +215,7 @@ class CacheDesc(msgspec.Struct, frozen=True, array_like=True):
 
 class CanonicalDesc(msgspec.Struct, frozen=True, array_like=True):
     """How a worker's page of one cache scatters into the cache's canonical page
-    (``kvoffload.canonical``): ``frags`` packs int64 triples (local offset, canonical
+    (``kvoffload.datapath.canonical``): ``frags`` packs int64 triples (local offset, canonical
     offset, bytes); ranks holding the same bytes take turns (``writer`` of ``writers``)."""
 
     page_bytes: int
@@ -479,7 +479,7 @@ class FinishedReply(_Msg, frozen=True, tag="results"):
 
 
 class StatsReply(_Msg, frozen=True, tag="stats_r"):
-    """Named sections of snake_case fields with units (see kvoffloadd.stats)."""
+    """Named sections of snake_case fields with units (see kvoffloadd.service.stats)."""
 
     rid: int
     sections: dict[str, Any]

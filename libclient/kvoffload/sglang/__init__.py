@@ -7,8 +7,11 @@ Point SGLang at it with configuration alone::
       "module_path": "kvoffload.sglang", "class_name": "KVOffloadStorage",
       "interface_v1": 1, "allocator": "shm"}'
 
-``KVOffloadStorage`` is imported lazily, so ``kvoffload.sglang.identity`` and
-``kvoffload.sglang.pool`` work without SGLang.
+Rules:
+- ``KVOffloadStorage`` is imported lazily, so ``kvoffload.sglang.identity`` and
+  ``kvoffload.sglang.pool`` work without SGLang.
+- Every call SGLang's controller makes is bounded in time: it catches exceptions but
+  not hangs, and all-reduces hit counts across ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ __all__ = ["KVOffloadStorage"]
 
 def __getattr__(name: str) -> Any:
     if name == "KVOffloadStorage":
-        from .backend import KVOffloadStorage
+        from kvoffload.sglang.backend import KVOffloadStorage
 
         return KVOffloadStorage
     raise AttributeError(name)

@@ -43,11 +43,18 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from ..client import Client, connect
-from .identity import SglangIdentity, Shard, mha_shards
-from .link import Deadline, PageLink, PoolWorker
-from .mirror import KeyMirror
-from .pool import PoolError, block_ids, memfd_descs, plain_views, pool_shape, shm_offset
+from kvoffload.client import Client, connect
+from kvoffload.sglang.identity import SglangIdentity, Shard, mha_shards
+from kvoffload.sglang.link import Deadline, PageLink, PoolWorker
+from kvoffload.sglang.mirror import KeyMirror
+from kvoffload.sglang.pool import (
+    PoolError,
+    block_ids,
+    memfd_descs,
+    plain_views,
+    pool_shape,
+    shm_offset,
+)
 
 log = logging.getLogger(__name__)
 

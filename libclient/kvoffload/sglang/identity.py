@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..protocol.messages import KVLayout
+from kvoffload.protocol.messages import KVLayout
 
 MAX_NAME_CHARS = 200
 

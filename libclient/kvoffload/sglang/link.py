@@ -36,14 +36,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..client import Client
-from ..client_copy import RegionMapping, describe_plain_cache
-from ..memruns import copy_runs, populate_async
-from ..namespace import Namespace, pack_checked
-from ..protocol import messages as m
-from ..protocol.errors import KVOffloadError, NoSpaceError, NotFoundError
-from ..protocol.messages import KEY_READY, pack_ids, unpack_ids, unpack_keys
-from ..transport import Transport
+from kvoffload.client import Client
+from kvoffload.datapath.client_copy import RegionMapping, describe_plain_cache
+from kvoffload.datapath.memruns import copy_runs, populate_async
+from kvoffload.link.transport import Transport
+from kvoffload.namespace import Namespace, pack_checked
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import KVOffloadError, NoSpaceError, NotFoundError
+from kvoffload.protocol.messages import KEY_READY, pack_ids, unpack_ids, unpack_keys
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=m.Reply)
@@ -223,7 +223,7 @@ class PageLink:
         """Store the pages; per key, whether it is stored (now or already).
 
         A full namespace whose evicted blocks are still held for engines' key mirrors
-        (``NO_SPACE`` until they acknowledge the evictions, kvoffloadd.graves) is asked
+        (``NO_SPACE`` until they acknowledge the evictions, kvoffloadd.index.graves) is asked
         again every ``FULL_RETRY_S`` for the first half of the call's time, after
         ``on_full`` (which acknowledges this instance's own mirrors).
         """

@@ -30,10 +30,10 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from ..namespace import Namespace, Snapshot
-from ..protocol import messages as m
-from ..protocol.errors import DaemonUnavailableError
-from ..protocol.messages import unpack_keys
+from kvoffload.namespace import Namespace, Snapshot
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import DaemonUnavailableError
+from kvoffload.protocol.messages import unpack_keys
 
 log = logging.getLogger(__name__)
 

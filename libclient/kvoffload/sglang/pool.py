@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..protocol.messages import CacheDesc
+from kvoffload.protocol.messages import CacheDesc
 
 MEMFD_IO = "memfd_io"
 

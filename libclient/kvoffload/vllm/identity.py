@@ -31,7 +31,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..protocol.messages import KVLayout
+from kvoffload.protocol.messages import KVLayout
 
 MAX_NAME_CHARS = 200
 SUFFIX_CHARS = 24  # room for "/g<id>/pp<stage>"

@@ -2,7 +2,7 @@
 
 Rules:
 - One namespace per KV cache group and pipeline stage (``identity``), each mirrored by
-  a ``kvoffload.view.EngineView``; a key goes to its group's namespaces (vLLM's
+  a ``kvoffload.engine.view.EngineView``; a key goes to its group's namespaces (vLLM's
   OffloadKey ends in its group). With several stages a key is HIT only when every
   stage holds it, and a store or a load plans a slot in each stage
   (``SlotsSpec.stage_slots``); a stage whose namespace is away or full gets none, and
@@ -15,13 +15,13 @@ Rules:
   trip remains only as the fallback of an empty lease pool, counted in
   ``blocking_calls_total``.
 - With secondary tiers below the daemon's region, a mirror MISS asks further
-  (``kvoffload.tierprobe``): a block on disk or in Redis is promoted into the region
+  (``kvoffload.engine.tierprobe``): a block on disk or in Redis is promoted into the region
   and answers RETRY until it is there (one round trip per key the mirror misses).
 - A kvoffloadd fault never reaches vLLM: while the daemon is away, lookups MISS and
   stores have nothing to do (an empty plan); a store the worker could not make is
   never committed (later lookups miss). Load plans carry their keys and the store
   plans the engine's lease tokens, so the workers can complete them whatever happened
-  to the daemon meanwhile (``kvoffload.streaming``).
+  to the daemon meanwhile (``kvoffload.engine.streaming``).
 - Events: with vLLM's KV events enabled, ``take_events`` reports the namespaces'
   stores and evictions, by this engine and by every engine sharing the pool (each of
   them can load those blocks); with several stages, a store once every stage holds
@@ -49,10 +49,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..channel import Channel
-from ..namespace import Namespace
-from ..tierprobe import TierProbes
-from ..view import EngineView, KeyState
+from kvoffload.engine.tierprobe import TierProbes
+from kvoffload.engine.view import EngineView, KeyState
+from kvoffload.link.channel import Channel
+from kvoffload.namespace import Namespace
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ Layouts. With ``canonical_layout: true`` and a configuration vLLM certifies as
 parallelism-agnostic whose ranks each hold every layer (no pipeline parallelism),
 blocks are stored as vLLM's canonical pages: one copy per block (MLA's replicated
 latent included), shared by every TP size of the model; each rank writes its byte
-ranges (``kvoffload.canonical``). Otherwise each rank's pages are stored as they are,
+ranges (``kvoffload.datapath.canonical``). Otherwise each rank's pages are stored as they are,
 one namespace per pipeline stage. The scheduler logs which layout is used and why.
 
 Who creates what. Each worker rank opens the namespaces of its stage, one per KV
@@ -48,11 +48,11 @@ from typing import Any
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from ..client import Client, connect
-from ..protocol.messages import KVLayout
-from .identity import VllmIdentity
-from .manager import KVOffloadManager
-from .transfer import KVOffloadWorker, group_caches
+from kvoffload.client import Client, connect
+from kvoffload.protocol.messages import KVLayout
+from kvoffload.vllm.identity import VllmIdentity
+from kvoffload.vllm.manager import KVOffloadManager
+from kvoffload.vllm.transfer import KVOffloadWorker, group_caches
 
 log = logging.getLogger(__name__)
 

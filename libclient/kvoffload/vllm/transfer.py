@@ -18,7 +18,7 @@ Rules:
   stored (counted in ``unplaced_stores_total``, logged once). A stage that already
   holds a key skips its chunk.
 - vLLM 0.33 asserts that every submit and every result succeeded, so this worker
-  never reports a failure (``kvoffload.streaming``): a store that could not happen is
+  never reports a failure (``kvoffload.engine.streaming``): a store that could not happen is
   reported finished and is simply not offloaded; a planned load completes byte-exact
   or stops the engine with ``LoadLostError`` naming why.
 - A vLLM job finishes when all its parts did. Results are read at most every
@@ -47,13 +47,13 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from ..cache import shared_kv_cache
-from ..canonical import CanonicalPart
-from ..client import Client
-from ..protocol.messages import KVLayout
-from ..streaming import StreamingWorker
-from .identity import VllmIdentity
-from .manager import SlotsSpec
+from kvoffload.cache import shared_kv_cache
+from kvoffload.client import Client
+from kvoffload.datapath.canonical import CanonicalPart
+from kvoffload.engine.streaming import StreamingWorker
+from kvoffload.protocol.messages import KVLayout
+from kvoffload.vllm.identity import VllmIdentity
+from kvoffload.vllm.manager import SlotsSpec
 
 log = logging.getLogger(__name__)
 

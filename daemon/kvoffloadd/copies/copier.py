@@ -1,0 +1,321 @@
+"""CPU copier: threads that execute copy runs and report completions to the loop.
+
+Rules:
+- The loop thread builds absolute (dst, src, nbytes) address arrays and hands them to
+  ``submit``; copier threads group them (``kvoffload.datapath.memruns``: runs that step alike
+  are one strided numpy copy, off the loop) and run the copies (the GIL is released
+  during each). They never touch daemon metadata.
+- A job of at most ``INLINE_BYTES`` (without checksums) is copied at once on the
+  loop thread: two thread wake-ups would cost more than the copy. Its completion still
+  goes through the sink, like every other.
+- A large job is split by bytes across the threads; it completes when every part has.
+  Runs longer than ``CHUNK_BYTES`` are cut first, so one huge run still spreads.
+- Completions go into a ``CompletionSink`` (a deque and an eventfd) shared with the GPU
+  copy lanes; one eventfd write wakes the loop, which calls ``drain()``: completions
+  are processed on the loop thread only.
+- Memory behind the addresses must stay mapped until the job's completion has been
+  drained; the daemon guarantees it by counting in-flight jobs per mapping.
+- A large transfer comes as a ``JobPlan`` (``submit_planned``): a copier thread
+  builds its runs a piece of whole slots at a time (``PIECE_COPIES``) and copies each
+  piece before building the next, so neither the loop nor memory pays for the copies
+  it expands to.
+- ``run_task`` runs other work that must stay off the loop (checking what a canonical
+  store covered) on the same threads; its result comes back in the completion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.datapath.copyplan import JobPlan
+from kvoffload.datapath.memruns import copy_runs
+from kvoffloadd.copies.crc import crc32
+
+log = logging.getLogger(__name__)
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Completion:
+    token: int
+    success: bool
+    nbytes: int
+    seconds: float
+    checksums: list[int] | None = None  # stores with verification: one per area
+    corrupt: list[int] = field(default_factory=list)  # loads: areas that failed
+    result: Any = None  # what a task (``run_task``) returned
+    runs: int = 0  # runs a copier built (``submit_planned``)
+
+
+@dataclass(frozen=True)
+class _Task:
+    token: int
+    fn: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class _Planned:
+    token: int
+    plan: JobPlan
+    check: ChecksumCheck | None
+
+
+@dataclass(frozen=True)
+class ChecksumCheck:
+    """Block checksums for one job: CRC32 of each slot's rank area of the region.
+
+    Stores compute them after their copy; loads verify them before theirs and copy
+    nothing when one differs (``expected`` -1: not known, not checked).
+    """
+
+    areas: list[int]  # absolute addresses
+    area_bytes: int
+    expected: list[int] | None = None
+
+    def compute(self) -> list[int]:
+        n = self.area_bytes
+        return [crc32((ctypes.c_char * n).from_address(a)) for a in self.areas]
+
+    def mismatches(self) -> list[int]:
+        assert self.expected is not None
+        return [
+            i
+            for i, (want, got) in enumerate(zip(self.expected, self.compute()))
+            if want >= 0 and want != got
+        ]
+
+
+@dataclass
+class CopyJob:
+    """A job split into parts that copier threads run (CPU and descriptor copiers)."""
+
+    token: int
+    nbytes: int
+    parts_left: int
+    started_s: float
+    check: ChecksumCheck | None = None
+    failed: bool = False
+    corrupt: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run_part(self, copy: Callable[[], bool]) -> Completion | None:
+        """Run one part (a verified load checks its blocks first, and copies nothing
+        if one differs); the job's completion once its last part ran."""
+        ok = True
+        try:
+            if self.check is not None and self.check.expected is not None:
+                self.corrupt = self.check.mismatches()
+            if not self.corrupt:
+                ok = copy()
+        except OSError as exc:  # a descriptor copy whose engine shrank its memory
+            log.info("copy job %d failed: %s", self.token, exc)
+            ok = False
+        except Exception:  # pragma: no cover - memmove of validated ranges
+            log.exception("copy job %d failed", self.token)
+            ok = False
+        with self.lock:
+            self.failed |= not ok
+            self.parts_left -= 1
+            if self.parts_left:
+                return None
+        return finished(
+            self.token, not self.failed, self.nbytes, self.started_s, self.check, self.corrupt
+        )
+
+
+class CopyThreads:
+    """Threads that take items off one queue (``_handle``) until ``close``."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._handle(item)
+
+    def _handle(self, item: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+
+def finished(
+    token: int,
+    ok: bool,
+    nbytes: int,
+    started_s: float,
+    check: ChecksumCheck | None,
+    corrupt: list[int],
+) -> Completion:
+    """A job's completion, for CPU and GPU copiers alike: a verified store's checksums
+    are taken now that its bytes are in the region; a load that failed verification
+    copied nothing and fails."""
+    sums = check.compute() if ok and check is not None and check.expected is None else None
+    ok = ok and not corrupt
+    seconds = time.perf_counter() - started_s
+    return Completion(token, ok, nbytes if ok else 0, seconds, sums, corrupt)
+
+
+def chunk_runs(dst: I64, src: I64, nbytes: I64, chunk: int) -> tuple[I64, I64, I64]:
+    """Cut every run longer than ``chunk`` bytes into pieces of at most ``chunk``."""
+    if nbytes.size == 0 or int(nbytes.max()) <= chunk:
+        return dst, src, nbytes
+    pieces = -(-nbytes // chunk)
+    idx = np.repeat(np.arange(nbytes.size), pieces)
+    first = np.cumsum(pieces) - pieces
+    k = np.arange(idx.size) - np.repeat(first, pieces)
+    off = k * chunk
+    n = np.minimum(nbytes[idx] - off, chunk)
+    return dst[idx] + off, src[idx] + off, n
+
+
+def split_by_bytes(nbytes: I64, parts: int) -> list[tuple[int, int]]:
+    """Index ranges cutting the runs into at most ``parts`` chunks of similar bytes."""
+    if nbytes.size == 0:
+        return [(0, 0)]
+    parts = max(1, min(parts, nbytes.size))
+    if parts == 1:
+        return [(0, int(nbytes.size))]
+    cum = np.cumsum(nbytes)
+    bounds = np.searchsorted(cum, cum[-1] * np.arange(1, parts) / parts, side="right")
+    edges = [0, *sorted({int(b) for b in bounds if 0 < b < nbytes.size}), nbytes.size]
+    return [(a, b) for a, b in itertools.pairwise(edges) if b > a]
+
+
+class CompletionSink:
+    """Finished copies from any thread, handed to the loop thread."""
+
+    def __init__(self) -> None:
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._done: deque[Completion] = deque()
+
+    def post(self, completion: Completion) -> None:
+        self._done.append(completion)
+        os.eventfd_write(self.wake_fd, 1)
+
+    def drain(self) -> list[Completion]:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.wake_fd)
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def close(self) -> None:
+        os.close(self.wake_fd)
+
+
+class CpuCopier(CopyThreads):
+    MIN_SPLIT_BYTES = 4 * 1024 * 1024
+    CHUNK_BYTES = 4 * 1024 * 1024
+    INLINE_BYTES = 64 * 1024  # smaller jobs are copied at once, on the caller's thread
+
+    def __init__(self, threads: int) -> None:
+        self.sink = CompletionSink()
+        self.wake_fd = self.sink.wake_fd
+        super().__init__(threads, "kvoffload-copy")
+
+    def submit(
+        self, token: int, dst: I64, src: I64, nbytes: I64, check: ChecksumCheck | None = None
+    ) -> None:
+        total = int(nbytes.sum())
+        if total <= self.INLINE_BYTES and check is None:
+            # Handing a few KiB to a thread costs more than copying them (two thread
+            # wake-ups per job); the completion still goes through the sink.
+            t0 = time.perf_counter()
+            copy_runs(dst, src, nbytes)
+            self.sink.post(finished(token, True, total, t0, None, []))
+            return
+        parts = len(self._threads) if total >= self.MIN_SPLIT_BYTES else 1
+        if check is not None and check.expected is not None:
+            parts = 1  # a verified load checks everything before it copies anything
+        if parts > 1:
+            dst, src, nbytes = chunk_runs(dst, src, nbytes, self.CHUNK_BYTES)
+        ranges = split_by_bytes(nbytes, parts)
+        job = CopyJob(token, total, len(ranges), time.perf_counter(), check)
+        for a, b in ranges:
+            self._queue.put((job, dst[a:b], src[a:b], nbytes[a:b]))
+
+    PIECE_COPIES = 1 << 16  # copies one piece of a planned job builds at most
+
+    def submit_planned(self, token: int, plan: JobPlan, check: ChecksumCheck | None) -> None:
+        """Copy a transfer whose runs a copier thread builds, piece by piece."""
+        self._queue.put(_Planned(token, plan, check))
+
+    def _planned(self, item: _Planned) -> None:
+        t0 = time.perf_counter()
+        ok, corrupt, nbytes, runs = True, [], 0, 0
+        try:
+            if item.check is not None and item.check.expected is not None:
+                corrupt = item.check.mismatches()
+            if not corrupt:
+                for dst, src, sizes in item.plan.pieces(self.PIECE_COPIES):
+                    copy_runs(dst, src, sizes)
+                    nbytes += int(sizes.sum())
+                    runs += sizes.size
+        except Exception:  # pragma: no cover - memmove of validated ranges
+            log.exception("copy job %d failed", item.token)
+            ok = False
+        done = finished(item.token, ok, nbytes, t0, item.check, corrupt)
+        self.sink.post(replace(done, runs=runs))
+
+    def run_task(self, token: int, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on a copier thread; its completion carries what it returned (a
+        task that raises fails)."""
+        self._queue.put(_Task(token, fn))
+
+    def _task(self, task: _Task) -> None:
+        t0 = time.perf_counter()
+        try:
+            result, ok = task.fn(), True
+        except Exception:
+            log.exception("copier task %d failed", task.token)
+            result, ok = None, False
+        self.sink.post(Completion(task.token, ok, 0, time.perf_counter() - t0, result=result))
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _Task):
+            self._task(item)
+        elif isinstance(item, _Planned):
+            self._planned(item)
+        else:
+            job, dst, src, sizes = item
+
+            def copy() -> bool:
+                copy_runs(dst, src, sizes)
+                return True
+
+            if (done := job.run_part(copy)) is not None:
+                self.sink.post(done)
+
+    def drain(self) -> list[Completion]:
+        return self.sink.drain()
+
+    def close(self) -> None:
+        super().close()
+        self.sink.close()

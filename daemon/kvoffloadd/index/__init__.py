@@ -1,0 +1,12 @@
+"""Per-namespace metadata: which key lives in which slot, and in what state.
+
+Rules:
+- vLLM's offloading-manager semantics (``storeindex``): a block is visible only once
+  its store completed whole; pinned and written blocks are never evicted; eviction for
+  one store is all or nothing.
+- Engines' one-way batches (claims, pins, commits) are lenient: nothing they send is
+  an error that could reach the engine (``index``).
+- Leases, graves and event feeds are bounded and charged to whoever made them
+  (``leases``, ``graves``, ``events``, ``kvoffloadd.ledger``).
+- Loop thread only, no locks; no I/O. Imports ``region.allocator`` and ``ledger``.
+"""

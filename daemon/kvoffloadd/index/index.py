@@ -1,0 +1,552 @@
+"""Per-namespace block index: the engine-facing operations over a StoreIndex.
+
+Engines' schedulers never wait for the daemon (kvoffload.engine.view): they store into
+*leased* slots (leases.py) and send claims, commits, pins and unpins one-way, once
+per step. The engine-facing calls are therefore lenient where the blocking API is
+strict: ``claim`` of a key someone stored meanwhile becomes a shadow copy, dropped at
+commit (one copy stays); ``commit`` before every rank's copy has landed waits for the
+copies (``commit_timeout_s``), and a store whose copy failed (``void``) is dropped;
+``pin``/``unpin`` act on the key wherever its block is. Nothing an engine sends is
+ever an error that could reach vLLM; what was refused is counted.
+
+While other engines' mirrors are attached, evicted blocks stay loadable and keep their
+slots until those mirrors have seen the eviction (graves.py). An engine acks its feed
+only after the pins it took before reading it, so a block an engine pinned locally is
+never reused before the daemon has seen the pin.
+
+Owners: every pin belongs to the client that took it. Completing someone else's store
+or load through the blocking API is ``NOT_LEASED``, and so is copying through a slot
+leased or prepared for another client (invariant 9); ``release_client`` fails a dead
+client's stores, frees its leases and drops its pins at once (invariant 5).
+
+Everything here runs on the daemon's loop thread only: no locks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from operator import attrgetter
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.plans import OffloadEvent
+from kvoffload.protocol.errors import NotFoundError, NotLeasedError, QuotaExceededError
+from kvoffloadd.index.policies import Block
+from kvoffloadd.index.storeindex import NamespaceStatistics, StoreIndex
+
+__all__ = ["NamespaceIndex", "NamespaceStatistics", "OffloadEvent"]
+
+_slot_of = attrgetter("slot")
+_ref_of = attrgetter("ref")
+
+
+class NamespaceIndex(StoreIndex):
+    """A namespace's index as the service uses it (see the module docstring)."""
+
+    # ------------------------------------------------------------ engine batches
+
+    def lease(self, token: int, n: int, client: int = 0) -> list[int]:
+        """Grant up to ``n`` empty slots to ``token``, evicting to make room if needed.
+
+        Eviction here is not all-or-nothing: it runs outside any engine request, to
+        keep the engines' pools filled. Space held in graves counts as coming, so a
+        grant may be smaller now and complete at a later refill.
+        """
+        n = min(n, self.writing_room(client, token))
+        if n <= 0:
+            return []
+        self.reserve(n)
+        slots = self._allocate(min(n, self._free_within_quota()))
+        self.leases.grant(token, slots, self.uid_of(client))
+        self._charge(client, len(slots))
+        for slot in slots:
+            self._journal.leased(slot, token)
+        return slots
+
+    def reserve(self, n: int) -> None:
+        """Keep ``n`` slots free, or coming free from graves, evicting least recently
+        used blocks now: what the next lease refill will hand out."""
+        self._reclaim_for(n)
+        short = n - self._free_within_quota() - len(self.graves)
+        if short > 0 and self._num_evictable:
+            victims = self._policy.evict(min(short, self._num_evictable), set())
+            if victims:
+                self._drop(victims)
+
+    def claim(self, token: int, client: int, keys: Sequence[bytes], slots: Sequence[int]) -> int:
+        """An engine stores ``keys`` into its leased ``slots``; returns refused claims."""
+        get, refused = self._policy.get, 0
+        for key, slot in zip(keys, slots):
+            if not self.leases.claim(token, slot):
+                refused += 1  # not (or no longer) this engine's lease
+                continue
+            if get(key) is not None:  # stored by someone else meanwhile: a shadow copy
+                self.leases.add_shadow(token, key, slot)
+                self._journal.writing(slot, key, token)
+                continue
+            self._insert_writing(key, slot, client, token)
+        return refused
+
+    def commit(self, token: int, client: int, keys: Sequence[bytes], success: bool) -> None:
+        """An engine's completion of its stores: lenient (see the module docstring)."""
+        get, now = self._policy.get, time.monotonic()
+        done: list[tuple[bytes, Block]] = []
+        failed: list[tuple[bytes, Block]] = []
+        for key in dict.fromkeys(keys):
+            for shadow in self.leases.pop_shadows(token, key) if token else ():
+                self._duplicates += 1
+                self._uncharge(client, 1)
+                self._free_slot(shadow)  # one copy of the key stays
+            block = get(key)
+            if block is None or block.ref != -1 or self._writers.get(key) != client:
+                continue  # not this engine's store (or of an earlier connection)
+            slot = block.slot
+            if not success or slot in self._void:
+                failed.append((key, block))
+            elif self._whole(slot):
+                done.append((key, block))
+            else:
+                self._waiting[slot] = now + self.commit_timeout_s
+        if failed:
+            self._finish_stores(failed, False)
+        if done:
+            self._finish_stores(done, True)
+
+    def expire_commits(self, now_s: float) -> int:
+        """Fail committed stores whose copies never landed; returns how many."""
+        late = [s for s, deadline in self._waiting.items() if deadline <= now_s]
+        blocks = []
+        for slot in late:
+            key = self._slot_key[slot]
+            block = self._policy.get(key) if key is not None else None
+            if block is not None and block.slot == slot and block.ref == -1:
+                blocks.append((key, block))
+            else:
+                del self._waiting[slot]
+        self._finish_stores(blocks, False)  # type: ignore[arg-type]
+        return len(blocks)
+
+    def pin(self, keys: Sequence[bytes], client: int) -> None:
+        """Pins an engine took locally: each key's block, wherever it is now. Pins
+        past the client's share (``pin_ledger``) are missed, like pins of keys gone."""
+        pins = self._pins.setdefault(client, Counter())
+        limit = self.max_pinned_blocks
+        room = self.pin_ledger.room(client)
+        taken = 0
+        for key in keys:
+            if taken >= room:
+                self._pins_missed += 1
+                continue
+            block = self._policy.get(key)
+            if block is not None and block.ref >= 0 and key not in self.sums.corrupt:
+                if block.ref == 0:
+                    if limit is not None and self._num_pinned >= limit:
+                        self._pins_missed += 1
+                        continue
+                    self._num_evictable -= 1
+                    self._num_pinned += 1
+                block.ref += 1
+                if not pins[key]:
+                    self._pinned_at(client, key)
+                pins[key] += 1
+                taken += 1
+            elif (grave := self.graves.loadable(key)) is not None:
+                self.graves.pin(client, grave.block.slot)
+                taken += 1
+            else:
+                self._pins_missed += 1
+        self.pin_ledger.add(client, taken)
+        if not pins:
+            del self._pins[client]
+
+    def unpin(self, keys: Sequence[bytes], client: int) -> None:
+        """An engine's completed loads: drop one pin per key (lenient)."""
+        pins = self._pins.get(client, Counter())
+        graves = self.graves.pinned_by(client) if self.graves.by_slot else {}
+        dropped = 0
+        for key in keys:
+            if pins[key]:
+                self._unpin(key, pins, 1, client)
+                dropped += 1
+            elif held := graves.get(key):
+                slot = next(iter(held))
+                self.graves.unpin(client, slot)
+                dropped += 1
+                held[slot] -= 1
+                if not held[slot]:
+                    del held[slot]
+        self.pin_ledger.give(client, dropped)
+        if client in self._pins and not pins:
+            del self._pins[client]
+        self.free_graves()
+
+    # ------------------------------------------------------------ loads
+
+    def prepare_load(self, keys: Sequence[bytes], client: int) -> list[int]:
+        get = self._policy.get
+        blocks: list[Block] = []
+        buried: set[int] = set()  # ids of grave blocks: a mirror's hit raced their eviction
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref < 0:
+                grave = self.graves.loadable(key)
+                if grave is None:
+                    state = "not stored" if block is None else "still being written"
+                    raise NotFoundError(f"cannot load key {key.hex()}: {state}")
+                block = grave.block
+                buried.add(id(block))
+            elif key in self.sums.corrupt:
+                raise NotFoundError(f"cannot load key {key.hex()}: corrupt (evicted once unpinned)")
+            blocks.append(block)
+        if self.max_pinned_blocks is not None:
+            new = len({id(b) for b in blocks if b.ref == 0})
+            if self._num_pinned + new > self.max_pinned_blocks:
+                raise QuotaExceededError(
+                    f"namespace {self.name!r} has {self._num_pinned} blocks pinned; "
+                    f"{new} more would pass its quota of {self.max_pinned_blocks}"
+                )
+        if not self.pin_ledger.take(client, len(keys)):
+            raise QuotaExceededError(
+                f"this client holds {self.pin_ledger.held(client)} pins; {len(keys)} more "
+                "would pass what one client, its uid or all clients may hold; complete "
+                "some loads first"
+            )
+        pins = self._pins.setdefault(client, Counter())
+        for key, block in zip(keys, blocks):
+            if id(block) in buried:
+                self.graves.pin(client, block.slot)
+                continue
+            if block.ref == 0:
+                self._num_evictable -= 1
+                self._num_pinned += 1
+            block.ref += 1
+            if not pins[key]:
+                self._pinned_at(client, key)
+            pins[key] += 1
+        if not pins:
+            del self._pins[client]
+        self._loads_prepared += len(keys)
+        return [b.slot for b in blocks]
+
+    def complete_load(self, keys: Sequence[bytes], client: int) -> None:
+        pins = self._pins.get(client, Counter())
+        graves = self.graves.pinned_by(client)
+        for key, count in Counter(keys).items():
+            if pins[key] + sum(graves.get(key, {}).values()) < count:
+                raise NotLeasedError(f"key {key.hex()} is not pinned by this client")
+        self.unpin(keys, client)
+
+    def _unpin(self, key: bytes, pins: Counter[bytes], n: int = 1, client: int = 0) -> None:
+        """Drop ``n`` of ``client``'s pins of ``key`` (one step, whatever ``n``)."""
+        block = self._policy.get(key)
+        assert block is not None and block.ref >= n, f"pinned key {key.hex()} lost its block"
+        block.ref -= n
+        if block.ref == 0:
+            self._num_evictable += 1
+            self._num_pinned -= 1
+            if key in self.sums.corrupt:
+                self.sums.corrupt.discard(key)
+                self._policy.remove(key)
+                self._drop([(key, block)], bury=False)
+        pins[key] -= n
+        if not pins[key]:
+            del pins[key]
+            self._pin_since.pop((client, key), None)
+
+    def _pinned_at(self, client: int, key: bytes) -> None:
+        """``client`` pinned ``key`` (its first pin of it): from now its pin ages."""
+        if client >= 0:  # the daemon's own pins (tiers) end by their jobs' deadlines
+            self._pin_since[(client, key)] = self.clock()  # inserted in age order
+
+    def expire_pins(self, now_s: float) -> int:
+        """Drop pins held longer than ``pin_timeout_s`` (a load takes a step, not a
+        minute): a client cannot keep a block, or the extent it lies in, for good.
+        Returns how many pins went."""
+        since_of, dropped = self._pin_since, 0
+        while since_of:
+            (client, key), since = next(iter(since_of.items()))  # the oldest pin
+            if since > now_s - self.pin_timeout_s:
+                break
+            pins = self._pins.get(client)
+            n = pins[key] if pins is not None else 0
+            if n and pins is not None:
+                self._unpin(key, pins, n, client)
+                self.pin_ledger.give(client, n)
+                dropped += n
+                if not pins:
+                    del self._pins[client]
+            since_of.pop((client, key), None)
+        dropped += self._expire_grave_pins(now_s)
+        self._pins_expired += dropped
+        return dropped
+
+    def _expire_grave_pins(self, now_s: float) -> int:
+        dropped = 0
+        for conn, n in self.graves.expire_pins(now_s, self.pin_timeout_s):
+            self.pin_ledger.give(conn, n)
+            dropped += n
+        if dropped:
+            self.free_graves(now_s)
+        return dropped
+
+    def resolve_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[int]:
+        """Where to read each key now: its planned slot while that still holds the key
+        (ready or a grave), else wherever the key's block is; NotFoundError if the key
+        is gone. A load that names its keys therefore reads exactly their bytes."""
+        get, slot_key, graves = self._policy.get, self._slot_key, self.graves.by_slot
+        blocks = list(map(get, keys))
+        if (  # every key ready where the engine planned it: C-level loops only
+            None not in blocks
+            and list(map(_slot_of, blocks)) == slots
+            and min(map(_ref_of, blocks), default=0) >= 0
+            and self.sums.corrupt.isdisjoint(keys)
+        ):
+            return list(slots)
+        out: list[int] = []
+        for key, slot in zip(keys, slots):
+            block = get(key)
+            usable = block is not None and block.ref >= 0 and key not in self.sums.corrupt
+            if 0 <= slot < len(slot_key) and slot_key[slot] == key:
+                if usable and block is not None and block.slot == slot:
+                    out.append(slot)
+                    continue
+                grave = graves.get(slot)
+                if grave is not None and grave.key == key and grave.loadable:
+                    out.append(slot)
+                    continue
+            if usable and block is not None:
+                out.append(block.slot)
+            elif (grave := self.graves.loadable(key)) is not None:
+                out.append(grave.block.slot)
+            else:
+                raise NotFoundError(f"cannot load key {key.hex()}: no longer stored")
+        return out
+
+    def mark_corrupt(self, slots: Sequence[int]) -> list[bytes]:
+        """Blocks whose bytes no longer match their checksum: never served again,
+        evicted now or when their last pin goes."""
+        keys = []
+        for slot in slots:
+            self.graves.forbid(slot)
+            key = self._slot_key[slot] if slot < len(self._slot_key) else None
+            block = self._policy.get(key) if key is not None else None
+            if key is None or block is None or block.slot != slot:
+                continue  # free, or a grave whose key was stored again elsewhere
+            keys.append(key)
+            self._ready.discard(key)
+            self._snapshot = None  # no feed event says so
+            if block.ref == 0:
+                self._policy.remove(key)
+                self._drop([(key, block)], bury=False)
+            else:
+                self.sums.corrupt.add(key)
+        return keys
+
+    def restore(self, blocks: list[tuple[int, bytes]]) -> None:
+        """Re-insert completed stores found in a kept region, oldest first (warm restart)."""
+        self._allocate(0)
+        for slot, key in blocks:
+            block = Block(slot)
+            block.ref = 0
+            self._policy.insert(key, block)
+            self._slot_key[slot] = key
+            self._ready.add(key)
+            self._num_evictable += 1
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self._policy.touch(keys)
+
+    def is_ready(self, key: bytes) -> bool:
+        return key in self._ready
+
+    def writer_of(self, key: bytes) -> int | None:
+        """The client storing ``key`` right now, if it is being stored."""
+        return self._writers.get(key)
+
+    def slots_of(self, keys: Sequence[bytes]) -> list[int]:
+        """Slots of present keys (stored or being stored)."""
+        get = self._policy.get
+        out = []
+        for key in keys:
+            block = get(key)
+            assert block is not None, f"key {key.hex()} has no slot"
+            out.append(block.slot)
+        return out
+
+    def pin_ready(self, keys: Sequence[bytes], client: int) -> list[tuple[bytes, int]]:
+        """Pin the ready ones of ``keys`` for ``client`` (no quota: the daemon's own
+        reads, which end by ``complete_load``); returns them with their slots."""
+        pins = self._pins.setdefault(client, Counter())
+        out = []
+        for key in keys:
+            block = self._policy.get(key)
+            if block is None or block.ref < 0 or key in self.sums.corrupt:
+                continue
+            if block.ref == 0:
+                self._num_evictable -= 1
+                self._num_pinned += 1
+            block.ref += 1
+            pins[key] += 1
+            out.append((key, block.slot))
+        if not pins:
+            del self._pins[client]
+        return out
+
+    def take_events(self, subscriber: int = 0) -> list[OffloadEvent]:
+        """Events for one subscriber since its last take (see ``events.EventFeed``)."""
+        return self.events.take(subscriber)[0]
+
+    def ready_keys(self) -> list[tuple[bytes, int]]:
+        """Every key a lookup would hit right now, with its slot (a mirror snapshot)."""
+        get = self._policy.get
+        return [(k, b.slot) for k in self._ready if (b := get(k)) is not None]
+
+    def snapshot(self) -> list[tuple[bytes, int]]:
+        """``ready_keys``, shared by every caller at the same feed position (never
+        changed: callers only page through it)."""
+        if self._snapshot is None or self._snapshot[0] != self.events.seq:
+            self._snapshot = (self.events.seq, self.ready_keys())
+        return self._snapshot[1]
+
+    # ------------------------------------------------------------ leases (data path)
+
+    def check_store_slots(self, slots: npt.NDArray[np.int64], client: int, token: int) -> None:
+        """Every slot must be this writer's: leased to ``token`` (granted, claimed or a
+        shadow copy), or, without a token, prepared by ``client`` and still being
+        written (invariants 4 and 9)."""
+        if token and self.leases.all_writable(token, slots):
+            return  # the engine path: one vectorised check of the lease mirror
+        slot_key, get, may_write = self._slot_key, self._policy.get, self.leases.may_write
+        for slot in slots.tolist():
+            if token:
+                ok = may_write(token, slot)
+            else:
+                key = slot_key[slot] if 0 <= slot < len(slot_key) else None
+                block = get(key) if key is not None else None
+                ok = (
+                    block is not None
+                    and block.slot == slot
+                    and block.ref == -1
+                    and self._writers.get(key) == client  # type: ignore[arg-type]
+                )
+            if not ok:
+                raise NotLeasedError(
+                    f"slot {slot} of namespace {self.name!r} is not leased to this writer"
+                )
+
+    def check_load_slots(self, slots: npt.NDArray[np.int64]) -> None:
+        """Every slot must hold a block pinned by an outstanding prepare_load."""
+        get = self._policy.get
+        slot_key = self._slot_key
+        wanted = slots.tolist()
+        if wanted and min(wanted) >= 0 and max(wanted) < len(slot_key):
+            blocks = list(map(get, map(slot_key.__getitem__, wanted)))  # type: ignore[arg-type]
+            if (  # every slot's own block, pinned: C-level loops only
+                None not in blocks
+                and list(map(_slot_of, blocks)) == wanted
+                and min(map(_ref_of, blocks)) > 0
+            ):
+                return
+        for slot in wanted:
+            key = slot_key[slot] if 0 <= slot < len(slot_key) else None
+            block = get(key) if key is not None else None
+            if block is None or block.slot != slot:
+                grave = self.graves.by_slot.get(slot)
+                block = grave.block if grave is not None else None
+            if block is None or not block.ref > 0:
+                raise NotLeasedError(
+                    f"slot {slot} of namespace {self.name!r} is not pinned by a prepare_load"
+                )
+
+    # ------------------------------------------------------------ owners, admin
+
+    def release_client(self, client: int, token: int = 0) -> tuple[int, int]:
+        """Fail the client's in-flight stores, free its leases and drop its pins;
+        returns (stores failed, pins dropped)."""
+        writes = [(k, self._policy.get(k)) for k, c in self._writers.items() if c == client]
+        self._finish_stores([(k, b) for k, b in writes if b is not None], success=False)
+        if token:
+            held = self.leases.release_shadows(token) + self.leases.release(token)
+            self._uncharge(client, len(held))
+            for slot in held:
+                self._free_slot(slot)
+        pins = self._pins.pop(client, Counter())
+        dropped = sum(pins.values())
+        for key, n in list(pins.items()):  # one step per key, however many pins
+            self._unpin(key, pins, n, client)
+        dropped += self.graves.release(client)
+        self.pin_ledger.give(client, dropped)
+        self.free_graves()
+        return len(writes), dropped
+
+    def evict(self, keys: Sequence[bytes] | None = None, prefix: bytes | None = None) -> int:
+        """Admin eviction of ready, unpinned blocks (all, given keys, or a key prefix)."""
+        if keys is None:
+            candidates = [k for k, b in self._policy.items() if b.ref == 0]
+        else:
+            candidates = [
+                k for k in dict.fromkeys(keys) if (b := self._policy.get(k)) and b.ref == 0
+            ]
+        if prefix is not None:
+            candidates = [k for k in candidates if k.startswith(prefix)]
+        victims = []
+        for key in candidates:
+            block = self._policy.get(key)
+            assert block is not None
+            self._policy.remove(key)
+            victims.append((key, block))
+        self._drop(victims)
+        self.slots.release_free_tail()
+        return len(victims)
+
+    def evict_extent(self, budget: int = 1 << 30) -> int:
+        """Give one extent back to the pool: the topmost one with nothing pinned, busy,
+        leased, buried or being written, its blocks evicted. Looks at ``budget``
+        slots at most; returns how many it looked at (negative: one was released)."""
+        self.free_graves()
+        looked = 0
+        for chunk in self.slots.owned_chunks():
+            if looked >= budget:
+                break
+            slots = self.slots.chunk_slots(chunk)
+            looked += len(slots)
+            if self._evict_chunk(chunk, slots):
+                return -looked
+        return looked
+
+    def _evict_chunk(self, chunk: int, slots: range) -> bool:
+        victims: list[tuple[bytes, Block]] = []
+        for slot in slots:
+            if self.slots.is_busy(slot) or slot in self.graves.by_slot:
+                return False
+            if slot in self.leases.token_of:
+                return False
+            key = self._slot_key[slot] if slot < len(self._slot_key) else None
+            if key is None:
+                continue
+            block = self._policy.get(key)
+            if block is None or block.ref != 0:
+                return False
+            victims.append((key, block))
+        for key, _ in victims:
+            self._policy.remove(key)
+        self._drop(victims, bury=False)  # the extent goes elsewhere: nothing to keep
+        return self.slots.release_chunk(chunk)
+
+    def add_mirror(self, client: int) -> None:
+        """A client took a key snapshot: from now on its mirror can hit evicted keys."""
+        self.graves.add_mirror(client, self.events.seq)
+
+    def ack(self, client: int, seq: int) -> None:
+        """A mirror applied the feed up to ``seq`` (after sending the pins it took)."""
+        self.graves.ack(client, min(seq, self.events.seq))
+        self.free_graves()
+
+    def take_feed(self, client: int) -> tuple[list[OffloadEvent], bool]:
+        """The client's events since its last take; for a mirror, also its ack."""
+        events, lost = self.events.take(client)
+        self.ack(client, self.events.seq)
+        return events, lost

@@ -1,0 +1,372 @@
+"""SharedOffloadRegion: one POSIX shared-memory segment holding every offloaded block.
+
+The format (header, extent, namespace and slot tables, data area; the slot record
+states FREE, LEASED, WRITING, READY and GRAVE) is ``kvoffload.datapath.regionfmt``, shared with
+the workers that map the region. A slot's record lives at
+``extent * slots_per_extent_max + slot_in_extent``. The tables describe every
+completed store, so a later daemon can rebuild the index from the segment alone (warm
+restart); records are written on the loop thread when a slot changes state.
+
+Rules:
+- One daemon per region: the daemon holds an exclusive ``flock`` on the segment itself
+  for its lifetime (trust.py). A segment found under the name without the lock held
+  belongs to a daemon that stopped or died.
+- The daemon maps the segment regionstate.py found or made under its private name,
+  checked and held (segment.py). Given only a name (tests, tools), a found segment is
+  checked on the descriptor it is used through: only a regular file owned by the
+  daemon's uid with no group or other permission is ever adopted (an attacker's
+  pre-created segment is refused, or dropped with ``discard``). It is recovered when
+  its header and size match this format and geometry (warm restart, see
+  ``recovery.py``), refused otherwise unless ``discard``.
+- Workers get a fresh open of the daemon's own descriptor, never of the name, and
+  nobody opens the segment with a size: that would ftruncate it under everybody else
+  (research/stack.md section 5).
+- Pre-faulting runs in a background thread, in chunks, so start-up does not wait.
+- ``close()`` drops every view before closing the map, then unlinks the name unless
+  asked to keep it for the next daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+import numpy.typing as npt
+import posix_ipc
+
+from kvoffload.datapath.regionfmt import (
+    FREE_OWNER,
+    HEADER,
+    MAX_LAYOUT_BYTES,
+    MAX_NAMESPACES,
+    NAMESPACE_CRC_OFFSET,
+    NAMESPACE_LAYOUT_OFFSET,
+    NAMESPACE_RECORD_BYTES,
+    SLOT_DTYPE,
+    SLOT_GRAVE,
+    SLOT_LEASED,
+    SLOT_READY,
+    SLOT_RECORD_BYTES,
+    SLOT_WRITING,
+    extent_crc,
+    namespace_crc,
+    ready_crc,
+)
+from kvoffloadd.region import segment
+from kvoffloadd.region.allocator import ExtentPool, SlotJournal, SlotPool
+from kvoffloadd.region.segment import Geometry, RegionError, default_extent_bytes, header_fields
+from kvoffloadd.trust import UntrustedError
+
+__all__ = ["Geometry", "RegionError", "SharedOffloadRegion", "default_extent_bytes"]
+
+log = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23
+PREFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+class SharedOffloadRegion:
+    """The daemon's mapping of the region, its tables and the extent pool."""
+
+    def __init__(
+        self,
+        name: str,
+        geometry: Geometry,
+        *,
+        recover: bool = True,
+        discard: bool = False,
+        found: tuple[posix_ipc.SharedMemory, bool] | None = None,
+    ) -> None:
+        """Map the segment ``found`` (held, checked: regionstate.py) and whether it is
+        recovered; without it, adopt or create the segment under ``name``."""
+        self.name = name
+        self.geometry = g = geometry
+        self._shm, self.recovered = found or _open_by_name(name, g, recover, discard)
+        try:
+            self._mm = mmap.mmap(self._shm.fd, g.region_bytes)
+        except BaseException:
+            self._shm.close_fd()
+            if not self.recovered:
+                self._shm.unlink()
+            raise
+        self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._mm, dtype=np.uint8)
+        self.slot_table: npt.NDArray[np.void] = np.frombuffer(
+            self._mm,
+            dtype=SLOT_DTYPE,
+            count=g.num_extents * g.slots_per_extent_max,
+            offset=g.slot_table,
+        )
+        self._extent_table = np.frombuffer(
+            self._mm, dtype="<u4", count=g.num_extents * 4, offset=g.extent_table
+        ).reshape(g.num_extents, 4)
+        if not self.recovered:
+            self._extent_table[:, 0] = FREE_OWNER
+        self._write_header()
+        owners: list[int | None] = [
+            None if o == FREE_OWNER else int(o) for o in self._extent_table[:, 0].tolist()
+        ]
+        self.pool = ExtentPool(
+            g.num_extents, g.extent_bytes, g.data_offset, self.record_extent, owners
+        )
+        self._seq = 0  # recovery resumes it (recovery.py)
+        self.prefaulted_bytes = 0
+        self._stop_prefault = threading.Event()
+        self._prefault_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _write_header(self) -> None:
+        self._mm[: HEADER.size] = HEADER.pack(*header_fields(self.geometry))
+
+    def start_prefault(self) -> None:
+        self._prefault_thread = threading.Thread(
+            target=self._prefault, name="kvoffload-prefault", daemon=True
+        )
+        self._prefault_thread.start()
+
+    @property
+    def prefaulting(self) -> bool:
+        return self._prefault_thread is not None and self._prefault_thread.is_alive()
+
+    def wait_prefault(self) -> None:
+        """Block until the background pre-fault (if any) has finished or stopped."""
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
+
+    def _prefault(self) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        base = self.buffer.ctypes.data
+        start = self.geometry.data_offset
+        end = self.geometry.region_bytes
+        use_madvise = True
+        t0 = time.monotonic()
+        for off in range(start, end, PREFAULT_CHUNK_BYTES):
+            if self._stop_prefault.is_set():
+                return
+            n = min(PREFAULT_CHUNK_BYTES, end - off)
+            if use_madvise:
+                rc = libc.madvise(
+                    ctypes.c_void_p(base + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE
+                )
+                if rc != 0:
+                    err = ctypes.get_errno()
+                    if err != errno.EINVAL:
+                        log.warning("prefault stopped: %s", os.strerror(err))
+                        return
+                    use_madvise = False  # kernels before 5.14: touch the pages instead
+            if not use_madvise:
+                view = self.buffer[off : off + n : mmap.PAGESIZE]
+                view += 0  # read-modify-write keeps whatever is there
+            self.prefaulted_bytes = off + n - start
+        log.info(
+            "prefaulted %d MiB in %.2f s",
+            self.prefaulted_bytes >> 20,
+            time.monotonic() - t0,
+        )
+
+    def open_fd(self) -> int:
+        """A new descriptor of the region, for a trusted client-copy worker to map.
+
+        A fresh open, never a ``dup``: a dup shares the open file description and
+        with it the region's lock, so a client's mapping would keep the region
+        locked after the daemon died and block the warm restart. It opens the
+        daemon's own descriptor (``/proc/self/fd``), never the name: whatever a name
+        leads to by now, the worker gets the segment the daemon maps.
+        """
+        return os.open(f"/proc/self/fd/{self._shm.fd}", os.O_RDWR | os.O_CLOEXEC)
+
+    def close(self, unlink: bool = True) -> None:
+        self._stop_prefault.set()
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
+        del self.buffer, self.slot_table, self._extent_table
+        try:
+            self._mm.close()
+        except BufferError:
+            log.warning("region views still exist; the mapping goes with the process")
+        self._shm.close_fd()
+        if unlink:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                self._shm.unlink()
+        else:
+            log.info("kept region %s for the next daemon", self.name)
+
+    # ------------------------------------------------------------ tables
+
+    def register_namespace(
+        self, ns_id: int, name: str, fingerprint: str, layout: bytes, uid: int = 0
+    ) -> None:
+        if ns_id >= MAX_NAMESPACES:
+            raise RegionError(f"more than {MAX_NAMESPACES} namespaces")
+        if len(layout) > MAX_LAYOUT_BYTES:
+            raise RegionError(f"namespace layout of {len(layout)} bytes does not fit its record")
+        off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
+        record = (
+            name.encode()[:256].ljust(256, b"\0")
+            + fingerprint.encode()[:64].ljust(64, b"\0")
+            + struct.pack("<II", len(layout), uid)
+            + layout
+        ).ljust(NAMESPACE_CRC_OFFSET, b"\0")
+        record += struct.pack("<I", namespace_crc(record))
+        self._mm[off : off + NAMESPACE_RECORD_BYTES] = record
+
+    def unregister_namespace(self, ns_id: int) -> None:
+        off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
+        self._mm[off : off + NAMESPACE_RECORD_BYTES] = bytes(NAMESPACE_RECORD_BYTES)
+
+    def namespace_record(self, ns_id: int) -> tuple[str, str, bytes, int] | None:
+        """(name, fingerprint, msgpack layout, creator uid) of a namespace table entry;
+        ``ValueError`` for one that cannot be read back as written (recovery drops it)."""
+        off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
+        raw = self._mm[off : off + NAMESPACE_RECORD_BYTES]
+        if not raw.strip(b"\0"):
+            return None
+        if struct.unpack_from("<I", raw, NAMESPACE_CRC_OFFSET)[0] != namespace_crc(raw):
+            raise ValueError("CRC mismatch")
+        name = raw[:256].split(b"\0", 1)[0].decode()
+        n, uid = struct.unpack_from("<II", raw, 320)
+        if n > MAX_LAYOUT_BYTES:
+            raise ValueError("layout longer than its record")
+        layout = raw[NAMESPACE_LAYOUT_OFFSET : NAMESPACE_LAYOUT_OFFSET + n]
+        return name, raw[256:320].rstrip(b"\0").decode(), layout, uid
+
+    def extent_records(self) -> npt.NDArray[np.uint32]:
+        """(owner, slot_bytes, chunk index, CRC) per extent (a copy)."""
+        table: npt.NDArray[np.uint32] = self._extent_table.copy()
+        return table
+
+    def record_extent(self, ext: int, owner: int | None, slot_bytes: int, chunk: int) -> None:
+        """An extent changes hands: its slot records are cleared both ways, so no owner
+        inherits a record (even one a corrupt table left in a free extent)."""
+        g = self.geometry
+        start = g.slot_table + ext * g.slots_per_extent_max * SLOT_RECORD_BYTES
+        self.buffer[start : start + g.slots_per_extent_max * SLOT_RECORD_BYTES] = 0
+        self._write_extent(ext, FREE_OWNER if owner is None else owner, slot_bytes, chunk)
+
+    def renumber_extent(self, ext: int, chunk: int) -> None:
+        """Recovery: the extent's place among its owner's, records kept."""
+        owner, slot_bytes = (int(v) for v in self._extent_table[ext, :2])
+        self._write_extent(ext, owner, slot_bytes, chunk)
+
+    def _write_extent(self, ext: int, owner: int, slot_bytes: int, chunk: int) -> None:
+        crc = extent_crc(ext, owner, slot_bytes, chunk)
+        self._extent_table[ext] = (owner, slot_bytes, chunk, crc)
+
+    def journal_for(self, ns_id: int, slots: SlotPool) -> SlotJournal:
+        return _RegionJournal(self, ns_id, slots)
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def resume_seq(self, last: int) -> None:
+        """Recovery: completion order goes on after the highest recovered record."""
+        self._seq = last
+
+
+_EMPTY_RECORD = np.zeros(1, SLOT_DTYPE)[0]
+
+
+class _RegionJournal(SlotJournal):
+    """Writes one namespace's slot state changes into the region's slot table."""
+
+    def __init__(self, region: SharedOffloadRegion, ns_id: int, slots: SlotPool) -> None:
+        self._region = region
+        self._ns = ns_id
+        self._slots = slots
+        self._spe_max = region.geometry.slots_per_extent_max
+
+    def _record(self, slot: int) -> int:
+        spe = self._slots.slots_per_extent
+        ext = self._slots.extents[slot // spe]
+        assert ext is not None, f"slot {slot} lies in a hole"
+        return ext * self._spe_max + slot % spe
+
+    def leased(self, slot: int, lease: int) -> None:
+        self._region.slot_table[self._record(slot)] = (
+            SLOT_LEASED,
+            0,
+            0,
+            self._ns,
+            0,
+            b"",
+            lease,
+            0,
+            b"",
+        )
+
+    def writing(self, slot: int, key: bytes, lease: int = 0) -> None:
+        self._region.slot_table[self._record(slot)] = (
+            SLOT_WRITING,
+            len(key),
+            0,
+            self._ns,
+            0,
+            key.ljust(64, b"\0"),
+            lease,
+            0,
+            b"",
+        )
+
+    def ready(self, slot: int, key: bytes) -> None:
+        i = self._record(slot)
+        table = self._region.slot_table
+        seq = self._region.next_seq()
+        table["seq"][i] = seq
+        table["crc"][i] = ready_crc(self._ns, seq, key)
+        table["state"][i] = SLOT_READY  # last: a crash before it leaves a store in flight
+
+    def buried(self, slot: int) -> None:
+        self._region.slot_table["state"][self._record(slot)] = SLOT_GRAVE
+
+    def freed(self, slot: int) -> None:
+        # the whole record: a FREE record names no key a corrupt state byte could revive
+        self._region.slot_table[self._record(slot)] = _EMPTY_RECORD
+
+
+def _open_by_name(
+    name: str, g: Geometry, recover: bool, discard: bool
+) -> tuple[posix_ipc.SharedMemory, bool]:
+    """Adopt the segment under ``name`` if it is ours and a region of ``g``, or create
+    it; one that is not is refused, or dropped with ``discard`` (tests and tools: the
+    daemon finds its region through its private state, regionstate.py)."""
+    old = None
+    try:
+        old = segment.find(name)
+        if old is not None:
+            segment.check_ours(old, name)
+    except UntrustedError as exc:
+        if old is not None:
+            old.close_fd()
+            old = None
+        if not discard:
+            raise RegionError(str(exc)) from None
+        log.warning("discarding %s: %s", name, exc)
+        try:
+            posix_ipc.unlink_shared_memory(name)
+        except posix_ipc.PermissionsError:
+            raise RegionError(f"{exc}; and this daemon may not remove it") from None
+    if old is not None:
+        segment.lock(old, name)  # a live daemon's region is never touched
+        why = segment.problem(old, g)
+        if recover and why is None:
+            return old, True
+        old.close_fd()
+        if not (discard or not recover):
+            raise RegionError(
+                f"{name} {why}, which this daemon cannot reuse with "
+                f"region_size={g.region_bytes} and extent_size={g.extent_bytes}; start "
+                "with the old sizes to keep its blocks, or with --discard-region to drop it"
+            )
+        log.warning("discarding %s: it %s", name, why or "is not recovered")
+        segment.drop(name)
+    return segment.create(name, g), False

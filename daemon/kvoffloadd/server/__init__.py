@@ -1,0 +1,11 @@
+"""The edge: the event loop, sockets, the HTTP endpoint, systemd and log format.
+
+Rules:
+- ``server.Server`` is the only event loop: it reads frames (with SCM_RIGHTS
+  descriptors), hands requests to the service within each turn's budget, and writes
+  replies and pushes. It owns no metadata rules.
+- A protocol error closes that connection only (invariant 6); an ``AssertionError``
+  is a broken invariant and stops the daemon with its stats logged.
+- The metrics/health endpoint runs on its own thread and serves a snapshot the loop
+  publishes once per cron tick; no peer can keep the probes from answering.
+"""

@@ -1,0 +1,164 @@
+"""The engine channel: what an engine's scheduler sends once per step, and what the
+daemon pushes back without being asked.
+
+An engine's scheduler never waits for the daemon (kvoffload.engine.view). It holds a mirror
+of the namespace (keys and their slots), a pool of leased empty slots, and sends one
+``StepBatch`` per step, one-way. In return the daemon pushes:
+
+- ``FeedPush``: the namespace's store/evict events, with slots, for every connection
+  that mirrors it (``SyncKeys(push=True)``), at most once per loop turn and only while
+  the connection's unsent output stays under ``FEED_BACKLOG_BYTES``: a connection that
+  does not read falls behind, its queue overflows, and it resyncs from a snapshot.
+- ``LeaseGrant``: empty slots, whenever a connection holds fewer than it asked for
+  (``want_leases``) and the namespace has room, evicting to make room outside any
+  request, one refill ahead for every connection holding leases (evicted space frees
+  only once every engine's mirror has seen the eviction; at most the lease budget is
+  kept free this way). All connections together hold at most 1/``LEASE_SHARE`` of the
+  namespace's largest possible size (its lease budget), checked at every grant; one
+  connection at most an equal share among the connections holding leases, one uid an
+  equal share among the uids. A connection over its share (more holders came) gets
+  no refill until it is under it; one that finds the budget spent stores through
+  ``prepare_store`` meanwhile.
+
+Rules:
+- A batch is applied in field order (claims, pins, unpins, commits, failures, touches,
+  the feed ack, the lease wish), so pins taken before an ack are seen before it.
+- Nothing in a batch can fail the engine: what does not apply (a claim of a slot no
+  longer leased, a pin of a key gone) is counted, never answered.
+- A connection pages through one key snapshot at a time (starting another drops the
+  first), and connections that start one at the same feed position share it.
+- Loop thread only, as part of the service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
+from kvoffloadd.index.index import NamespaceIndex
+from kvoffloadd.service.session import Session
+
+FEED_BACKLOG_BYTES = 4 * 1024 * 1024
+LEASE_SHARE = 8  # all connections together lease at most 1/8 of a namespace
+MIN_LEASE_CAP = 1
+
+
+class EngineChannel:
+    def __init__(self, namespaces: dict[int, NamespaceIndex], max_frame_bytes: int) -> None:
+        self.namespaces = namespaces
+        self.max_frame_bytes = max_frame_bytes
+        self.refused_claims_total = 0
+
+    # ------------------------------------------------------------ batches
+
+    def apply(self, s: Session, index: NamespaceIndex, r: m.StepBatch) -> None:
+        token, sid, kb = s.leases[index.ns_id], s.session_id, r.key_bytes
+
+        def keys(packed: bytes) -> list[bytes]:
+            return unpack_keys(packed, kb) if packed else []
+
+        claimed, slots = keys(r.claim_keys), unpack_ids(r.claim_slots).tolist()
+        if len(claimed) != len(slots):
+            raise InvalidArgumentError(f"{len(claimed)} claimed keys for {len(slots)} slots")
+        if claimed:
+            self.refused_claims_total += index.claim(token, sid, claimed, slots)
+        if r.pin_keys:
+            index.pin(keys(r.pin_keys), sid)
+        if r.unpin_keys:
+            index.unpin(keys(r.unpin_keys), sid)
+        if r.commit_keys:
+            index.commit(token, sid, keys(r.commit_keys), True)
+        if r.fail_keys:
+            index.commit(token, sid, keys(r.fail_keys), False)
+        if r.touch_keys:
+            index.touch(keys(r.touch_keys))
+        if r.ack_seq >= 0:
+            index.ack(sid, r.ack_seq)
+        if r.want_leases >= 0:
+            s.want_leases[index.ns_id] = r.want_leases
+        self.refill(s, index)
+
+    def refill(self, s: Session, index: NamespaceIndex) -> None:
+        """Top the connection's lease pool up to what it wants (within its share)."""
+        token = s.leases.get(index.ns_id)
+        if token is None:
+            return
+        leases = index.leases
+        want = min(s.want_leases.get(index.ns_id, 0), self.lease_cap(index, token))
+        short = min(
+            want - leases.unclaimed(token),
+            self.uid_lease_cap(index, s.uid) - leases.unclaimed_by_uid(s.uid),
+            self.lease_budget(index) - leases.total_unclaimed(),
+        )
+        if short > 0 and (slots := index.lease(token, short, s.session_id)):
+            s.pushes.append(m.LeaseGrant(0, index.ns_id, pack_ids(slots)))
+        # Evicted blocks stay in graves until every engine has seen the eviction, a
+        # step or more: evict for the next refills now, so they find the space free.
+        # Every holder refills from the same free space: keep as much free as all of
+        # them would take at this connection's wish (within the lease budget).
+        index.reserve(min(self.lease_budget(index), want * leases.holders(token)))
+
+    @staticmethod
+    def lease_budget(index: NamespaceIndex) -> int:
+        """How many empty slots all connections together may hold in this namespace."""
+        largest = index.slots.pool.num_extents * index.slots.slots_per_extent
+        if index.max_blocks is not None:
+            largest = min(largest, index.max_blocks)
+        return max(MIN_LEASE_CAP, largest // LEASE_SHARE)
+
+    def lease_cap(self, index: NamespaceIndex, token: int = 0) -> int:
+        """How many empty slots one connection may hold in this namespace."""
+        holders = index.leases.holders(token)
+        return max(MIN_LEASE_CAP, self.lease_budget(index) // holders)
+
+    def uid_lease_cap(self, index: NamespaceIndex, uid: int) -> int:
+        """How many empty slots all connections of one uid may hold in this namespace."""
+        uids = index.leases.holder_uids(uid)
+        return max(MIN_LEASE_CAP, self.lease_budget(index) // uids)
+
+    # ------------------------------------------------------------ feeds
+
+    def snapshot_page(self, s: Session, index: NamespaceIndex, r: m.SyncKeys) -> m.KeysPage:
+        """Pages of a snapshot of the ready keys and their slots; offset 0 restarts the
+        event feed at that instant (pushed from then on with ``push``)."""
+        ns = index.ns_id
+        if r.offset == 0:
+            s.snapshots.clear()  # one at a time per connection
+            s.snapshots[ns] = index.snapshot()
+            index.events.subscribe(s.session_id)
+            index.add_mirror(s.session_id)
+            if r.push:
+                s.push_feeds.add(ns)
+            else:
+                s.push_feeds.discard(ns)
+        snap = s.snapshots.get(ns)
+        if snap is None or not 0 <= r.offset < max(len(snap), 1):
+            raise InvalidArgumentError("no key snapshot at that offset; start with offset 0")
+        end = r.offset + max(1, (self.max_frame_bytes - 4096) // (m.MAX_KEY_BYTES + 24))
+        page = snap[r.offset : end]
+        if end >= len(snap):
+            del s.snapshots[ns]
+        return m.KeysPage(
+            r.rid,
+            [k for k, _ in page],
+            -1 if end >= len(snap) else end,
+            pack_ids([slot for _, slot in page]),
+            index.events.seq,
+        )
+
+    def feed_pushes(self, s: Session, backlog_bytes: int) -> Iterator[m.FeedPush]:
+        """The connection's pending feed events, as pushes (nothing while it lags)."""
+        if backlog_bytes > FEED_BACKLOG_BYTES:
+            return
+        for ns in s.push_feeds:
+            index = self.namespaces[ns]
+            if not index.events.pending(s.session_id):
+                continue
+            events, lost = index.events.take(s.session_id)
+            msgs = [
+                m.EventMsg(*pack_keys(e.keys), e.removed, pack_ids(e.slots) if e.slots else b"")
+                for e in events
+            ]
+            yield m.FeedPush(0, ns, index.events.seq, msgs, lost)

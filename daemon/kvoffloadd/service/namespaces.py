@@ -1,0 +1,296 @@
+"""The namespace table: names, ids, creation, recovery, and the region's share-out.
+
+Rules:
+- A name is 1..200 printable characters and at most 255 bytes of UTF-8 (the region's
+  record holds 256 with a terminator): no NUL or control character can make two names
+  one after a warm restart.
+- Opening a known name with another layout is ``LAYOUT_MISMATCH``, never silent sharing.
+  Joining (``join``) opens an existing name only, whatever its layout: an engine's
+  scheduler joins what the engine's workers created from their own pages.
+- The table has ``MAX_NAMESPACES`` entries, kept in the region (they survive restarts).
+  A uid may create at most ``max_namespaces_per_uid`` (root and the daemon's uid are
+  not limited); when the table is full, a namespace nobody has open and nothing pins,
+  writes, leases or copies is dropped (its blocks evicted, its extents freed, its
+  entry cleared) to make room, least used first. If none is idle, a uid holding fewer
+  entries than its fair share (the table over the uids holding entries) takes one from
+  the uid holding the most, if that one is over its share: the least used of its
+  namespaces that only its own connections have open and no copy runs in; those
+  connections lose it (``on_revoke``). Root's and the daemon's entries are never
+  taken. Only then is the open refused (``NO_SPACE``).
+- Extents move to a namespace below its fair share (extents / active namespaces) from
+  the fattest one above it, by evicting a whole extent of it that holds nothing
+  pinned, busy, leased or being written, wherever it lies (``evict_extent``), so a
+  few pinned blocks keep their own extents only; one reclaim looks at
+  ``RECLAIM_BUDGET_SLOTS`` slots at most, so it costs the loop a bounded slice.
+- Loop thread only, as part of the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+
+import msgspec
+
+from kvoffload.datapath.regionfmt import MAX_NAMESPACES
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import (
+    InvalidArgumentError,
+    LayoutMismatchError,
+    NoSpaceError,
+    NotFoundError,
+    QuotaExceededError,
+)
+from kvoffloadd.config import DaemonConfig
+from kvoffloadd.index.index import NamespaceIndex
+from kvoffloadd.region.allocator import SlotPool
+from kvoffloadd.region.recovery import read_namespaces
+from kvoffloadd.region.region import SharedOffloadRegion
+
+log = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+MAX_NAME_CHARS = 200
+MAX_NAME_BYTES = 255
+MIN_WRITING_CAP = 64
+RECLAIM_BUDGET_SLOTS = 1 << 16  # slots one reclaim may look at
+
+
+def check_name(name: str) -> None:
+    if not 0 < len(name) <= MAX_NAME_CHARS or len(name.encode()) > MAX_NAME_BYTES:
+        raise InvalidArgumentError(
+            f"a namespace name is 1..{MAX_NAME_CHARS} characters and at most "
+            f"{MAX_NAME_BYTES} bytes of UTF-8"
+        )
+    if not name.isprintable():
+        raise InvalidArgumentError("a namespace name holds printable characters only")
+
+
+def check_layout(layout: m.KVLayout) -> None:
+    pages = layout.tensor_page_bytes
+    if not pages or any(p <= 0 for p in pages) or layout.world_size < 1:
+        raise InvalidArgumentError(
+            "layout needs at least one positive tensor_page_bytes and world_size >= 1"
+        )
+    if not 1 <= layout.block_size_factor <= 1024:
+        raise InvalidArgumentError("block_size_factor must be in 1..1024")
+
+
+class NamespaceTable:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        region: SharedOffloadRegion,
+        on_new: Callable[[NamespaceIndex], None],
+        on_drop: Callable[[NamespaceIndex], None],
+        on_revoke: Callable[[NamespaceIndex], None] = lambda index: None,
+    ) -> None:
+        self.config = config
+        self.region = region
+        self.by_id: dict[int, NamespaceIndex] = {}
+        self.by_name: dict[str, NamespaceIndex] = {}
+        self._on_new, self._on_drop, self._on_revoke = on_new, on_drop, on_revoke
+        self.dropped_total = 0
+        self.revoked_total = 0
+
+    def open(
+        self,
+        name: str,
+        layout: m.KVLayout,
+        uid: int,
+        users: dict[int, set[int]],
+        join: bool = False,
+    ) -> NamespaceIndex:
+        """The namespace ``name`` (created if new, unless ``join``: then it must exist,
+        whatever its layout) for a client of ``uid``; ``users``: namespace id -> uids of
+        the connections that have it open."""
+        check_name(name)
+        index = self.by_name.get(name)
+        if join:
+            if index is None:
+                raise NotFoundError(f"namespace {name!r} does not exist (yet)")
+            return index
+        check_layout(layout)
+        fp = layout.fingerprint()
+        if index is not None:
+            if index.fingerprint != fp:
+                raise LayoutMismatchError(
+                    f"namespace {name!r} exists with another layout "
+                    f"({index.layout}); this client sent {layout}"
+                )
+            return index
+        slot_bytes = self.slot_bytes(layout)
+        if slot_bytes > self.region.geometry.extent_bytes:
+            raise InvalidArgumentError(
+                f"one offloaded block is {slot_bytes} bytes, larger than an extent "
+                f"({self.region.geometry.extent_bytes} bytes); raise extent_size"
+            )
+        limit = self.config.max_namespaces_per_uid
+        if uid not in (0, os.getuid()) and limit:
+            mine = sum(1 for ns in self.by_id.values() if ns.creator_uid == uid)
+            if mine >= limit:
+                raise QuotaExceededError(
+                    f"uid {uid} created {mine} namespaces, the max_namespaces_per_uid limit"
+                )
+        ns_id = self._free_id(users, uid)
+        self.region.register_namespace(ns_id, name, fp, msgspec.msgpack.encode(layout), uid)
+        index = self._new_index(ns_id, name, layout, fp, slot_bytes, uid)
+        log.info("namespace %s opened: %d-byte slots, fingerprint %s", name, slot_bytes, fp)
+        return index
+
+    def _free_id(self, users: dict[int, set[int]], uid: int) -> int:
+        free = next((i for i in range(MAX_NAMESPACES) if i not in self.by_id), None)
+        if free is not None:
+            return free
+        idle = [
+            ns
+            for ns in self.by_id.values()
+            if ns.ns_id not in users and ns.is_idle() and not ns.slots.any_busy()
+        ]
+        victim = min(idle, key=_use) if idle else self._over_share(users, uid)
+        if victim is None:
+            raise NoSpaceError(
+                f"the namespace table is full ({MAX_NAMESPACES}), every namespace is in "
+                "use, and no uid holds more than its share of it"
+            )
+        if not idle:
+            log.warning(
+                "namespace %s of uid %d taken back: its uid holds more than its share of "
+                "the namespace table and uid %d needs one",
+                victim.name,
+                victim.creator_uid,
+                uid,
+            )
+            self.revoked_total += 1
+            self._on_revoke(victim)
+        self.drop(victim)
+        return victim.ns_id
+
+    def _over_share(self, users: dict[int, set[int]], uid: int) -> NamespaceIndex | None:
+        """The entry a uid below its fair share may take, if any (see the rules)."""
+        held = Counter(ns.creator_uid for ns in self.by_id.values())
+        fair = MAX_NAMESPACES // len(held.keys() | {uid})
+        trusted = (0, os.getuid())
+        hogs = [v for v in held if v != uid and v not in trusted and held[v] > fair]
+        if held[uid] >= fair or not hogs:
+            return None
+        hog = max(hogs, key=held.__getitem__)
+        mine = [
+            ns
+            for ns in self.by_id.values()
+            if ns.creator_uid == hog
+            and users.get(ns.ns_id, set()) <= {hog}
+            and not ns.slots.any_busy()
+        ]
+        return min(mine, key=_use) if mine else None
+
+    def drop(self, index: NamespaceIndex) -> None:
+        """Forget an idle namespace: its blocks, extents and table entry."""
+        index.evict()
+        index.free_graves()
+        index.slots.release_free_tail()
+        del self.by_id[index.ns_id]
+        del self.by_name[index.name]
+        self.region.unregister_namespace(index.ns_id)
+        self._on_drop(index)
+        self.dropped_total += 1
+        log.info("namespace %s dropped to make room in the table", index.name)
+
+    def _new_index(
+        self, ns_id: int, name: str, layout: m.KVLayout, fp: str, slot_bytes: int, uid: int
+    ) -> NamespaceIndex:
+        slots = SlotPool(self.region.pool, ns_id, slot_bytes)
+        index = NamespaceIndex(
+            ns_id,
+            name,
+            layout,
+            fp,
+            slots,
+            policy=self.config.policy,
+            journal=self.region.journal_for(ns_id, slots),
+            reclaim=self._reclaim,
+            mirror_grace_s=self.config.mirror_grace_s,
+            commit_timeout_s=self.config.commit_timeout_s,
+        )
+        index.pin_timeout_s = self.config.pin_timeout_s
+        index.creator_uid = uid
+        largest = self.region.pool.num_extents * slots.slots_per_extent
+        quota = self.config.quota_for(name)
+        if quota is not None and quota.max_region_bytes:
+            largest = min(largest, quota.max_region_bytes // slot_bytes)
+        fraction = self.config.max_writing_fraction
+        if fraction < 1:  # no client holds the pool hostage with stores it never ends
+            # small namespaces (a quota) hold only their own space: a floor of 64
+            index.max_writing_per_client = max(MIN_WRITING_CAP, int(largest * fraction))
+            index.max_writing = max(MIN_WRITING_CAP, int(largest * min(1.0, 1.5 * fraction)))
+        if quota is not None:
+            if quota.max_region_bytes:
+                index.max_blocks = quota.max_region_bytes // slot_bytes
+            if quota.max_pinned_blocks:
+                index.max_pinned_blocks = quota.max_pinned_blocks
+        self.by_id[ns_id] = index
+        self.by_name[name] = index
+        self._on_new(index)
+        return index
+
+    def recover(self) -> None:
+        """Warm restart: namespaces and completed blocks from the kept region."""
+        for rec in read_namespaces(self.region, self._recovered_slot_bytes):
+            if rec.layout.fingerprint() != rec.fingerprint:
+                log.warning("namespace %s: layout does not match its fingerprint", rec.name)
+                continue
+            try:
+                check_name(rec.name)
+            except InvalidArgumentError:
+                log.warning("a namespace record with a bad name is dropped")
+                self.region.unregister_namespace(rec.ns_id)
+                continue
+            slot_bytes = rec.slot_bytes or self.slot_bytes(rec.layout)
+            index = self._new_index(
+                rec.ns_id, rec.name, rec.layout, rec.fingerprint, slot_bytes, rec.creator_uid
+            )
+            index.slots.adopt(rec.extents, {slot for slot, _ in rec.blocks})
+            index.restore(rec.blocks)
+            log.info("recovered namespace %s: %d blocks", rec.name, len(rec.blocks))
+        pool = self.region.pool
+        orphans = [e for e, o in enumerate(pool.owner) if o is not None and o not in self.by_id]
+        for ext in orphans:  # owned by a record that was dropped or is unreadable
+            pool.give_back(ext)
+        if orphans:
+            log.warning("%d extents of unrecovered namespaces are free again", len(orphans))
+
+    def _recovered_slot_bytes(self, name: str, layout: m.KVLayout) -> int:
+        """A kept record passes what an open checks, or recovery drops it."""
+        check_name(name)
+        check_layout(layout)
+        return self.slot_bytes(layout)
+
+    def slot_bytes(self, layout: m.KVLayout) -> int:
+        return max(-(-layout.block_bytes // PAGE_BYTES) * PAGE_BYTES, self.config.min_slot_bytes)
+
+    def _reclaim(self, ns_id: int, need: int) -> None:
+        """Move extents to a namespace below its fair share from the fattest one above it."""
+        needy = self.by_id[ns_id]
+        active = [ns for ns in self.by_id.values() if ns.slots.num_extents] + [needy]
+        fair = self.region.pool.num_extents // len({ns.ns_id for ns in active})
+        budget = RECLAIM_BUDGET_SLOTS
+        while need > needy.slots.num_free and needy.slots.num_extents < fair and budget > 0:
+            donors = sorted(
+                (ns for ns in self.by_id.values() if ns.slots.num_extents > fair),
+                key=lambda ns: ns.slots.num_extents,
+                reverse=True,
+            )
+            for donor in donors:
+                looked = donor.evict_extent(budget)
+                budget -= abs(looked)
+                if looked < 0 or budget <= 0:
+                    break
+            else:
+                return
+
+
+def _use(ns: NamespaceIndex) -> tuple[int, int]:
+    """Least used first: fewest blocks, then fewest lookups."""
+    return ns.slots.num_used, ns.statistics().lookups_total

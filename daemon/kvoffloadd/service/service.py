@@ -1,0 +1,453 @@
+"""Request handlers: the daemon's metadata and what each message does to it.
+
+Rules:
+- Runs on the loop thread only; it owns namespaces and sessions, and its
+  ``transfers`` (transfers.py) own the workers and their copy jobs.
+- A handler returns the reply, or ``None`` when the reply is deferred (``WaitJobs``)
+  or there is none (one-way requests, rid 0). Client mistakes raise
+  ``KVOffloadError`` and become an ``ErrorReply`` for that request, or, for a one-way
+  request, a pushed failure (``refuse_one_way``); nothing is changed by a request
+  that fails validation.
+- Engines' per-step batches and the pushes they get back are the engine channel's
+  (engines.py); messages to push go into ``Session.pushes``.
+- Copies are validated in full before any address reaches a copier (invariant 4).
+- A session that goes away fails its stores, drops its pins and detaches its workers;
+  their mappings close once their copies have drained (invariant 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import (
+    ErrorCode,
+    InvalidArgumentError,
+    NoSpaceError,
+    PermissionDeniedError,
+    ShuttingDownError,
+    VersionMismatchError,
+)
+from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
+from kvoffloadd import __version__
+from kvoffloadd.access import Peer, peer_groups
+from kvoffloadd.config import DaemonConfig
+from kvoffloadd.copies.copier import Completion, CpuCopier
+from kvoffloadd.copies.gpu import GpuRuntime
+from kvoffloadd.copies.workers import AttachedWorker, close_fds
+from kvoffloadd.index.events import EventFeed, FeedBudget
+from kvoffloadd.index.index import NamespaceIndex
+from kvoffloadd.index.leases import new_token
+from kvoffloadd.ledger import Ledger, Limits
+from kvoffloadd.region.region import SharedOffloadRegion
+from kvoffloadd.service.budgets import Budgets
+from kvoffloadd.service.engines import EngineChannel
+from kvoffloadd.service.namespaces import NamespaceTable
+from kvoffloadd.service.session import Session
+from kvoffloadd.service.stats import LoopTurns, clients_for, stats_for
+from kvoffloadd.service.transfers import Transfers
+from kvoffloadd.tiers.tiering import Tiering
+
+log = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+_SERVED_WHILE_STOPPING = (m.GetStats, m.Ping, m.ListClients)
+
+
+class Service:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        region: SharedOffloadRegion,
+        copier: CpuCopier,
+        gpu: GpuRuntime | None = None,
+        gpu_unavailable: str = "no GPU support was set up",
+        tiering: Tiering | None = None,
+    ) -> None:
+        self.config = config
+        self.region = region
+        self.copier = copier
+        self.gpu = gpu
+        self.gpu_unavailable = gpu_unavailable
+        self.tiering = tiering
+        self.access = config.access_policy()
+        # what each connection holds, per uid and in total (ledger.py)
+        self.pins = Ledger("pins", Limits.scaled(config.max_pins_per_client))
+        self.jobs = Ledger("jobs", Limits.scaled(config.max_inflight_jobs_per_client))
+        self.feeds = FeedBudget()  # every namespace's event log together
+        self.table = NamespaceTable(
+            config, region, self._namespace_new, self._namespace_dropped, self._revoke
+        )
+        self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
+        self.sessions: dict[int, Session] = {}
+        self.errors_by_code: dict[str, int] = {}
+        self.transfers = Transfers(
+            config,
+            region,
+            copier,
+            gpu,
+            gpu_unavailable,
+            self.namespaces,
+            self.sessions,
+            self.count_error,
+            self.access,
+            self.jobs,
+        )
+        self.engines = EngineChannel(self.namespaces, config.max_frame_bytes)
+        self.loop = LoopTurns()
+        self.budgets: Budgets | None = None  # the server's, once it runs
+        self.shutting_down = False
+        self.started_s = time.monotonic()
+        self.requests_total = 0
+        self._handlers = self._make_handlers()
+        if region.recovered:
+            self.table.recover()
+
+    # ------------------------------------------------------------ dispatch
+
+    def refusal(self, s: Session) -> str:
+        return (
+            f"uid {s.uid} may not connect to kvoffloadd; list it in allow_uids or "
+            "allow_gids of the daemon config"
+        )
+
+    def handle(self, s: Session, req: m.Request) -> m.Reply | None:
+        self.requests_total += 1
+        if not s.allowed:
+            raise PermissionDeniedError(self.refusal(s))
+        if self.shutting_down and type(req) not in _SERVED_WHILE_STOPPING:
+            raise ShuttingDownError("kvoffloadd is shutting down")
+        return self._handlers[type(req)](s, req)
+
+    def _make_handlers(self) -> dict[type, Callable[[Session, Any], m.Reply | None]]:
+        return {
+            m.Lookup: self._on_lookup,
+            m.Probe: self._on_probe,
+            m.PrepareStore: self._on_prepare_store,
+            m.CompleteStore: self._on_complete_store,
+            m.PrepareLoad: self._on_prepare_load,
+            m.CompleteLoad: self._on_complete_load,
+            m.Touch: self._on_touch,
+            m.SubmitStore: self._on_submit_store,
+            m.SubmitLoad: self._on_submit_load,
+            m.GetFinished: self._on_get_finished,
+            m.WaitJobs: self._on_wait,
+            m.TakeEvents: self._on_take_events,
+            m.SyncKeys: lambda s, r: self.engines.snapshot_page(s, self._ns(s, r.ns), r),
+            m.StepBatch: self._on_step,
+            m.Wrote: self._on_wrote,
+            m.ClientCopyDone: self._on_client_copy_done,
+            m.Ping: lambda s, r: m.Pong(r.rid),
+            m.OpenNamespace: lambda s, r: self._open_namespace(
+                s, r.rid, r.name, r.layout, r.subscribe, r.join
+            ),
+            m.AttachWorker: lambda s, r: self.transfers.attach(s, r),
+            m.DetachWorker: self._on_detach,
+            m.Hello: self._on_hello,
+            m.Evict: self._on_evict,
+            m.GetConfig: self._on_get_config,
+            m.GetStats: lambda s, r: m.StatsReply(r.rid, stats_for(self, s.peer)),
+            m.ListClients: lambda s, r: m.ClientsReply(r.rid, clients_for(self, s.peer)),
+        }
+
+    def _on_lookup(self, s: Session, r: m.Lookup) -> m.Reply:
+        index, keys = self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes)
+        if self.tiering is None:
+            return m.LookupReply(r.rid, index.lookup(keys))
+        return m.LookupReply(r.rid, self.tiering.lookup(index, keys))
+
+    def _on_probe(self, s: Session, r: m.Probe) -> m.Reply:
+        index, keys = self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes)
+        if self.tiering is None:
+            hits = index.lookup(keys)
+            states = [m.KEY_READY] * hits + [m.KEY_ABSENT] * (hits < len(keys))
+        else:
+            states = self.tiering.probe(index, keys)
+        return m.ProbeReply(r.rid, bytes(states))
+
+    def _on_prepare_store(self, s: Session, r: m.PrepareStore) -> m.Reply:
+        return self._prepare_store(s, r.rid, self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes))
+
+    def _on_complete_store(self, s: Session, r: m.CompleteStore) -> m.Reply:
+        self._ns(s, r.ns).complete_store(unpack_keys(r.keys, r.key_bytes), r.success, s.session_id)
+        return m.OkReply(r.rid)
+
+    def _on_prepare_load(self, s: Session, r: m.PrepareLoad) -> m.Reply:
+        slots = self._ns(s, r.ns).prepare_load(unpack_keys(r.keys, r.key_bytes), s.session_id)
+        return m.LoadPlanReply(r.rid, pack_ids(slots))
+
+    def _on_complete_load(self, s: Session, r: m.CompleteLoad) -> m.Reply:
+        self._ns(s, r.ns).complete_load(unpack_keys(r.keys, r.key_bytes), s.session_id)
+        return m.OkReply(r.rid)
+
+    def _on_touch(self, s: Session, r: m.Touch) -> m.Reply:
+        self._ns(s, r.ns).touch(unpack_keys(r.keys, r.key_bytes))
+        return m.OkReply(r.rid)
+
+    def _on_submit_store(self, s: Session, r: m.SubmitStore) -> m.Reply | None:
+        return self.transfers.submit(s, r, unpack_ids(r.slots), unpack_ids(r.block_ids), 0, True)
+
+    def _on_submit_load(self, s: Session, r: m.SubmitLoad) -> m.Reply | None:
+        slots, ids = unpack_ids(r.slots), unpack_ids(r.block_ids)
+        return self.transfers.submit(s, r, slots, ids, r.skip, False)
+
+    def _on_step(self, s: Session, r: m.StepBatch) -> m.Reply | None:
+        self.engines.apply(s, self._ns(s, r.ns), r)
+        return m.OkReply(r.rid) if r.rid else None
+
+    def _on_wrote(self, s: Session, r: m.Wrote) -> m.Reply | None:
+        self.transfers.wrote(s, r)
+        return m.OkReply(r.rid) if r.rid else None
+
+    def refuse_one_way(self, s: Session, req: m.Request, code: int, message: str) -> None:
+        """A one-way request failed: a submit's job fails (its result is pushed), any
+        other request gets a notice. The connection goes on either way."""
+        if isinstance(req, (m.SubmitStore, m.SubmitLoad)) and req.worker in s.workers:
+            result = m.JobResult(req.job_id, False, 0, 0.0, code)
+            s.pushes.append(m.JobsDone(0, req.worker, [result]))
+        else:
+            s.pushes.append(m.Notice(0, code, message))
+
+    def _on_client_copy_done(self, s: Session, r: m.ClientCopyDone) -> m.Reply:
+        self.transfers.client_copy_done(s, r)
+        return m.OkReply(r.rid)
+
+    def _on_get_finished(self, s: Session, r: m.GetFinished) -> m.Reply:
+        w = self.transfers.worker(s, r.worker)
+        results, w.finished = w.finished, []
+        return m.FinishedReply(r.rid, results)
+
+    def _on_wait(self, s: Session, r: m.WaitJobs) -> m.Reply | None:
+        w = self.transfers.worker(s, r.worker)
+        pending = set(r.job_ids) & w.active_jobs
+        if not pending:
+            return m.OkReply(r.rid)
+        s.waits.append((r.rid, r.worker, pending))
+        return None  # answered by on_completions
+
+    def _on_take_events(self, s: Session, r: m.TakeEvents) -> m.Reply:
+        events, lost = self._ns(s, r.ns).take_feed(s.session_id)
+        msgs = [m.EventMsg(*pack_keys(e.keys), e.removed) for e in events]
+        return m.EventsReply(r.rid, msgs, lost)
+
+    def _deny(self, s: Session, what: str, fix: str) -> PermissionDeniedError:
+        log.warning("refused uid %d gid %d (pid %d): %s", s.uid, s.gid, s.pid, what)
+        return PermissionDeniedError(f"uid {s.uid} may not {what}; {fix}")
+
+    def _require_admin(self, s: Session, what: str) -> None:
+        if not self.access.may_administer(s.peer):
+            raise self._deny(s, what, "list it in admin_uids or admin_gids of the daemon config")
+
+    def _on_evict(self, s: Session, r: m.Evict) -> m.Reply:
+        self._require_admin(s, "evict")
+        return m.EvictReply(r.rid, self.evict(r.namespace, r.keys, r.key_bytes, r.key_prefix))
+
+    def _on_get_config(self, s: Session, r: m.GetConfig) -> m.Reply:
+        self._require_admin(s, "read the config")
+        return m.ConfigReply(r.rid, self.config.effective())
+
+    def _on_detach(self, s: Session, r: m.DetachWorker) -> m.Reply | None:
+        w = self.transfers.worker(s, r.worker)
+        self.transfers.detach(w)
+        if w.worker_id in self.workers:  # copies still running: answer once drained, so
+            w.detach_rids.append(r.rid)  # the engine frees its caches only after them
+            return None
+        return m.OkReply(r.rid)
+
+    def _on_hello(self, s: Session, r: m.Hello) -> m.Reply:
+        if r.protocol_version != m.PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"client speaks protocol {r.protocol_version}, kvoffloadd speaks "
+                f"{m.PROTOCOL_VERSION}; upgrade the older side"
+            )
+        s.name = r.client_name
+        g = self.region.geometry
+        return m.Welcome(
+            r.rid,
+            m.PROTOCOL_VERSION,
+            __version__,
+            self.config.instance,
+            os.getpid(),
+            self.region.name,
+            g.region_bytes,
+        )
+
+    def count_error(self, code: str) -> None:
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+
+    # ------------------------------------------------------------ namespaces
+
+    def _namespace_new(self, index: NamespaceIndex) -> None:
+        index.pin_ledger = self.pins
+        index.uid_of = self.uid_of
+        index.events = EventFeed(budget=self.feeds)
+        if self.tiering is not None:
+            self.tiering.namespace_opened(index)
+
+    def _namespace_dropped(self, index: NamespaceIndex) -> None:
+        index.events.close()
+        if self.tiering is not None:
+            self.tiering.namespace_dropped(index)
+
+    def uid_of(self, session_id: int) -> int:
+        """A connection's uid; the daemon's own clients (tiers) count as uids of
+        their own (negative)."""
+        s = self.sessions.get(session_id)
+        return s.uid if s is not None else -1 - session_id
+
+    def _revoke(self, index: NamespaceIndex) -> None:
+        """The table takes ``index`` back: every connection that has it open loses
+        it (stores failed, pins dropped, leases freed, workers detached), and is told."""
+        ns_id = index.ns_id
+        for s in self.sessions.values():
+            if ns_id not in s.namespaces:
+                continue
+            self._leave_namespace(s, ns_id)
+            for wid in [w for w in s.workers if self.workers[w].ns_id == ns_id]:
+                self.transfers.detach(self.workers[wid])
+            s.pushes.append(
+                m.Notice(
+                    0,
+                    ErrorCode.NOT_FOUND,
+                    f"namespace {index.name!r} was taken back: uid {s.uid} holds more than "
+                    "its share of the namespace table",
+                )
+            )
+
+    def _leave_namespace(self, s: Session, ns_id: int) -> None:
+        """Release what ``s`` holds in one namespace and forget it there."""
+        index = self.namespaces[ns_id]
+        index.events.unsubscribe(s.session_id)
+        writes, pins = index.release_client(s.session_id, s.leases[ns_id])
+        if writes or pins:
+            log.info(
+                "client %d (pid %d) gone: failed %d stores, dropped %d pins in %s",
+                s.session_id,
+                s.pid,
+                writes,
+                pins,
+                index.name,
+            )
+        s.namespaces.discard(ns_id)
+        s.leases.pop(ns_id, None)
+        s.want_leases.pop(ns_id, None)
+        s.push_feeds.discard(ns_id)
+        s.snapshots.pop(ns_id, None)
+
+    def _ns(self, s: Session, ns_id: int) -> NamespaceIndex:
+        if ns_id not in s.namespaces:
+            raise InvalidArgumentError(f"namespace id {ns_id} was not opened on this connection")
+        return self.namespaces[ns_id]
+
+    def _open_namespace(
+        self,
+        s: Session,
+        rid: int,
+        name: str,
+        layout: m.KVLayout,
+        subscribe: bool = True,
+        join: bool = False,
+    ) -> m.Reply:
+        if not self.access.may_open(s.peer, name):
+            raise self._deny(s, f"open namespace {name!r}", "add a namespace_access rule for it")
+        users: dict[int, set[int]] = {}
+        for x in self.sessions.values():
+            for ns_id in x.namespaces:
+                users.setdefault(ns_id, set()).add(x.uid)
+        index = self.table.open(name, layout, s.uid, users, join)
+        if index.ns_id not in s.namespaces:
+            s.namespaces.add(index.ns_id)
+            s.leases[index.ns_id] = new_token()
+            if subscribe:
+                index.events.subscribe(s.session_id)
+        tiers = self.tiering.count if self.tiering is not None else 0
+        lease = s.leases[index.ns_id]
+        fp, slot_bytes = index.fingerprint, index.slots.slot_bytes
+        return m.NamespaceOpened(rid, index.ns_id, slot_bytes, fp, tiers, lease)
+
+    def _prepare_store(
+        self, s: Session, rid: int, index: NamespaceIndex, keys: list[bytes]
+    ) -> m.Reply:
+        token = s.leases[index.ns_id]
+        plan = index.prepare_store(keys, s.session_id, token)
+        if plan is None:
+            raise NoSpaceError(
+                f"namespace {index.name!r}: no space for {len(keys)} blocks "
+                "(the rest is pinned or being written)"
+            )
+        kp, kb = pack_keys(plan.keys_to_store)
+        evicted = pack_keys(plan.evicted_keys)[0]
+        return m.StorePlanReply(rid, kp, kb, pack_ids(plan.slots), evicted, token)
+
+    def evict(
+        self,
+        namespace: str | None,
+        keys: bytes | None = None,
+        key_bytes: int = 0,
+        prefix: bytes | None = None,
+    ) -> int:
+        by_name = self.table.by_name
+        if namespace is not None and namespace not in by_name:
+            raise InvalidArgumentError(f"no namespace named {namespace!r}")
+        targets = [by_name[namespace]] if namespace else list(self.namespaces.values())
+        key_list = unpack_keys(keys, key_bytes) if keys is not None else None
+        n = sum(ns.evict(key_list, prefix) for ns in targets)
+        log.info("admin evicted %d blocks from %s", n, namespace or "all namespaces")
+        return n
+
+    # ------------------------------------------------------------ sessions
+
+    def open_session(self, session_id: int, pid: int, uid: int, gid: int) -> Session:
+        s = Session(session_id, pid, uid, gid)
+        s.peer = Peer(pid, uid, peer_groups(pid, gid))
+        s.allowed = self.access.may_connect(s.peer)
+        if not s.allowed:
+            log.warning("refused connection from uid %d gid %d (pid %d)", uid, gid, pid)
+        self.sessions[session_id] = s
+        for ledger in (self.pins, self.jobs, self.transfers.copies):
+            ledger.join(session_id, uid)
+        return s
+
+    def close_session(self, s: Session) -> None:
+        """Invariant 5: fail stores, drop pins, detach workers (unmapped after drain)."""
+        for ns_id in list(s.namespaces):
+            self._leave_namespace(s, ns_id)
+        for wid in list(s.workers):
+            self.transfers.detach(self.workers[wid])
+        close_fds(s.fds)  # descriptors no message claimed
+        s.fds = []
+        del self.sessions[s.session_id]
+        self.pins.leave(s.session_id)  # all released above
+        for ledger in (self.jobs, self.transfers.copies):
+            ledger.leave(s.session_id)  # its copies still drain, charged to nobody
+
+    def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
+        """Apply finished copies; returns deferred replies as (session id, reply)."""
+        return self.transfers.on_completions(done)
+
+    def cron(self) -> None:
+        now = time.monotonic()
+        for ns in self.namespaces.values():
+            ns.events.compact()
+            if expired := ns.expire_pins(now):
+                log.warning("namespace %s: %d pins held too long were dropped", ns.name, expired)
+            ns.free_graves()
+            if late := ns.expire_commits(now):
+                log.warning(
+                    "namespace %s: %d committed stores never got their copies", ns.name, late
+                )
+            ns.slots.release_free_tail()
+        if self.tiering is not None:
+            self.tiering.check_stalls(now)
+
+    @property
+    def inflight_jobs(self) -> int:
+        return self.transfers.inflight_jobs
+
+    @property
+    def workers(self) -> dict[int, AttachedWorker]:
+        return self.transfers.workers

@@ -1,0 +1,33 @@
+"""One client connection's state as the service sees it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffloadd.access import Peer
+
+
+@dataclass
+class Session:
+    session_id: int
+    pid: int
+    uid: int
+    gid: int
+    name: str = ""
+    fds: list[int] = field(default_factory=list)
+    out_fds: list[int] = field(default_factory=list)  # go out with the next reply
+    snapshots: dict[int, list[tuple[bytes, int]]] = field(default_factory=dict)  # SyncKeys
+    namespaces: set[int] = field(default_factory=set)
+    leases: dict[int, int] = field(default_factory=dict)  # ns -> this connection's token
+    want_leases: dict[int, int] = field(default_factory=dict)  # ns -> slots to keep leased
+    push_feeds: set[int] = field(default_factory=set)  # namespaces whose events are pushed
+    pushes: list[Any] = field(default_factory=list)  # messages to send unasked
+    workers: set[int] = field(default_factory=set)
+    waits: list[tuple[int, int, set[int]]] = field(default_factory=list)  # rid, worker, jobs
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    connected_s: float = field(default_factory=time.monotonic)
+    peer: Peer = field(default_factory=lambda: Peer(0, 0, frozenset()))
+    allowed: bool = True

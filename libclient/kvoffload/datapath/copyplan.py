@@ -1,0 +1,378 @@
+"""Copy descriptors: which bytes of which engine cache go to which bytes of the region.
+
+Slot layout (one offloaded block), for world size W, block size factor f and
+canonical tensors with engine-block page sizes p_0..p_{T-1}::
+
+    slot: | rank 0 | rank 1 | ... | rank W-1 |            rank area = f * sum(p)
+    rank: | tensor 0: f pages of p_0 | tensor 1: f pages of p_1 | ...
+
+A worker may register one cache per layout tensor, or several caches that tile one
+tensor's page in order (``place_caches``): a vLLM worker whose canonical tensors are
+only known on the worker side opens the namespace with one page per rank,
+``sum(p)``, and registers its tensors as parts of it. Every engine of a namespace
+registers the same tensors, so the bytes mean the same to all of them.
+
+Engine block ids map to sub-blocks in order, as vLLM's ``expand_block_ids``: slot i
+holds sub-blocks ``i*f .. i*f+f-1``. A load may start inside the first slot by skipping
+its first ``skip`` sub-blocks (``0 <= skip < f``); stores are always aligned. The last
+slot may be partly filled (a request's tail shorter than f engine blocks): the ids
+then cover fewer than ``num_slots * f - skip`` sub-blocks, but touch every slot.
+
+Descriptors are built with numpy, adjacent runs are merged (both sides contiguous),
+and the copier (CPU threads here, CUDA streams elsewhere) executes them. A validated
+transfer is a ``JobPlan``: the daemon builds small ones' runs on its loop, and lets
+the copier build a large one's, a piece of whole slots at a time
+(``JobPlan.pieces``), so no transfer costs the loop, or memory, in proportion to the
+copies it expands to. Everything here is pure: it is unit-tested without a daemon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.datapath.canonical import CanonicalPart, expand
+from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import KVLayout
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Where engine block ``b`` of one cache starts: ``offset + b * row_stride``."""
+
+    num_blocks: int
+    page_bytes: int
+    offset_bytes: int
+    row_stride_bytes: int
+
+    @property
+    def end_bytes(self) -> int:
+        """One past the last byte of the last row."""
+        return self.offset_bytes + (self.num_blocks - 1) * self.row_stride_bytes + self.page_bytes
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Merged copy runs for one cache: region offsets, cache offsets, lengths."""
+
+    region: I64
+    cache: I64
+    nbytes: I64
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+
+@dataclass(frozen=True)
+class JobRuns(Runs):
+    """The merged runs of one transfer over several caches: ``which`` is the position,
+    in the transfer's list of caches, of the cache each run's ``cache`` offset is in."""
+
+    which: I64
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one cache's page lives in a rank's area: sub-block ``s`` of the cache's
+    page starts at ``tensor_offset + s * tensor_page_bytes + part_offset``. With
+    ``canon``, that is the cache's canonical page, and the worker's page scatters
+    into it (canonical.py)."""
+
+    tensor_offset: int
+    tensor_page_bytes: int
+    part_offset: int
+    canon: CanonicalPart | None = None
+
+
+def place_caches(
+    layout: KVLayout, cache_page_bytes: list[int], canon: Sequence[CanonicalPart] = ()
+) -> list[Placement]:
+    """Placement of each cache, in order; InvalidArgumentError unless the caches'
+    pages (their canonical pages, with ``canon``) tile the layout's tensor pages
+    exactly (one or more caches per tensor)."""
+    if canon:
+        if len(canon) != len(cache_page_bytes):
+            raise InvalidArgumentError(
+                f"{len(canon)} canonical mappings for {len(cache_page_bytes)} caches"
+            )
+        placed = place_caches(layout, [c.canonical_page_bytes for c in canon])
+        return [replace(at, canon=c) for at, c in zip(placed, canon)]
+    f = layout.block_size_factor
+    out: list[Placement] = []
+    pages = iter(cache_page_bytes)
+    tensor_offset = 0
+    for t, p in enumerate(layout.tensor_page_bytes):
+        part = 0
+        while part < p:
+            c = next(pages, None)
+            if c is None or c <= 0 or part + c > p:
+                raise InvalidArgumentError(
+                    f"cache pages {cache_page_bytes} do not tile the namespace layout's "
+                    f"tensor pages {layout.tensor_page_bytes} (at tensor {t})"
+                )
+            out.append(Placement(tensor_offset, p, part))
+            part += c
+        tensor_offset += p * f
+    if len(out) != len(cache_page_bytes):
+        raise InvalidArgumentError(
+            f"{len(cache_page_bytes)} caches registered, but pages {cache_page_bytes[: len(out)]} "
+            f"already fill the namespace layout {layout.tensor_page_bytes}"
+        )
+    return out
+
+
+def expand_positions(count: int, f: int, skip: int) -> tuple[I64, I64]:
+    """(slot index, sub-block index) for each of the ``count`` engine blocks of a
+    transfer that starts ``skip`` sub-blocks into its first slot."""
+    sub = np.arange(skip, skip + count, dtype=np.int64)
+    return sub // f, sub % f
+
+
+def check_transfer(
+    layout: KVLayout, num_slots: int, block_ids: I64, skip: int, caches: list[CacheGeometry]
+) -> None:
+    """Validate sizes and engine block ids (invariant 4); InvalidArgumentError if wrong."""
+    f = layout.block_size_factor
+    if not 0 <= skip < f:
+        raise InvalidArgumentError(f"skip {skip} is not in 0..{f - 1}")
+    most = num_slots * f - skip
+    least = max(most - f + 1, 0) if num_slots else 0
+    if not least <= block_ids.size <= most:
+        raise InvalidArgumentError(
+            f"{num_slots} slots with block_size_factor {f} and skip {skip} need "
+            f"{least}..{most} engine block ids, got {block_ids.size}"
+        )
+    if block_ids.size:
+        limit = min(c.num_blocks for c in caches)
+        lo, hi = int(block_ids.min()), int(block_ids.max())
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise InvalidArgumentError(
+                f"engine block id {bad} is outside the registered caches (0..{limit - 1})"
+            )
+
+
+def check_whole_store(
+    layout: KVLayout, num_caches: int, chosen: int, num_slots: int, num_ids: int
+) -> None:
+    """InvalidArgumentError unless a store writes each of its slots whole: every
+    registered cache (they tile the rank's area) and every engine block of every slot.
+    A store that wrote part of a slot would make the rest of it, bytes of an earlier
+    block, visible under its key."""
+    f = layout.block_size_factor
+    if chosen != num_caches or num_ids != num_slots * f:
+        raise InvalidArgumentError(
+            f"a store writes each of its slots whole: all {num_caches} registered caches "
+            f"and {f} engine block(s) per slot ({num_slots * f} block ids for {num_slots} "
+            f"slots); this one names {chosen} caches and {num_ids} block ids"
+        )
+
+
+def has_duplicates(ids: I64) -> bool:
+    """Whether any id occurs twice (a sort, not a Python set, past a few dozen; one
+    pass when the ids ascend, as one allocation's slots do)."""
+    if ids.size <= 32:
+        return len(set(ids.tolist())) != ids.size
+    if bool((ids[1:] > ids[:-1]).all()):
+        return False
+    ordered = np.sort(ids)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
+def build_runs(
+    layout: KVLayout,
+    rank: int,
+    slot_offsets: I64,
+    block_ids: I64,
+    skip: int,
+    caches: list[CacheGeometry],
+    placements: list[Placement],
+    store_slots: I64 | None = None,
+) -> JobRuns:
+    """Merged copy runs of one transfer over its caches, cache by cache in order (the
+    caller validated the inputs). ``rank`` picks the rank area (0 in a canonical
+    namespace); a store into canonical pages passes its slot ids (``store_slots``),
+    which decide whose turn each block is."""
+    f = layout.block_size_factor
+    slot_idx, sub_idx = expand_positions(block_ids.size, f, skip)
+    base = slot_offsets[slot_idx] + rank * layout.rank_bytes
+    if len(placements) > 1 and all(at.canon is None for at in placements):
+        return _plain_runs(base, sub_idx, block_ids, caches, placements)
+    page_ids = None if store_slots is None else store_slots[slot_idx] * f + sub_idx
+    parts = []
+    for at, cache in zip(placements, caches):
+        region = base + at.tensor_offset + at.part_offset + sub_idx * at.tensor_page_bytes
+        cache_off = cache.offset_bytes + block_ids * cache.row_stride_bytes
+        if at.canon is None:
+            parts.append(merge_runs(region, cache_off, cache.page_bytes))
+        else:
+            parts.append(merge_runs(*expand(at.canon, region, cache_off, page_ids)))
+    which = np.repeat(np.arange(len(parts), dtype=np.int64), [r.region.size for r in parts])
+    return JobRuns(
+        np.concatenate([r.region for r in parts]),
+        np.concatenate([r.cache for r in parts]),
+        np.concatenate([r.nbytes for r in parts]),
+        which,
+    )
+
+
+def _plain_runs(
+    base: I64,
+    sub_idx: I64,
+    block_ids: I64,
+    caches: list[CacheGeometry],
+    placements: list[Placement],
+) -> JobRuns:
+    """``build_runs`` for caches without canonical mappings, all at once: one row of
+    page copies per cache (a model has one cache per layer: a loop per cache cost
+    ~27 us each), merged within rows, never across."""
+    count = block_ids.size
+    if count == 0 or not caches:
+        empty = np.zeros(0, dtype=np.int64)
+        return JobRuns(empty, empty, empty, empty)
+    rows = [
+        (
+            at.tensor_offset + at.part_offset,
+            at.tensor_page_bytes,
+            c.offset_bytes,
+            c.row_stride_bytes,
+        )
+        for at, c in zip(placements, caches)
+    ]
+    # (caches, 1) columns, broadcast against the blocks
+    offset, tensor_page, cache_offset, stride = np.array(rows, dtype=np.int64).T[:, :, None]
+    page = np.array([c.page_bytes for c in caches], dtype=np.int64)[:, None]
+    region = base + offset + sub_idx * tensor_page  # (caches, blocks)
+    cache = cache_offset + block_ids * stride
+    goes_on = (region[:, 1:] - region[:, :-1] == page) & (cache[:, 1:] - cache[:, :-1] == page)
+    if not goes_on.any():  # nothing merges (scattered blocks, or slots wider than pages)
+        which = np.repeat(np.arange(len(caches), dtype=np.int64), count)
+        return JobRuns(region.ravel(), cache.ravel(), page.ravel()[which], which)
+    starts_here = np.ones(region.shape, dtype=bool)
+    starts_here[:, 1:] = ~goes_on
+    starts = np.flatnonzero(starts_here)
+    ends = np.append(starts[1:], region.size)
+    which = starts // count
+    return JobRuns(
+        region.ravel()[starts], cache.ravel()[starts], (ends - starts) * page.ravel()[which], which
+    )
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """A validated transfer, its runs not built yet: ``addresses`` builds them all,
+    ``pieces`` a piece of whole slots at a time. Addresses are absolute: the region's
+    mapping at ``region_base``, each chosen cache at ``cache_bases[i]``."""
+
+    layout: KVLayout
+    rank: int
+    slot_offsets: I64
+    block_ids: I64
+    skip: int
+    caches: list[CacheGeometry]
+    placements: list[Placement]
+    store_slots: I64 | None  # a store's slot ids (canonical turns), None for a load
+    region_base: int
+    cache_bases: I64
+    copies_per_block: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        per = sum(1 if p.canon is None else len(p.canon.frags) for p in self.placements)
+        object.__setattr__(self, "copies_per_block", per)
+
+    @property
+    def is_store(self) -> bool:
+        return self.store_slots is not None
+
+    @property
+    def copies(self) -> int:
+        """Copies the transfer expands to before merging (what planning costs)."""
+        return int(self.block_ids.size) * self.copies_per_block
+
+    def runs(self, first: int = 0, end: int | None = None) -> JobRuns:
+        """Merged runs of the slots ``first .. end`` (all by default)."""
+        f, n = self.layout.block_size_factor, int(self.block_ids.size)
+        end = self.slot_offsets.size if end is None else end
+        a, b = max(first * f - self.skip, 0), min(end * f - self.skip, n)
+        store = self.store_slots
+        return build_runs(
+            self.layout,
+            self.rank,
+            self.slot_offsets[first:end],
+            self.block_ids[a:b],
+            self.skip if first == 0 else 0,
+            self.caches,
+            self.placements,
+            None if store is None else store[first:end],
+        )
+
+    def addresses(self, first: int = 0, end: int | None = None) -> tuple[I64, I64, I64]:
+        """(dst, src, nbytes) of the slots ``first .. end``, by direction."""
+        runs = self.runs(first, end)
+        region = runs.region + self.region_base
+        cache = runs.cache + self.cache_bases[runs.which]
+        return (region, cache, runs.nbytes) if self.is_store else (cache, region, runs.nbytes)
+
+    def pieces(self, max_copies: int) -> Iterator[tuple[I64, I64, I64]]:
+        """``addresses`` a piece at a time: whole slots, at most ``max_copies`` copies
+        each (at least one slot)."""
+        per_slot = max(1, self.layout.block_size_factor * self.copies_per_block)
+        step = max(1, max_copies // per_slot)
+        for first in range(0, self.slot_offsets.size, step):
+            yield self.addresses(first, min(first + step, self.slot_offsets.size))
+
+
+def select_caches(count: int, wanted: list[int]) -> list[int]:
+    """The cache indices one transfer copies (empty: all); InvalidArgumentError if bad."""
+    if not wanted:
+        return list(range(count))
+    if len(set(wanted)) != len(wanted) or not all(0 <= i < count for i in wanted):
+        raise InvalidArgumentError(f"cache indices {wanted} must be distinct and in 0..{count - 1}")
+    return wanted
+
+
+def split_at_boundaries(
+    region: I64, other: I64, nbytes: I64, boundary_bytes: int
+) -> tuple[I64, I64, I64]:
+    """Cut runs so that none crosses a multiple of ``boundary_bytes`` in the region.
+
+    ``region`` holds offsets from the region's start. GPU copies need it: a batched
+    copy may not span two host registrations (pinning chunks).
+    """
+    if region.size == 0:
+        return region, other, nbytes
+    first = region // boundary_bytes
+    pieces = (region + nbytes - 1) // boundary_bytes - first + 1
+    if int(pieces.max()) == 1:
+        return region, other, nbytes
+    idx = np.repeat(np.arange(region.size), pieces)
+    k = np.arange(idx.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = np.maximum(region[idx], (first[idx] + k) * boundary_bytes)
+    end = np.minimum(region[idx] + nbytes[idx], (first[idx] + k + 1) * boundary_bytes)
+    shift = start - region[idx]
+    return start, other[idx] + shift, end - start
+
+
+def merge_runs(region: I64, cache: I64, nbytes: int | I64) -> Runs:
+    """Merge consecutive copies (all ``nbytes`` long, or each its own) whose region
+    and cache offsets both continue."""
+    if region.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Runs(empty, empty, empty)
+    if isinstance(nbytes, int):
+        if region.size == 1:
+            return Runs(region, cache, np.full(1, nbytes, dtype=np.int64))
+        cont = (np.diff(region) == nbytes) & (np.diff(cache) == nbytes)
+        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+        ends = np.concatenate((starts[1:], [region.size]))
+        return Runs(region[starts], cache[starts], (ends - starts) * nbytes)
+    size = nbytes[:-1]
+    cont = (region[:-1] + size == region[1:]) & (cache[:-1] + size == cache[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return Runs(region[starts], cache[starts], np.add.reduceat(nbytes, starts))

@@ -1,0 +1,7 @@
+"""The connection under the client API: transport, the daemon's identity, channels.
+
+Rules:
+- A client talks only to a daemon whose identity the kernel vouches for (``peer``).
+- The transport never raises into an engine for a daemon fault: a lost daemon is a
+  ``DAEMON_UNAVAILABLE`` the API turns into misses (invariant 7).
+"""
