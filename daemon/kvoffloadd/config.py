@@ -21,6 +21,7 @@ import msgspec
 
 from kvoffload.paths import default_socket_path
 from kvoffloadd.access import AccessPolicy, NamespaceRule
+from kvoffloadd.ledger import SPECS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,6 +64,23 @@ class NamespaceQuota(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.max_region_size in (0, "0"):
             return 0
         return parse_size(self.max_region_size, "namespace_quotas.max_region_size")
+
+
+class LineLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Limits of one ledger line (``[limits.<line>]``); 0 keeps the default."""
+
+    per_connection: int | str = 0
+    per_uid: int | str = 0
+    total: int | str = 0
+
+    def resolved(self, where: str) -> dict[str, int]:
+        """The set limits in units (sizes such as "64MiB" allowed), 0s dropped."""
+        out = {}
+        for key in ("per_connection", "per_uid", "total"):
+            value = getattr(self, key)
+            if value not in (0, "0"):
+                out[key] = parse_size(value, f"{where}.{key}")
+        return out
 
 
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -191,10 +209,13 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_gids: list[int] | None = None
     namespace_access: list[NamespaceRule] = msgspec.field(default_factory=list)
     namespace_quotas: list[NamespaceQuota] = msgspec.field(default_factory=list)
-    # copy jobs one connection may have in flight (a uid 4x, everyone 16x; 0: no limit)
-    max_inflight_jobs_per_client: int = 4096
-    # pins one connection may hold on blocks (a uid 4x, everyone 16x; 0: no limit)
-    max_pins_per_client: int = 1 << 20
+    # what peers may make the daemon hold, per ledger line: per_connection, per_uid and
+    # total (docs/security.md lists every line and its default)
+    limits: dict[str, LineLimits] = msgspec.field(default_factory=dict)
+    # copy jobs one connection may have in flight (a uid 4x, everyone 16x); 0: limits.jobs
+    max_inflight_jobs_per_client: int = 0
+    # pins one connection may hold on blocks (a uid 4x, everyone 16x); 0: limits.pins
+    max_pins_per_client: int = 0
     verify_checksums: bool = False  # CRC32 per stored block, checked on every load
     # evicted blocks stay loadable this long for engines' key mirrors (graves.py)
     mirror_grace_s: float = 1.0
@@ -296,6 +317,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key in ("max_inflight_jobs_per_client", "max_pins_per_client"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: {getattr(self, key)} is negative")
+        self.limit_overrides()  # names and sizes, for the error message
         if self.max_clients < 1:
             raise ConfigError(f"max_clients: {self.max_clients} is below 1")
         seen: dict[str, int] = {}
@@ -322,6 +344,25 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not 0 <= self.mirror_grace_s <= 60:
             raise ConfigError(f"mirror_grace_s: {self.mirror_grace_s} is not in 0..60")
         return self
+
+    def limit_overrides(self) -> dict[str, dict[str, int]]:
+        """The ledger limits this configuration sets (``limits``, and the older
+        per-connection keys for pins and jobs, which scale 4x per uid, 16x in total)."""
+        out: dict[str, dict[str, int]] = {}
+        for name, lim in self.limits.items():
+            if name not in SPECS:
+                raise ConfigError(
+                    f"limits.{name}: no such ledger line; one of {', '.join(sorted(SPECS))}"
+                )
+            out[name] = lim.resolved(f"limits.{name}")
+        for name, key in (
+            ("pins", "max_pins_per_client"),
+            ("jobs", "max_inflight_jobs_per_client"),
+        ):
+            n = getattr(self, key)
+            if n and name not in out:
+                out[name] = {"per_connection": n, "per_uid": 4 * n, "total": 16 * n}
+        return out
 
     def quota_for(self, namespace: str) -> NamespaceQuota | None:
         for q in self.namespace_quotas:

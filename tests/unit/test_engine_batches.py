@@ -252,10 +252,10 @@ def test_a_million_pins_of_one_key_go_in_one_step_and_past_the_cap_are_missed(
     """Issue scenario: 9.8 M pins of one key, then a disconnect, stalled the loop for
     seconds (one unpin per pin). Pins are now dropped one step per key, and what a
     client may hold is capped (the rest are missed, as pins of keys gone)."""
-    from kvoffloadd.ledger import Ledger, Limits
+    from kvoffloadd.ledger import Limits, Line
 
     idx = make_index()
-    idx.pin_ledger = ledger = Ledger("pins", Limits(1_000_000, 4_000_000, 16_000_000))
+    idx.pin_ledger = ledger = Line("pins", Limits(1_000_000, 4_000_000, 16_000_000))
     ledger.join(A, 1000)
     slots = idx.lease(TA, 1)
     idx.claim(TA, A, ks(1), slots)

@@ -46,7 +46,7 @@ from kvoffloadd.index.events import EventFeed
 from kvoffloadd.index.graves import Graveyard
 from kvoffloadd.index.leases import LeaseBook
 from kvoffloadd.index.policies import Block, make_policy
-from kvoffloadd.ledger import Ledger, Limits
+from kvoffloadd.ledger import Limits, Line
 from kvoffloadd.region.allocator import SlotJournal, SlotPool
 
 
@@ -143,7 +143,7 @@ class StoreIndex:
         # goes with its last pin, so this holds one entry per pinned key, never more
         self._pin_since: OrderedDict[tuple[int, bytes], float] = OrderedDict()
         # pins held per client, per uid and in total (the service's; unlimited alone)
-        self.pin_ledger = Ledger("pins", Limits.scaled(0))
+        self.pin_ledger = Line("pins", Limits.scaled(0))
         self.leases = LeaseBook()
         self.creator_uid = 0  # who created the namespace (per-uid limits)
         self.events = EventFeed()

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload.datapath.canonical import MAX_JOB_COPIES, check_copy_count
+from kvoffload.datapath.canonical import check_copy_count
 from kvoffload.datapath.copyplan import (
     CacheGeometry,
     JobPlan,
@@ -80,7 +80,7 @@ from kvoffloadd.copies.workers import (
     close_fds,
 )
 from kvoffloadd.index.index import NamespaceIndex
-from kvoffloadd.ledger import Ledger, Limits
+from kvoffloadd.ledger import Ledger
 from kvoffloadd.region.region import SharedOffloadRegion
 from kvoffloadd.service.session import Session
 
@@ -88,7 +88,6 @@ log = logging.getLogger(__name__)
 
 
 LOOP_PLAN_COPIES = 8192  # a job expanding to more is planned by a copier thread
-COPIES_PER_CLIENT = 2 * MAX_JOB_COPIES  # expanded copies one client may have in flight
 
 SUM_JOB = -1  # a _Job's worker id when it only takes checksums of whole canonical slots
 
@@ -116,7 +115,7 @@ class Transfers:
         sessions: dict[int, Session],
         count_error: Callable[[str], None],
         access: AccessPolicy,
-        jobs: Ledger,
+        ledger: Ledger,
     ) -> None:
         self.config = config
         self.region = region
@@ -128,9 +127,9 @@ class Transfers:
         self.sessions = sessions
         self._count_error = count_error
         self.access = access
-        self.jobs = jobs  # copy jobs in flight per connection, per uid, in total
-        # copies those jobs expand to (what building and running them costs)
-        self.copies = Ledger("copies", Limits.scaled(COPIES_PER_CLIENT))
+        self.ledger = ledger
+        # copy jobs in flight (and results not yet taken), the copies they expand to
+        self.jobs, self.copies = ledger["jobs"], ledger["copies"]
         self.workers: dict[int, AttachedWorker] = {}
         self.fd_copier: FdCopier | None = None  # started by the first memfd_io job
         self._jobs: dict[int, _Job] = {}
@@ -236,9 +235,9 @@ class Transfers:
             raise InvalidArgumentError(f"job {r.job_id} is already in flight")
         if not self.jobs.room(s.session_id):
             raise QuotaExceededError(
-                f"this client has {self.jobs.held(s.session_id)} jobs in flight; one more "
-                "would pass what one client, its uid or all clients may have "
-                "(max_inflight_jobs_per_client)"
+                f"this client has {self.jobs.held(s.session_id)} jobs in flight or "
+                f"finished and not taken; one more would pass {self.jobs.over(s.session_id, 1)} "
+                "(take results with get_finished; limits.jobs in the daemon config)"
             )
         if has_duplicates(slots):
             raise InvalidArgumentError("a transfer names the same slot twice")
@@ -446,10 +445,11 @@ class Transfers:
         unmap a closing worker's caches after its last job."""
         w = self.workers[job.worker_id]
         w.active_jobs.discard(job.job_id)
-        self.jobs.give(w.session_id, 1)
         self.copies.give(w.session_id, job.copies)
         self.runs_planned += c.runs
         self._account(w, job, c)
+        if w.push or w.closing:  # else its result holds the job's charge until taken
+            self.jobs.give(w.session_id, 1)
         if w.closing:
             if not w.active_jobs:
                 self._unmap(w)
@@ -514,8 +514,15 @@ class Transfers:
                     out.append((s.session_id, m.OkReply(rid)))
         return out
 
+    def take_results(self, w: AttachedWorker) -> list[m.JobResult]:
+        """The worker's finished results, handed to its client: their charge goes."""
+        results, w.finished = w.finished, []
+        self.jobs.give(w.session_id, len(results))
+        return results
+
     def detach(self, w: AttachedWorker) -> None:
         w.closing = True
+        self.take_results(w)  # nobody will take them now
         for job in w.client_jobs.values():  # nobody will finish these copies now
             self._post_client_done(job, False)
         w.client_jobs.clear()
