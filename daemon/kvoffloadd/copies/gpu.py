@@ -45,7 +45,8 @@ from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import ChecksumCheck, CompletionSink, finished
-from kvoffloadd.copies.workers import ImportedCache, check_desc
+from kvoffloadd.copies.imports import check_desc
+from kvoffloadd.copies.workers import ImportedCache
 from kvoffloadd.region.pinning import RegionPinner, plan_chunks
 from kvoffloadd.region.region import SharedOffloadRegion
 

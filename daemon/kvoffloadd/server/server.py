@@ -334,6 +334,8 @@ class Server:
                     req = parts[0]
                     c.parts.extend(parts[1:])
                 self._dispatch(c, req)
+            if c.session.session_id not in self.clients:
+                return 0  # cut off by what the request made it hold
         except ProtocolError as exc:
             c.outbuf += encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, str(exc.args[0])))
             self.service.count_error(ErrorCode.PROTOCOL_ERROR.name)
@@ -410,10 +412,15 @@ class Server:
                 reply = m.ErrorReply(req.rid, code, message)
         self._queue_pushes(c)  # what the request caused goes out before its reply
         if reply is not None:
-            if c.session.out_fds:  # they travel with the first byte of this reply
-                c.fd_marks.append((c.sent_bytes + len(c.outbuf), c.session.out_fds))
-                c.session.out_fds = []
-            c.outbuf += c.conn.send(reply)
+            self._queue_reply(c, reply)
+        if len(c.session.fds) != c.held_fds:
+            self._account(c)  # the request claimed parked descriptors
+
+    def _queue_reply(self, c: _Client, reply: m.Reply) -> None:
+        if c.session.out_fds:  # they travel with the first byte of this reply
+            c.fd_marks.append((c.sent_bytes + len(c.outbuf), c.session.out_fds))
+            c.session.out_fds = []
+        c.outbuf += c.conn.send(reply)
 
     def _queue_pushes(self, c: _Client) -> None:
         if c.session.pushes:
@@ -443,7 +450,7 @@ class Server:
         for session_id, reply in self.service.on_completions(self.service.copier.drain()):
             c = self.clients.get(session_id)
             if c is not None:
-                c.outbuf += c.conn.send(reply)
+                self._queue_reply(c, reply)
                 self._flush(c)
 
     def _flush(self, c: _Client) -> None:
