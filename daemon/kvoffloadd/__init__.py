@@ -18,4 +18,6 @@ pinning, pre-fault and tier threads move bytes and hand results back through wak
 descriptors.
 """
 
-__version__ = "0.1.0"
+from kvoffload.version import __version__
+
+__all__ = ["__version__"]
