@@ -92,7 +92,7 @@ LAYERS = {
         {"tiers"},
         {"service"},
         {"server"},
-        {"main", "__main__"},
+        {"main", "__main__", "configdoc"},
     ],
     "kvoffload": [
         {"protocol", "version"},
