@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -57,9 +58,10 @@ class DaemonProcess:
         socket_path: str | None = None,
         start_timeout_s: float = 20.0,
         settings: dict[str, Any] | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "kvoffloadd"),
     ) -> None:
         """``settings``: config keys with scalar or table values, written to a config
-        file."""
+        file; ``command``: how to start the daemon (another installation's ``kvoffloadd``)."""
         self.instance = instance or f"t{uuid.uuid4().hex[:10]}"
         self._tmp = tempfile.mkdtemp(prefix="kvoffload-")
         _made.append((os.getpid(), self._tmp))
@@ -70,9 +72,7 @@ class DaemonProcess:
                 f.writelines(f"{k} = {toml_value(v)}\n" for k, v in settings.items())
             extra_args = ("--config", config, *extra_args)
         self.args = [
-            sys.executable,
-            "-m",
-            "kvoffloadd",
+            *command,
             "--socket",
             self.socket_path,
             "--instance",
