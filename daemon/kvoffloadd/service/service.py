@@ -85,6 +85,7 @@ class Service:
         )
         self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
         self.sessions: dict[int, Session] = {}
+        self.ns_sessions: dict[int, set[int]] = {}  # namespace -> connections that have it
         self.errors_by_code: dict[str, int] = {}
         self.transfers = Transfers(
             config,
@@ -323,9 +324,8 @@ class Service:
         """The table takes ``index`` back: every connection that has it open loses
         it (stores failed, pins dropped, leases freed, workers detached), and is told."""
         ns_id = index.ns_id
-        for s in self.sessions.values():
-            if ns_id not in s.namespaces:
-                continue
+        for sid in list(self.ns_sessions.get(ns_id, ())):
+            s = self.sessions[sid]
             self._leave_namespace(s, ns_id)
             for wid in [w for w in s.workers if self.workers[w].ns_id == ns_id]:
                 self.transfers.detach(self.workers[wid])
@@ -353,10 +353,20 @@ class Service:
                 index.name,
             )
         s.namespaces.discard(ns_id)
+        self.ledger.give(s.session_id, {"namespaces": 1})
+        held = self.ns_sessions.get(ns_id)
+        if held is not None:
+            held.discard(s.session_id)
+            if not held:
+                del self.ns_sessions[ns_id]
         s.leases.pop(ns_id, None)
         s.want_leases.pop(ns_id, None)
         self.engines.stop_pushing(s, ns_id)
         s.snapshots.pop(ns_id, None)
+
+    def _users_of(self, ns_id: int) -> set[int]:
+        """The uids of the connections that have the namespace open or joined."""
+        return {self.sessions[sid].uid for sid in self.ns_sessions.get(ns_id, ())}
 
     def _ns(self, s: Session, ns_id: int) -> NamespaceIndex:
         if ns_id not in s.namespaces:
@@ -374,13 +384,19 @@ class Service:
     ) -> m.Reply:
         if not self.access.may_open(s.peer, name):
             raise self._deny(s, f"open namespace {name!r}", "add a namespace_access rule for it")
-        users: dict[int, set[int]] = {}
-        for x in self.sessions.values():
-            for ns_id in x.namespaces:
-                users.setdefault(ns_id, set()).add(x.uid)
-        index = self.table.open(name, layout, s.uid, users, join)
+        known = self.table.by_name.get(name)
+        new = known is None or known.ns_id not in s.namespaces
+        if new:  # a cursor, a lease token, a mirror: charged before anything is held
+            self.ledger.require(s.session_id, {"namespaces": 1}, f"open namespace {name!r}")
+        try:
+            index = self.table.open(name, layout, s.uid, self._users_of, join)
+        except BaseException:
+            if new:
+                self.ledger.give(s.session_id, {"namespaces": 1})
+            raise
         if index.ns_id not in s.namespaces:
             s.namespaces.add(index.ns_id)
+            self.ns_sessions.setdefault(index.ns_id, set()).add(s.session_id)
             s.leases[index.ns_id] = new_token()
             if subscribe:
                 index.events.subscribe(s.session_id)
