@@ -361,6 +361,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # a pin (prepare_load, or a load an engine planned) held longer is dropped: a load
     # takes a step, so nobody keeps a block, or the extent it lies in, for good
     pin_timeout_s: float = 60.0
+    # empty slots leased to an engine that has claimed none of them for this long are
+    # taken back (the engine is told and wishes again when it stores)
+    lease_timeout_s: float = 30.0
     # uids that may map the region for client-copy workers (engines whose caches cannot
     # be exported copy their leased slots themselves, and so can read and write every
     # block of every namespace); unset: root and the daemon's own uid
@@ -490,6 +493,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"max_writing_fraction: {self.max_writing_fraction} is not in (0, 1]")
         if not 1 <= self.pin_timeout_s <= 3600:
             raise ConfigError(f"pin_timeout_s: {self.pin_timeout_s} is not in [1, 3600]")
+        if not 1 <= self.lease_timeout_s <= 3600:
+            raise ConfigError(f"lease_timeout_s: {self.lease_timeout_s} is not in [1, 3600]")
         if not 0 < self.commit_timeout_s <= 3600:
             raise ConfigError(f"commit_timeout_s: {self.commit_timeout_s} is not in (0, 3600]")
         if not 0 <= self.mirror_grace_s <= 60:

@@ -363,7 +363,7 @@ class Client:
 
     def _route(self, pushes: Sequence[m.Reply]) -> None:
         for msg in pushes:
-            if isinstance(msg, (m.FeedPush, m.LeaseGrant)):
+            if isinstance(msg, (m.FeedPush, m.LeaseGrant, m.LeaseRevoke)):
                 owner = self._routes.get((Namespace, msg.ns))
             elif isinstance(msg, m.JobsDone):
                 owner = self._routes.get((m.JobsDone, msg.worker))

@@ -60,8 +60,10 @@ class NamespaceIndex(StoreIndex):
             return []
         self.reserve(n)
         slots = self._allocate(min(n, self._free_within_quota()))
-        self.leases.grant(token, slots, self.uid_of(client))
+        self.leases.grant(token, slots, self.uid_of(client), self.clock())
+        self._lease_client[token] = client
         self._charge(client, len(slots))
+        self.lease_ledger.add(client, len(slots) * self.slots.slot_bytes)
         for slot in slots:
             self._journal.leased(slot, token)
         return slots
@@ -78,17 +80,34 @@ class NamespaceIndex(StoreIndex):
 
     def claim(self, token: int, client: int, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         """An engine stores ``keys`` into its leased ``slots``; returns refused claims."""
-        get, refused = self._policy.get, 0
+        get, refused, now = self._policy.get, 0, self.clock()
+        claimed = 0
         for key, slot in zip(keys, slots):
-            if not self.leases.claim(token, slot):
+            if not self.leases.claim(token, slot, now):
                 refused += 1  # not (or no longer) this engine's lease
                 continue
+            claimed += 1
             if get(key) is not None:  # stored by someone else meanwhile: a shadow copy
                 self.leases.add_shadow(token, key, slot)
                 self._journal.writing(slot, key, token)
                 continue
             self._insert_writing(key, slot, client, token)
+        self.lease_ledger.give(client, claimed * self.slots.slot_bytes)
         return refused
+
+    def expire_leases(self, now_s: float) -> list[tuple[int, list[int]]]:
+        """Take back the leased slots of tokens that have not claimed one for
+        ``lease_timeout_s``; returns (token, slots) for each, to tell their engines."""
+        out = []
+        for token in self.leases.idle(now_s, self.lease_timeout_s):
+            slots = self.leases.release(token)
+            client = self._lease_client.get(token, 0)
+            self._uncharge(client, len(slots))
+            self.lease_ledger.give(client, len(slots) * self.slots.slot_bytes)
+            for slot in slots:
+                self._free_slot(slot)
+            out.append((token, slots))
+        return out
 
     def commit(self, token: int, client: int, keys: Sequence[bytes], success: bool) -> None:
         """An engine's completion of its stores: lenient (see the module docstring)."""
@@ -471,8 +490,11 @@ class NamespaceIndex(StoreIndex):
         writes = [(k, self._policy.get(k)) for k in self._writes_of.get(client, ())]
         self._finish_stores([(k, b) for k, b in writes if b is not None], success=False)
         if token:
-            held = self.leases.release_shadows(token) + self.leases.release(token)
+            unclaimed = self.leases.release(token)
+            held = self.leases.release_shadows(token) + unclaimed
             self._uncharge(client, len(held))
+            self.lease_ledger.give(client, len(unclaimed) * self.slots.slot_bytes)
+            self._lease_client.pop(token, None)
             for slot in held:
                 self._free_slot(slot)
         pins = self._pins.pop(client, Counter())

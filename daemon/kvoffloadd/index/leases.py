@@ -20,6 +20,8 @@ Rules:
 - Unclaimed slots are counted per token, per uid (``grant`` names it) and in total,
   so the channel can hold every grant to the namespace's lease budget however many
   connections ask (engines.py).
+- A token's last grant or claim is remembered: one that holds unclaimed slots and has
+  not claimed for a while (``idle``) gets them taken back.
 - ``token_of`` is changed only through ``assign``/``release``/``forget``: its numpy
   mirror ``owner`` (0: no token) lets a store's submit check all its slots at once.
 - Pure bookkeeping, loop thread only; the index allocates and frees the slots.
@@ -51,6 +53,7 @@ class LeaseBook:
         self._shadow_counts: dict[int, int] = {}  # token -> its duplicates
         self._num_shadows = 0
         self.owner: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)  # token_of, by slot
+        self._active_s: dict[int, float] = {}  # token -> its last grant or claim
 
     def assign(self, slot: int, token: int) -> None:
         """``slot`` is written under ``token`` (claimed, or prepared by its engine)."""
@@ -61,8 +64,9 @@ class LeaseBook:
             self.owner = grown
         self.owner[slot] = token
 
-    def grant(self, token: int, slots: list[int], uid: int = -1) -> None:
+    def grant(self, token: int, slots: list[int], uid: int = -1, now_s: float = 0.0) -> None:
         self._unclaimed.setdefault(token, set()).update(slots)
+        self._active_s[token] = now_s
         if token not in self._uid_of:
             self._uid_of[token] = uid
             self._tokens_of_uid[uid] = self._tokens_of_uid.get(uid, 0) + 1
@@ -97,14 +101,21 @@ class LeaseBook:
     def is_unclaimed(self, token: int, slot: int) -> bool:
         return slot in self._unclaimed.get(token, ())
 
-    def claim(self, token: int, slot: int) -> bool:
+    def claim(self, token: int, slot: int, now_s: float = 0.0) -> bool:
         """Take a granted slot out of the pool; False when it was not granted to token."""
         pool = self._unclaimed.get(token)
         if pool is None or slot not in pool:
             return False
         pool.discard(slot)
         self._count(token, -1)
+        self._active_s[token] = now_s
         return True
+
+    def idle(self, now_s: float, timeout_s: float) -> list[int]:
+        """Tokens holding unclaimed slots that have neither claimed nor been granted one
+        for ``timeout_s``."""
+        cutoff = now_s - timeout_s
+        return [t for t, pool in self._unclaimed.items() if pool and self._active_s[t] < cutoff]
 
     def may_write(self, token: int, slot: int) -> bool:
         """Whether a copy naming ``token`` may write ``slot``."""
@@ -124,6 +135,7 @@ class LeaseBook:
         """The token's connection is gone: its unclaimed slots, to be freed."""
         slots = sorted(self._unclaimed.pop(token, set()))
         self._count(token, -len(slots))
+        self._active_s.pop(token, None)
         uid = self._uid_of.pop(token, None)
         if uid is not None:
             left = self._tokens_of_uid[uid] - 1

@@ -144,6 +144,10 @@ class StoreIndex:
         self._pin_since: OrderedDict[tuple[int, bytes], float] = OrderedDict()
         # pins held per client, per uid and in total (the service's; unlimited alone)
         self.pin_ledger = Line("pins", Limits.scaled(0))
+        # region bytes leased empty per client, per uid and in total (the service's)
+        self.lease_ledger = Line("leased_bytes", Limits.scaled(0))
+        self._lease_client: dict[int, int] = {}  # lease token -> the client it is for
+        self.lease_timeout_s = 30.0  # leases unclaimed this long are taken back
         self.leases = LeaseBook()
         self.creator_uid = 0  # who created the namespace (per-uid limits)
         self.events = EventFeed()

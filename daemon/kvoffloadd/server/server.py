@@ -182,6 +182,12 @@ class Server:
 
     def _cron(self) -> None:
         self.service.cron()
+        for cid in self.service.pushes_due:  # what housekeeping told connections
+            c = self.clients.get(cid)
+            if c is not None:
+                self._queue_pushes(c)
+                self._flush(c)
+        self.service.pushes_due.clear()
         self.budgets.trim()
         now = time.monotonic()
         for c in [c for c in self.clients.values() if c.closing_by_s and now > c.closing_by_s]:

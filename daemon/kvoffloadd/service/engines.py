@@ -16,9 +16,11 @@ of the namespace (keys and their slots), a pool of leased empty slots, and sends
   kept free this way). All connections together hold at most 1/``LEASE_SHARE`` of the
   namespace's largest possible size (its lease budget), checked at every grant; one
   connection at most an equal share among the connections holding leases, one uid an
-  equal share among the uids. A connection over its share (more holders came) gets
-  no refill until it is under it; one that finds the budget spent stores through
-  ``prepare_store`` meanwhile.
+  equal share among the uids; across all namespaces a connection, a uid and everyone
+  at most their ``leased_bytes`` of the region (the ledger). Leases unclaimed for
+  ``lease_timeout_s`` are taken back (``LeaseRevoke``). A connection over its share
+  (more holders came) gets no refill until it is under it; one that finds the budget
+  spent stores through ``prepare_store`` meanwhile.
 
 Rules:
 - A batch is applied in field order (claims, pins, unpins, commits, failures, touches,
@@ -131,6 +133,8 @@ class EngineChannel:
             want - leases.unclaimed(token),
             self.uid_lease_cap(index, s.uid) - leases.unclaimed_by_uid(s.uid),
             self.lease_budget(index) - leases.total_unclaimed(),
+            # across namespaces: the connection's, its uid's and everyone's leased bytes
+            index.lease_ledger.room(s.session_id) // index.slots.slot_bytes,
         )
         if short > 0 and (slots := index.lease(token, short, s.session_id)):
             s.pushes.append(m.LeaseGrant(0, index.ns_id, pack_ids(slots)))

@@ -21,10 +21,13 @@ Rules:
   holder's, with no copy running in it; its connections lose it (``on_revoke``).
   Root's and the daemon's entries are never taken. Only then is the open refused
   (``NO_SPACE``), saying which of these stopped it.
-- Extents move to a namespace below its fair share (extents / active namespaces) from
-  the fattest one above it, by evicting a whole extent of it that holds nothing
-  pinned, busy, leased or being written, wherever it lies (``evict_extent``), so a
-  few pinned blocks keep their own extents only; one reclaim looks at
+- The region is shared fairly per uid, then per namespace: a namespace whose uid holds
+  fewer extents than an equal share among the uids with extents takes them from the
+  fattest namespace of a uid above its share; one whose uid has its share takes from
+  the uid's other namespaces above an equal share of it. Opening more namespaces buys
+  no more of the region. An extent moves by evicting a whole one that holds nothing
+  pinned, busy, leased or being written, wherever it lies (``evict_extent``), so a few
+  pinned blocks keep their own extents only; one reclaim looks at
   ``RECLAIM_BUDGET_SLOTS`` slots at most, so it costs the loop a bounded slice.
 - Loop thread only, as part of the service.
 """
@@ -301,17 +304,14 @@ class NamespaceTable:
         return max(-(-layout.block_bytes // PAGE_BYTES) * PAGE_BYTES, self.config.min_slot_bytes)
 
     def _reclaim(self, ns_id: int, need: int) -> None:
-        """Move extents to a namespace below its fair share from the fattest one above it."""
+        """Move extents to a namespace below its fair share (see the rules) from the
+        fattest one above its own, a bounded look at a time."""
         needy = self.by_id[ns_id]
-        active = [ns for ns in self.by_id.values() if ns.slots.num_extents] + [needy]
-        fair = self.region.pool.num_extents // len({ns.ns_id for ns in active})
         budget = RECLAIM_BUDGET_SLOTS
-        while need > needy.slots.num_free and needy.slots.num_extents < fair and budget > 0:
-            donors = sorted(
-                (ns for ns in self.by_id.values() if ns.slots.num_extents > fair),
-                key=lambda ns: ns.slots.num_extents,
-                reverse=True,
-            )
+        while need > needy.slots.num_free and budget > 0:
+            donors = self._donors(needy)
+            if not donors:
+                return
             for donor in donors:
                 looked = donor.evict_extent(budget)
                 budget -= abs(looked)
@@ -319,6 +319,29 @@ class NamespaceTable:
                     break
             else:
                 return
+
+    def _donors(self, needy: NamespaceIndex) -> list[NamespaceIndex]:
+        """Namespaces ``needy`` may take an extent from, fattest first: those of uids
+        above their share of the region while ``needy``'s uid is below its own, then its
+        uid's other namespaces above their share of the uid's while ``needy`` is below
+        its own. Shares are equal among the uids with extents, then among each uid's
+        namespaces with extents."""
+        active = {ns.ns_id: ns for ns in self.by_id.values() if ns.slots.num_extents}
+        active[needy.ns_id] = needy
+        mine: dict[int, list[NamespaceIndex]] = {}
+        for ns in active.values():
+            mine.setdefault(ns.creator_uid, []).append(ns)
+        held = {uid: sum(ns.slots.num_extents for ns in nss) for uid, nss in mine.items()}
+        fair_uid = self.region.pool.num_extents // len(mine)
+        uid = needy.creator_uid
+        out: list[NamespaceIndex] = []
+        if held[uid] < fair_uid:
+            over = {u for u, n in held.items() if n > fair_uid}
+            out = [ns for u in over for ns in mine[u]]
+        fair_ns = fair_uid // len(mine[uid])
+        if not out and needy.slots.num_extents < fair_ns:
+            out = [ns for ns in mine[uid] if ns.slots.num_extents > fair_ns]
+        return sorted(out, key=lambda ns: ns.slots.num_extents, reverse=True)
 
 
 def _use(ns: NamespaceIndex) -> tuple[int, int]:

@@ -86,6 +86,7 @@ class Service:
         self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
         self.sessions: dict[int, Session] = {}
         self.ns_sessions: dict[int, set[int]] = {}  # namespace -> connections that have it
+        self.pushes_due: set[int] = set()  # connections with pushes queued outside a request
         self.errors_by_code: dict[str, int] = {}
         self.transfers = Transfers(
             config,
@@ -304,6 +305,8 @@ class Service:
 
     def _namespace_new(self, index: NamespaceIndex) -> None:
         index.pin_ledger = self.ledger["pins"]
+        index.lease_ledger = self.ledger["leased_bytes"]
+        index.lease_timeout_s = self.config.lease_timeout_s
         index.uid_of = self.uid_of
         index.events = EventFeed(budget=self.feeds)
         if self.tiering is not None:
@@ -459,6 +462,22 @@ class Service:
         # Released above, or (copies, mappings) draining, charged to nobody from now.
         self.ledger.leave(s.session_id)
 
+    def _take_back_leases(self, index: NamespaceIndex, now_s: float) -> None:
+        """Leases unused for ``lease_timeout_s`` go back; their engines are told, and
+        get new ones once they wish again."""
+        revoked = dict(index.expire_leases(now_s))
+        if not revoked:
+            return
+        for sid in self.ns_sessions.get(index.ns_id, ()):
+            s = self.sessions[sid]
+            slots = revoked.get(s.leases.get(index.ns_id, 0))
+            if slots:
+                s.want_leases[index.ns_id] = 0
+                s.pushes.append(m.LeaseRevoke(0, index.ns_id, pack_ids(slots)))
+                self.pushes_due.add(sid)
+        log.info("namespace %s: leases unused for %.0f s taken back from %d connections",
+                 index.name, index.lease_timeout_s, len(revoked))  # fmt: skip
+
     def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
         """Apply finished copies; returns deferred replies as (session id, reply)."""
         return self.transfers.on_completions(done)
@@ -470,6 +489,7 @@ class Service:
             if expired := ns.expire_pins(now):
                 log.warning("namespace %s: %d pins held too long were dropped", ns.name, expired)
             ns.free_graves()
+            self._take_back_leases(ns, now)
             if late := ns.expire_commits(now):
                 log.warning(
                     "namespace %s: %d committed stores never got their copies", ns.name, late

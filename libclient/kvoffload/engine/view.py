@@ -166,6 +166,11 @@ class EngineView:
         if isinstance(msg, m.LeaseGrant):
             self.leases.extend(unpack_ids(msg.slots).tolist())
             return
+        if isinstance(msg, m.LeaseRevoke):  # unused too long: no longer ours to claim
+            gone = set(unpack_ids(msg.slots).tolist())
+            self.leases = [slot for slot in self.leases if slot not in gone]
+            self._sent_want = -1  # wish again with the next batch
+            return
         assert isinstance(msg, m.FeedPush)
         ready, committing = self.ready, self.committing
         for e in msg.events:

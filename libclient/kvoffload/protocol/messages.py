@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEY_BYTES = 64
 MAX_KEYS_PER_MESSAGE = 65536  # bounds the loop time one request can take
@@ -539,6 +539,15 @@ class LeaseGrant(_Msg, frozen=True, tag="grant"):
     slots: bytes
 
 
+class LeaseRevoke(_Msg, frozen=True, tag="revoke"):
+    """Leased slots taken back (unused for ``lease_timeout_s``): no longer this
+    connection's to claim; a new lease wish gets fresh ones."""
+
+    rid: int
+    ns: int
+    slots: bytes
+
+
 class JobsDone(_Msg, frozen=True, tag="done"):
     """Results of a push worker's jobs."""
 
@@ -576,12 +585,13 @@ Reply = (
     | ConfigReply
     | FeedPush
     | LeaseGrant
+    | LeaseRevoke
     | JobsDone
     | Notice
 )
 
 ONE_WAY: tuple[type[_Msg], ...] = (StepBatch, Wrote, SubmitStore, SubmitLoad)
-PUSHES: tuple[type[_Msg], ...] = (FeedPush, LeaseGrant, JobsDone, Notice)
+PUSHES: tuple[type[_Msg], ...] = (FeedPush, LeaseGrant, LeaseRevoke, JobsDone, Notice)
 
 
 # ------------------------------------------------------------------------ packing
