@@ -226,6 +226,7 @@ class Measure:
         self.health_probes = 0
         self.health_bad = 0
         self.during_result: Any = None
+        self.daemon_gone = False  # by the time the attacker had left
         self.notes: list[str] = []
         self._stop = threading.Event()
         self._peak_lock = threading.Lock()  # the sampler's and the settling's peaks
@@ -327,7 +328,7 @@ class Measure:
             limit = self.before.fds + AFTER_FD_SLACK
             self.after = self._settled(lambda f: f.fds <= limit)
         except OSError:
-            pass  # the daemon died: the test says so
+            self.daemon_gone = True  # the test says so
         finally:
             self._finish()
             print(f"\n{self.line()}")
@@ -337,7 +338,7 @@ class Measure:
 
         def trio(get: Callable[[Figures], int], mib: bool = True) -> str:
             show = _mib if mib else str
-            return f"{show(get(b))}->{show(get(p))}->{show(get(a))}"
+            return f"{show(get(b))}->{show(get(p))}->{'gone' if self.daemon_gone else show(get(a))}"
 
         parts = [
             f"{self.name}:",
@@ -378,7 +379,8 @@ class Measure:
         if not self._canary_pid:
             return
         try:
-            os.write(self._canary_stop, b"x")
+            with contextlib.suppress(OSError):  # it may have ended already
+                os.write(self._canary_stop, b"x")
             _, payload = _receive(self._canary_out, time.monotonic() + CANARY_GIVE_UP_S + 10)
             self.canary_worst_s, self.canary_pings, self.canary_error = pickle.loads(payload)
         except (OSError, EOFError, TimeoutError) as exc:
