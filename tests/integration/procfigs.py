@@ -1,0 +1,438 @@
+"""A process's own figures from /proc, and one way to measure an attack on kvoffloadd.
+
+``figures(pid)`` reads what the kernel says a process holds: anonymous memory
+(``RssAnon``: the heap), shared memory it has mapped in (``RssShmem``: the region and
+engines' memfds), its page tables (``VmPTE``), descriptors, mappings and threads.
+
+``Measure`` runs every hostile test the same way, so figures compare across tests and
+across runs:
+
+- before: the daemon's figures once its region is pre-faulted, a canary is pinging
+  and nothing else moves;
+- during: a thread samples the figures every few milliseconds and keeps each one's
+  peak; when the attacker says it holds what it took (``hold()``), the figures are
+  taken once they stopped moving (``held``), and the test's ``during`` runs (another
+  tenant trying to work while the attacker holds);
+- after: once the attacker's process is gone and the daemon's descriptors came back;
+- the canary: a client in its own process pinging without pause, from before the
+  attack until after it; its worst round trip is what another client waited. With a
+  metrics port, ``/healthz`` is probed as a kubelet would, and non-200 answers counted.
+
+It prints one line (``pytest -s``). The attacker is a forked child that drops to
+another uid (as ``hostile.as_uid``): it imports nothing new, and its exceptions come
+back as text. Every child is reaped, or killed, whatever the test does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import pickle
+import select
+import signal
+import struct
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from types import TracebackType
+from typing import Any, TypeVar
+
+from hostile import NOBODY, requires_root
+from liar import Liar
+
+import kvoffload
+from kvoffload.protocol import messages as m
+from kvoffloadbench.launch import DaemonProcess, wait_prefault
+
+MIB = 1 << 20
+T = TypeVar("T")
+
+SAMPLE_EVERY_S = 0.005
+SETTLE_EVERY_S = 0.05
+SETTLE_SAMPLES = 3  # equal samples in a row: the figures stopped moving
+SETTLE_DEADLINE_S = 10.0
+AFTER_FD_SLACK = 4  # descriptors the daemon may still hold once the attacker left
+HEALTH_EVERY_S = 0.1
+HEALTH_TIMEOUT_S = 3.0  # the DaemonSet's probe timeoutSeconds
+CANARY_GIVE_UP_S = 60.0  # a ping unanswered this long ends the canary (reported)
+ROUND_TRIP_LIMIT_S = 0.100  # DESIGN.md invariant 15: another client's worst round trip
+
+
+@dataclass(frozen=True)
+class Figures:
+    rss_anon_bytes: int = 0
+    rss_shmem_bytes: int = 0
+    pte_bytes: int = 0
+    fds: int = 0
+    maps: int = 0
+    threads: int = 0
+
+    def top(self, other: Figures) -> Figures:
+        """Each figure's larger value."""
+        return Figures(*(max(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)))
+
+    def minus(self, other: Figures) -> Figures:
+        return Figures(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+    def moving(self) -> tuple[int, ...]:
+        """The figures that settle (the heap's ``RssAnon`` jitters by itself)."""
+        return self.rss_shmem_bytes, self.pte_bytes, self.fds, self.maps, self.threads
+
+
+_STATUS_KEYS = {"RssAnon:": 0, "RssShmem:": 1, "VmPTE:": 2, "Threads:": 3}
+
+
+def figures(pid: int) -> Figures:
+    """The process's figures now; OSError once it is gone."""
+    got = [0, 0, 0, 0]
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            head, _, rest = line.partition(b"\t")
+            i = _STATUS_KEYS.get(head.decode())
+            if i is not None:
+                got[i] = int(rest.split()[0]) * (1 if i == 3 else 1024)
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        maps = f.read().count(b"\n")
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return Figures(got[0], got[1], got[2], fds, maps, got[3])
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.1f}" if abs(n) < 10 * MIB else f"{n / MIB:.0f}"
+
+
+# --------------------------------------------------------------- child processes
+
+
+def _send(fd: int, tag: bytes, payload: bytes = b"") -> None:
+    data = tag + struct.pack("<Q", len(payload)) + payload
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
+    out = b""
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError("the child did not answer in time")
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            raise EOFError("the child went away without a word")
+        out += chunk
+    return out
+
+
+def _receive(fd: int, deadline: float) -> tuple[bytes, bytes]:
+    head = _read_exactly(fd, 9, deadline)
+    (n,) = struct.unpack("<Q", head[1:])
+    return head[:1], _read_exactly(fd, n, deadline)
+
+
+def reap(pid: int, deadline_s: float = 5.0) -> None:
+    """Wait for a child for ``deadline_s``, then kill it."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return
+        time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+class Hold:
+    """The attacker's side: ``hold()`` says it holds what it took, and returns once
+    the test has measured (running ``poll`` meanwhile, if given)."""
+
+    def __init__(self, ctl: int, release: int) -> None:
+        self._ctl, self._release = ctl, release
+
+    def __call__(self, poll: Callable[[], object] | None = None, timeout_s: float = 120.0) -> None:
+        _send(self._ctl, b"H")
+        deadline = time.monotonic() + timeout_s
+        while not select.select([self._release], [], [], 0.01 if poll else 1.0)[0]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the test never released the attacker")
+            if poll is not None:
+                poll()
+        os.read(self._release, 1)  # b"R", or b"" when the test went away
+
+
+def _canary(path: str, stop: int, out: int) -> None:
+    """The canary's process: ping without pause until told to stop."""
+    worst_s, pings, error = 0.0, 0, ""
+    t0 = time.perf_counter()
+    try:
+        liar = Liar(path, timeout_s=CANARY_GIVE_UP_S)
+        ping = m.Ping(0)
+        while not select.select([stop], [], [], 0)[0]:
+            t0 = time.perf_counter()
+            liar.call(ping)
+            worst_s = max(worst_s, time.perf_counter() - t0)
+            pings += 1
+            if pings == 1:
+                _send(out, b"S")
+    except BaseException as exc:  # the daemon cut it off, or stalled past giving up
+        worst_s = max(worst_s, time.perf_counter() - t0)
+        error = repr(exc)
+        if pings == 0:
+            _send(out, b"S")
+    _send(out, b"D", pickle.dumps((worst_s, pings, error)))
+
+
+def _fork(child: Callable[[], None]) -> int:
+    pid = os.fork()
+    if pid == 0:  # never returns into the test
+        try:
+            child()
+        finally:
+            os._exit(0)
+    return pid
+
+
+def _healthz(port: int) -> int:
+    """One kubelet-like probe: the status, or 0 when none came in time."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HEALTH_TIMEOUT_S)
+    try:
+        conn.request("GET", "/healthz")
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (OSError, http.client.HTTPException):
+        return 0
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------- measure
+
+
+class Measure:
+    """Figures of ``daemon`` before, during and after an attack, with a canary."""
+
+    def __init__(self, name: str, daemon: DaemonProcess, metrics_port: int = 0) -> None:
+        self.name = name
+        self.daemon = daemon
+        self.metrics_port = metrics_port
+        self.before = self.peak = self.held = self.after = Figures()
+        self.canary_worst_s = 0.0
+        self.canary_pings = 0
+        self.canary_error = ""
+        self.health_probes = 0
+        self.health_bad = 0
+        self.during_result: Any = None
+        self.daemon_gone = False  # by the time the attacker had left
+        self.notes: list[str] = []
+        self._stop = threading.Event()
+        self._peak_lock = threading.Lock()  # the sampler's and the settling's peaks
+        self._threads: list[threading.Thread] = []
+        self._canary_pid = 0
+        self._canary_stop = self._canary_out = -1
+
+    # ------------------------------------------------------------ the test's side
+
+    def note(self, text: str) -> None:
+        """Figures of this attack's own, printed with the line."""
+        self.notes.append(text)
+
+    @property
+    def growth(self) -> Figures:
+        """Each figure's peak during the attack, less its value before."""
+        return self.peak.minus(self.before)
+
+    def attack(
+        self,
+        fn: Callable[[Hold], T],
+        uid: int = NOBODY,
+        gid: int = 0,
+        during: Callable[[], object] | None = None,
+        timeout_s: float = 120.0,
+    ) -> T:
+        """Run ``fn(hold)`` in a child as ``uid`` (group ``gid``: 0 reaches the 0660
+        socket) and return its result. When it calls ``hold()``: measure ``held``,
+        run ``during``, then let it go on."""
+        requires_root()
+        ctl_r, ctl_w = os.pipe()
+        rel_r, rel_w = os.pipe()
+
+        def child() -> None:
+            os.close(ctl_r)
+            os.close(rel_w)
+            try:
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+                result: Any = ("ok", fn(Hold(ctl_w, rel_r)))
+            except BaseException:
+                result = ("error", traceback.format_exc())
+            _send(ctl_w, b"D", pickle.dumps(result))
+
+        pid = _fork(child)
+        os.close(ctl_w)
+        os.close(rel_r)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while (got := _receive(ctl_r, deadline))[0] == b"H":
+                self.held = self._settled()
+                if during is not None:
+                    self.during_result = during()
+                os.write(rel_w, b"R")
+            kind, value = pickle.loads(got[1])
+        finally:
+            os.close(ctl_r)
+            os.close(rel_w)
+            reap(pid)
+        if kind == "error":
+            raise AssertionError(f"the attacker (uid {uid}) failed:\n{value}")
+        result: T = value
+        return result
+
+    def assert_round_trips(self, limit_s: float = ROUND_TRIP_LIMIT_S) -> None:
+        """Invariant 15: the canary never waited ``limit_s`` or longer."""
+        assert not self.canary_error, f"{self.name}: the canary failed: {self.canary_error}"
+        assert self.canary_worst_s < limit_s, (
+            f"{self.name}: another client waited {self.canary_worst_s * 1e3:.0f} ms for a ping"
+        )
+
+    def assert_healthy(self) -> None:
+        assert self.health_probes > 0, f"{self.name}: /healthz was never probed"
+        assert self.health_bad == 0, (
+            f"{self.name}: /healthz failed {self.health_bad} of {self.health_probes} probes"
+        )
+
+    # ------------------------------------------------------------ context
+
+    def __enter__(self) -> Measure:
+        with kvoffload.connect(self.daemon.socket_path) as c:
+            wait_prefault(c, deadline_s=60)
+        self._start_canary()
+        try:
+            self.before = self.peak = self._settled()
+            self._spawn(self._sample)
+            if self.metrics_port:
+                self._spawn(self._probe)
+        except BaseException:
+            self._finish()
+            raise
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            limit = self.before.fds + AFTER_FD_SLACK
+            self.after = self._settled(lambda f: f.fds <= limit)
+        except OSError:
+            self.daemon_gone = True  # the test says so
+        finally:
+            self._finish()
+            print(f"\n{self.line()}")
+
+    def line(self) -> str:
+        b, p, a = self.before, self.peak, self.after
+
+        def trio(get: Callable[[Figures], int], mib: bool = True) -> str:
+            show = _mib if mib else str
+            return f"{show(get(b))}->{show(get(p))}->{'gone' if self.daemon_gone else show(get(a))}"
+
+        parts = [
+            f"{self.name}:",
+            f"RssAnon {trio(lambda f: f.rss_anon_bytes)} MiB,",
+            f"RssShmem {trio(lambda f: f.rss_shmem_bytes)} MiB,",
+            f"VmPTE {trio(lambda f: f.pte_bytes)} MiB,",
+            f"fds {trio(lambda f: f.fds, False)},",
+            f"maps {trio(lambda f: f.maps, False)},",
+            f"threads {trio(lambda f: f.threads, False)} (before->peak->after);",
+            f"canary worst {self.canary_worst_s * 1e3:.1f} ms over {self.canary_pings} pings",
+        ]
+        if self.canary_error:
+            parts.append(f"(ended: {self.canary_error})")
+        line = " ".join(parts)
+        if self.metrics_port:
+            line += f"; /healthz not 200: {self.health_bad} of {self.health_probes}"
+        return "; ".join([line, *self.notes])
+
+    # ------------------------------------------------------------ internals
+
+    def _start_canary(self) -> None:
+        stop_r, self._canary_stop = os.pipe()
+        self._canary_out, out_w = os.pipe()
+        path = self.daemon.socket_path
+
+        def child() -> None:
+            os.close(self._canary_stop)
+            os.close(self._canary_out)
+            _canary(path, stop_r, out_w)
+
+        self._canary_pid = _fork(child)
+        os.close(stop_r)
+        os.close(out_w)
+        tag, _ = _receive(self._canary_out, time.monotonic() + 20)
+        assert tag == b"S", "the canary never started"
+
+    def _stop_canary(self) -> None:
+        if not self._canary_pid:
+            return
+        try:
+            with contextlib.suppress(OSError):  # it may have ended already
+                os.write(self._canary_stop, b"x")
+            _, payload = _receive(self._canary_out, time.monotonic() + CANARY_GIVE_UP_S + 10)
+            self.canary_worst_s, self.canary_pings, self.canary_error = pickle.loads(payload)
+        except (OSError, EOFError, TimeoutError) as exc:
+            self.canary_error = f"no report from the canary: {exc!r}"
+        finally:
+            os.close(self._canary_stop)
+            os.close(self._canary_out)
+            reap(self._canary_pid)
+            self._canary_pid = 0
+
+    def _finish(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(HEALTH_TIMEOUT_S + 5)
+        self._stop_canary()
+
+    def _spawn(self, target: Callable[[], None]) -> None:
+        t = threading.Thread(target=target, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _sample(self) -> None:
+        pid = self.daemon.pid
+        while not self._stop.is_set():
+            try:
+                self._record(figures(pid))
+            except OSError:
+                return  # the daemon is gone
+            self._stop.wait(SAMPLE_EVERY_S)
+
+    def _record(self, now: Figures) -> None:
+        with self._peak_lock:
+            self.peak = self.peak.top(now)
+
+    def _probe(self) -> None:
+        while not self._stop.wait(HEALTH_EVERY_S):
+            status = _healthz(self.metrics_port)
+            self.health_probes += 1
+            self.health_bad += status != 200
+
+    def _settled(self, also: Callable[[Figures], bool] = lambda f: True) -> Figures:
+        """The daemon's figures once the settling ones stopped moving (and ``also``
+        holds), or as they are after ``SETTLE_DEADLINE_S``."""
+        pid = self.daemon.pid
+        deadline = time.monotonic() + SETTLE_DEADLINE_S
+        last, same = figures(pid), 0
+        while time.monotonic() < deadline:
+            time.sleep(SETTLE_EVERY_S)
+            now = figures(pid)
+            self._record(now)
+            same = same + 1 if now.moving() == last.moving() else 0
+            last = now
+            if same >= SETTLE_SAMPLES - 1 and also(now):
+                break
+        return last
