@@ -312,6 +312,7 @@ class Server:
     def _serve(self, end_s: float) -> None:
         """Serve queued connections one unit at a time, fairly, until ``end_s``."""
         turns, clients = self.turns, self.clients
+        turns.new_turn()
         while (cid := turns.next()) is not None:
             c = clients.get(cid)
             if c is None:
