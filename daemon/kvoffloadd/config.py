@@ -174,6 +174,9 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefault: bool = True
     gpu: str = "auto"  # "auto": copy for CUDA engines when a driver and GPU exist; "off"
     pin_region: bool = True  # page-lock the region for GPU DMA (background, chunked)
+    # small GPU copy runs through the shipped gather kernel: "auto" where a start-up
+    # calibration on the device finds it faster than DMA, "always", or "off" (DMA only)
+    gpu_kernel: str = "auto"
     keep_region: bool = False  # a clean stop leaves the region for the next daemon
     # the daemon's private state (which segment is its region); empty: the socket's
     # directory. It must live as long as the region does (regionstate.py)
@@ -283,6 +286,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.gpu not in ("auto", "off"):
             raise ConfigError(f"gpu: {self.gpu!r} is not one of auto, off")
+        if self.gpu_kernel not in ("auto", "always", "off"):
+            raise ConfigError(f"gpu_kernel: {self.gpu_kernel!r} is not one of auto, always, off")
         if self.max_frame_bytes < 4096:
             raise ConfigError(f"max_frame_bytes: {self.max_frame_bytes} is below 4096")
         if not 0 <= self.metrics_port <= 65535:

@@ -11,10 +11,13 @@ Rules:
   (invariant 4), exactly as the CPU path checks a memfd's size.
 - Per GPU there are two lanes, stores (to the region) and loads (to the GPU), each with
   its own stream, an issuing thread and a completion thread. A store's stream first
-  waits on the engine's interprocess event. Each transfer is one batched copy
-  (cuMemcpyBatchAsync) when the driver has it and the region part it touches is pinned,
-  else a cuMemcpyAsync loop. A completion is posted only after the stream passed the
-  job's event, so memory is never released under a running copy, even after errors.
+  waits on the engine's interprocess event. Where the region part a transfer touches
+  is pinned, the runs the device's calibration gives the gather kernel go to one or
+  more launches of it (``gather``, ``choice``, ``calibrate``: small runs); the rest is
+  one batched copy (cuMemcpyBatchAsync) when the driver has it, else (and for
+  unpinned parts) a cuMemcpyAsync loop, all on the lane's stream. A completion is
+  posted only after the stream passed the job's event, so memory is never released
+  under a running copy, even after errors.
 - Only the loop thread calls ``attach``/``submit``; lane threads touch no metadata.
   A transfer comes as a ``JobPlan``: its issuing thread builds the runs and cuts them
   at pinning-chunk boundaries, off the loop.
@@ -29,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,7 +48,10 @@ from kvoffload.datapath.copyplan import CacheGeometry, JobPlan, split_at_boundar
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
 from kvoffloadd.config import DaemonConfig
+from kvoffloadd.copies.calibrate import DevicePaths
+from kvoffloadd.copies.choice import TILE_BYTES, kernel_runs
 from kvoffloadd.copies.copier import ChecksumCheck, CompletionSink, finished
+from kvoffloadd.copies.gather import TileRing
 from kvoffloadd.copies.workers import ImportedCache, check_desc
 from kvoffloadd.region.pinning import RegionPinner, plan_chunks
 from kvoffloadd.region.region import SharedOffloadRegion
@@ -100,11 +107,14 @@ class CopyLane:
         ordinal: int,
         to_host: bool,
         sink: CompletionSink,
-        batch_ok: Callable[[GpuJob], bool],
+        pinned: Callable[[GpuJob], bool],
         prepare: Callable[[GpuJob], None] = lambda job: None,
+        paths: DevicePaths | None = None,
     ) -> None:
         self._api, self.ordinal, self.to_host = api, ordinal, to_host
-        self._sink, self._batch_ok, self._prepare = sink, batch_ok, prepare
+        self._sink, self._pinned, self._prepare = sink, pinned, prepare
+        self._paths = paths
+        self._ring: TileRing | None = None
         self._jobs: queue.SimpleQueue[GpuJob | None] = queue.SimpleQueue()
         # (job, completion event or 0, enqueued without error)
         self._issued: queue.SimpleQueue[tuple[GpuJob, int, bool] | None] = queue.SimpleQueue()
@@ -112,7 +122,8 @@ class CopyLane:
         name = f"kvoffload-gpu{ordinal}-{'store' if to_host else 'load'}"
         self._waiter = threading.Thread(target=self._complete, name=f"{name}-done", daemon=True)
         self._issuer = threading.Thread(target=self._issue, name=name, daemon=True)
-        self.batched_jobs = self.looped_jobs = 0
+        self.batched_jobs = self.looped_jobs = self.kernel_jobs = 0
+        self.kernel_bytes = 0
         self._waiter.start()
         self._issuer.start()
 
@@ -134,11 +145,32 @@ class CopyLane:
                 return
         if job.wait_event:
             api.stream_wait_event(stream, job.wait_event)
-        if self._batch_ok(job):
-            api.memcpy_batch_async(job.dst, job.src, job.nbytes, stream, self.ordinal, self.to_host)
+        dst, src, nbytes = job.dst, job.src, job.nbytes
+        pinned = self._pinned(job)
+        paths = self._paths
+        if pinned and paths is not None and paths.kernel_ready and nbytes.size:
+            mine = kernel_runs(paths.choice, self.to_host, dst, src, nbytes)
+            if mine.any():
+                if self._ring is None:
+                    self._ring = TileRing(api)
+                choice = paths.choice
+                assert paths.kernel is not None
+                ctas = choice.max_ctas[self.to_host] if choice else 2 * paths.kernel.multiprocessors
+                tile = choice.tile_bytes if choice else TILE_BYTES
+                self._ring.launch(
+                    paths.kernel, dst[mine], src[mine], nbytes[mine], stream, ctas, tile
+                )
+                self.kernel_jobs += 1
+                self.kernel_bytes += int(nbytes[mine].sum())
+                rest = ~mine
+                dst, src, nbytes = dst[rest], src[rest], nbytes[rest]
+                if not nbytes.size:
+                    return
+        if pinned and api.has_batch:
+            api.memcpy_batch_async(dst, src, nbytes, stream, self.ordinal, self.to_host)
             self.batched_jobs += 1
         else:
-            for d, s, n in zip(job.dst.tolist(), job.src.tolist(), job.nbytes.tolist()):
+            for d, s, n in zip(dst.tolist(), src.tolist(), nbytes.tolist()):
                 api.memcpy_async(d, s, n, stream)
             self.looped_jobs += 1
 
@@ -166,6 +198,8 @@ class CopyLane:
             self._issued.put((job, event, ok))
         self._issued.put(None)
         self._waiter.join()
+        if self._ring is not None:
+            self._ring.close()
         with contextlib.suppress(CudaError, queue.Empty):
             while True:
                 api.event_destroy(self._free_events.get_nowait())
@@ -200,15 +234,20 @@ class GpuRuntime:
         sink: CompletionSink,
         region_base: int,
         pinner: RegionPinner,
+        kernel_mode: str = "off",
+        calibration: dict[str, Any] | None = None,
     ) -> None:
         self.api = api
         self.pinner = pinner
+        self.kernel_mode = kernel_mode
+        self._calibration = calibration or {}  # keyword arguments of calibrate()
         self._sink = sink
         self._region_base = region_base
         self._boundary_bytes = max(1, pinner.chunk_bytes)
         self.ordinals = {api.device_uuid(i): i for i in range(api.device_count())}
         self._imports: dict[tuple[int, bytes], _Import] = {}
         self._lanes: dict[tuple[int, bool], CopyLane] = {}
+        self.paths: dict[int, DevicePaths] = {}
 
     @property
     def open_handles(self) -> int:
@@ -290,6 +329,7 @@ class GpuRuntime:
             for c in caches:
                 c.close()
             raise
+        self.device_paths(ordinal)  # calibrated by the time copies come, mostly
         return ordinal, caches, event
 
     def release_event(self, ordinal: int, event: int) -> None:
@@ -299,16 +339,28 @@ class GpuRuntime:
 
     # ------------------------------------------------------------ copies
 
+    def device_paths(self, ordinal: int) -> DevicePaths:
+        """The device's copy paths; the first call starts their calibration."""
+        paths = self.paths.get(ordinal)
+        if paths is None:
+            paths = self.paths[ordinal] = DevicePaths(ordinal, self.kernel_mode)
+            paths.start(self.api, **self._calibration)
+        return paths
+
     def _lane(self, ordinal: int, to_host: bool) -> CopyLane:
         lane = self._lanes.get((ordinal, to_host))
         if lane is None:
-            lane = CopyLane(self.api, ordinal, to_host, self._sink, self._batch_ok, self._prepare)
+            paths = self.device_paths(ordinal)
+            lane = CopyLane(
+                self.api, ordinal, to_host, self._sink, self._pinned, self._prepare, paths
+            )
             self._lanes[(ordinal, to_host)] = lane
         return lane
 
-    def _batch_ok(self, job: GpuJob) -> bool:
-        """Batched only where the region part is pinned (registration is in order)."""
-        return self.api.has_batch and job.region_end_bytes <= self.pinner.pinned_bytes
+    def _pinned(self, job: GpuJob) -> bool:
+        """Whether the region part a job touches is pinned (registration is in order):
+        batched copies and the kernel need it."""
+        return job.region_end_bytes <= self.pinner.pinned_bytes
 
     def submit(
         self, ordinal: int, token: int, plan: JobPlan, wait: int, check: ChecksumCheck | None
@@ -340,11 +392,18 @@ class GpuRuntime:
         lanes = self._lanes.values()
         return sum(x.batched_jobs for x in lanes), sum(x.looped_jobs for x in lanes)
 
+    def kernel_counts(self) -> tuple[int, int]:
+        """(jobs that launched the gather kernel, bytes it copied)."""
+        lanes = self._lanes.values()
+        return sum(x.kernel_jobs for x in lanes), sum(x.kernel_bytes for x in lanes)
+
     def close(self) -> None:
-        """Stop the lanes (after their queued copies) and unpin the region."""
+        """Stop the lanes (after their queued copies), the calibrations, and unpin."""
         for lane in self._lanes.values():
             lane.close()
         self._lanes.clear()
+        for paths in self.paths.values():
+            paths.close(self.api)
         self.pinner.close()
 
 
@@ -364,7 +423,7 @@ def start_gpu(
         base = int(region.buffer.ctypes.data) + g.data_offset
         chunks = plan_chunks(g.num_extents * g.extent_bytes, g.extent_bytes)
         pinner = RegionPinner(api, base, chunks, before=region.wait_prefault)
-        runtime = GpuRuntime(api, sink, base, pinner)
+        runtime = GpuRuntime(api, sink, base, pinner, cfg.gpu_kernel)
     except CudaError as exc:
         return None, f"CUDA is not usable: {exc}"
     if cfg.pin_region:
@@ -372,10 +431,11 @@ def start_gpu(
     else:
         pinner.done.set()
     log.info(
-        "GPU copies enabled on %s (driver %d, batched copies: %s)",
+        "GPU copies enabled on %s (driver %d, batched copies: %s, copy kernel: %s)",
         ", ".join(runtime.describe()),
         getattr(api, "driver_version", 0),
         "yes" if api.has_batch else "no",
+        cfg.gpu_kernel,
     )
     return runtime, ""
 
