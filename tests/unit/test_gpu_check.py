@@ -83,9 +83,9 @@ def running(pid: int) -> bool:
 
 def test_without_a_gpu_it_lists_what_it_skipped_and_exits_0(tmp_path: Path) -> None:
     out = tmp_path / "out" / "gpu-check.json"
+    parts = "env,test-gpu,bench"
     rc = subprocess.run(
-        [sys.executable, "-m", "kvoffloadbench.gpu_check", "--parts", "env,test-gpu,bench"]
-        + ["--json", str(out)],
+        [sys.executable, "-m", "kvoffloadbench.gpu_check", "--parts", parts, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
