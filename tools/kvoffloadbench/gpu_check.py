@@ -381,10 +381,10 @@ def main(argv: list[str] | None = None) -> int:
             skipped = res.get("figures", {}).get("skips", []) if res["status"] == "ok" else []
             report["skipped"] += [f"{part.name}: {s}" for s in skipped]
             print(f"gpu-check: {part.name}: {res['status']} in {res['seconds']} s", flush=True)
-            if out_dir and res["status"] != "ok":
-                (Path(out_dir) / f"gpu-check-{part.name}.log").write_text(
-                    log.read_text(errors="replace")
-                )
+            if out_dir and res["status"] != "ok":  # one file: at most 8 come back
+                with open(Path(out_dir) / "gpu-check-failed-parts.log", "a") as f:
+                    f.write(f"===== {part.name}: {res['status']}\n")
+                    f.write(log.read_text(errors="replace"))
     report["seconds"] = round(time.monotonic() - start, 1)
     report["summary"] = summarize(report)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -78,6 +78,7 @@ class DevicePaths:
 
     def _run(self, api: CudaApi, **kwargs: Any) -> None:
         t0 = time.monotonic()
+        kernel = None
         try:
             api.set_device(self.ordinal)
             kernel, why = load_kernel(api, self.ordinal)
@@ -93,6 +94,9 @@ class DevicePaths:
         except (CudaError, _Stopped) as exc:
             self.state = f"dma only: calibration failed: {exc}"
             log.warning("GPU %d copies with DMA only: calibration failed: %s", self.ordinal, exc)
+            if kernel is not None:
+                with contextlib.suppress(CudaError):
+                    api.module_unload(kernel.module)
         finally:
             self.seconds = time.monotonic() - t0
             self.done.set()
