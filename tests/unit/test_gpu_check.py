@@ -97,3 +97,28 @@ def test_without_a_gpu_it_lists_what_it_skipped_and_exits_0(tmp_path: Path) -> N
         assert report["parts"][name]["status"] == "skipped"
         assert any(s.startswith(f"{name} (") and "needs a GPU" in s for s in report["skipped"])
     assert "skipped:" in rc.stdout
+
+
+ORPHAN = """
+import subprocess, sys, time
+from kvoffloadbench import gpu_check
+gpu_check.become_subreaper()
+subprocess.run(["sh", "-c", "sleep 60 & echo $!"], stdout=open(sys.argv[1], "w"), check=True)
+pid = int(open(sys.argv[1]).read())
+assert pid in gpu_check.descendants(gpu_check.os.getpid()), "the orphan is not ours"
+gpu_check.kill_leftovers()
+assert pid not in gpu_check.descendants(gpu_check.os.getpid())
+"""
+
+
+def test_what_a_part_leaves_without_a_parent_is_killed_too(tmp_path: Path) -> None:
+    """A daemon whose pytest was killed outlives it; the check adopts and kills it."""
+    rc = subprocess.run(
+        [sys.executable, "-c", ORPHAN, str(tmp_path / "pid")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert rc.returncode == 0, rc.stderr
+    pid = int((tmp_path / "pid").read_text())
+    assert not running(pid)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -202,7 +203,7 @@ def part_startup(opts: argparse.Namespace) -> dict[str, Any]:
 
     want = opts.region_gib << 30 if opts.gpu else min(opts.region_gib << 30, 1 << 30)
     size, note = region_size(want, opts.grow_shm)
-    out = run(size, opts.gpu)
+    out = run(size, opts.gpu, deadline_s=max(30.0, opts.timeout_s - 100))
     out["region_note"] = note
     if not opts.gpu:
         out["skips"] = [f"pinning and the CUDA probe (no GPU; a {size >> 30} GiB region only)"]
@@ -244,10 +245,11 @@ def descendants(pid: int) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
         except (OSError, ValueError, IndexError):
             continue
-        children.setdefault(ppid, []).append(int(entry))
+        if state not in ("Z", "X"):  # a zombie is gone, only not reaped yet
+            children.setdefault(int(ppid), []).append(int(entry))
     out, todo = [], [pid]
     while todo:
         for c in children.get(todo.pop(), []):
@@ -260,6 +262,30 @@ def kill_tree(pid: int) -> None:
     for p in [pid, *descendants(pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
+
+
+def become_subreaper() -> None:
+    """Orphans of our parts (a daemon whose pytest was killed) become our children,
+    so that nothing a part started outlives it (PR_SET_CHILD_SUBREAPER)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1, 0, 0, 0)
+
+
+def kill_leftovers(deadline_s: float = 10.0) -> list[int]:
+    """Kill every process still below us (parts are over) and reap them; returns those
+    that did not die within ``deadline_s`` (stuck in the kernel)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        for p in descendants(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        left = descendants(os.getpid())
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.01)
 
 
 def held(path: str) -> bool:
@@ -311,7 +337,10 @@ def launch(part: Part, opts: argparse.Namespace, timeout_s: float, log: Path) ->
             timed_out = True
         kill_tree(proc.pid)  # whatever it left running (a daemon, an engine)
         proc.wait()
+        stuck = kill_leftovers()  # and what it left that lost its parent
     result: dict[str, Any] = {"seconds": round(time.monotonic() - t0, 2)}
+    if stuck:
+        result["processes_not_killed"] = stuck
     if timed_out:
         result.update(status="timeout", error=f"no result after {timeout_s:.0f} s")
     else:
@@ -358,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": [],
     }
     start = time.monotonic()
+    become_subreaper()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         opts.workdir = work
         for part in PARTS:
