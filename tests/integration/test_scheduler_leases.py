@@ -1,6 +1,6 @@
 """An engine's scheduler and its workers on connections of their own (vLLM's processes):
 a worker stores into the slots the scheduler prepared by naming the plan's lease token;
-without it, or with another namespace's, the store is refused (invariant 9)."""
+without it the store is refused (invariant 9)."""
 
 from __future__ import annotations
 

@@ -151,18 +151,19 @@ class _Bench:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Free what was made, each on its own (one failure must not leak the rest)."""
         api = self.api
-        with contextlib.suppress(CudaError):
-            if self.ring is not None:
-                self.ring.close()
-            if self.host:
-                api.host_free(self.host)
-            if self.device:
-                api.mem_free(self.device)
-            if self.event:
-                api.event_destroy(self.event)
-            if self.stream:
-                api.stream_destroy(self.stream)
+        if self.ring is not None:
+            self.ring.close()
+        for free, handle in (
+            (api.host_free, self.host),
+            (api.mem_free, self.device),
+            (api.event_destroy, self.event),
+            (api.stream_destroy, self.stream),
+        ):
+            if handle:
+                with contextlib.suppress(CudaError):
+                    free(handle)
 
     def runs(self, size: int, count: int, to_host: bool, seed: int) -> tuple[I64, I64, I64]:
         rng = np.random.default_rng(seed)

@@ -142,10 +142,14 @@ class TileRing:
         """Free the buffers once their launches are done (the stream still exists)."""
         api = self._api
         for buf in self._buffers:
-            with contextlib.suppress(CudaError):
-                if buf.used:
+            if buf.used:
+                with contextlib.suppress(CudaError):
                     api.event_synchronize(buf.event)
-                api.event_destroy(buf.event)
-                api.mem_free(buf.device)
-                api.host_free(buf.host)
+            for free, handle in (
+                (api.event_destroy, buf.event),
+                (api.mem_free, buf.device),
+                (api.host_free, buf.host),
+            ):
+                with contextlib.suppress(CudaError):
+                    free(handle)
         self._buffers.clear()
