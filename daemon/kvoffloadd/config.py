@@ -174,8 +174,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefault: bool = True
     gpu: str = "auto"  # "auto": copy for CUDA engines when a driver and GPU exist; "off"
     pin_region: bool = True  # page-lock the region for GPU DMA (background, chunked)
-    # small GPU copy runs through the shipped gather kernel: "auto" where a start-up
-    # calibration on the device finds it faster than DMA, "always", or "off" (DMA only)
+    # small GPU copy runs by the gather kernel: "auto" (calibrated per GPU), "always", "off"
     gpu_kernel: str = "auto"
     keep_region: bool = False  # a clean stop leaves the region for the next daemon
     # the daemon's private state (which segment is its region); empty: the socket's
