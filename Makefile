@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-gpu gpu-wheels gpu-check ptx test-vllm test-sglang bench-sglang bench bench-engine bench-submit bench-canonical bench-report soak lint clean
+.PHONY: setup run docs test test-gpu gpu-wheels gpu-check ptx test-vllm test-sglang bench-sglang bench bench-engine bench-submit bench-canonical bench-report soak lint clean
 
 setup: $(STAMP)
 
@@ -133,6 +133,12 @@ bench-report: $(BENCH_STAMP)
 # Long random load from several engines with every loaded byte verified (not in test).
 soak: $(STAMP)
 	$(BIN)/python -m kvoffloadbench.soak $(ARGS)
+
+# The configuration reference (docs/configuration.md) and the keys of
+# systemd/kvoffloadd.toml.example, from the comments above DaemonConfig's fields;
+# tests/unit/test_configdoc.py fails when they drift.
+docs: $(STAMP)
+	$(BIN)/python -m kvoffloadd.configdoc
 
 lint: $(STAMP)
 	$(BIN)/ruff check daemon libclient tools tests

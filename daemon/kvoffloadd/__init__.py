@@ -11,11 +11,15 @@ Layers, lowest first; a module imports only from its own layer or below
 6. ``tiers``: secondary tiers below the region and the cascade/promotion between them.
 7. ``service``: sessions and request handlers; owns namespaces, workers and budgets.
 8. ``server``: the event loop and everything at the edge (sockets, HTTP, systemd).
-9. ``main``: the command line, wiring the layers together.
+9. ``main``: the command line, wiring the layers together; ``configdoc``: the
+   configuration reference and example file, generated from ``config``, ``access``
+   and the command line (``make docs``).
 
 One thread, the loop's, owns all metadata (invariant: no locks around it); copier,
 pinning, pre-fault and tier threads move bytes and hand results back through wake-up
 descriptors.
 """
 
-__version__ = "0.1.0"
+from kvoffload.version import __version__
+
+__all__ = ["__version__"]

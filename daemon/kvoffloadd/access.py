@@ -30,8 +30,16 @@ import msgspec
 
 
 class NamespaceRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Who may open the namespaces whose name matches ``pattern``."""
+
+    # glob pattern of namespace names (rules are tried in order, the first match decides)
+    # example: "team-a-*"
     pattern: str
+    # uids that may open the matching namespaces
+    # example: [1000]
     uids: list[int] = msgspec.field(default_factory=list)
+    # groups whose members may open them (primary or supplementary gid)
+    # example: [997]
     gids: list[int] = msgspec.field(default_factory=list)
 
 

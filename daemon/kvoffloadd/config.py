@@ -3,7 +3,7 @@
 Rules:
 - Every key has a default, so the daemon starts with no file at all.
 - Unknown keys and bad values are refused at start with the key, the value and what
-  is allowed (msgspec validation, plus the checks in ``validate``).
+  is allowed (``DaemonConfig.validate``).
 - Precedence: defaults < config file < command-line flags. Without ``--config`` the
   daemon reads ``/etc/kvoffload/kvoffloadd.toml`` if it exists, else runs on defaults.
 - Sizes accept integers (bytes) or strings with a binary unit: "1GiB", "512MiB".
@@ -21,6 +21,7 @@ import msgspec
 
 from kvoffload.paths import default_socket_path
 from kvoffloadd.access import AccessPolicy, NamespaceRule
+from kvoffloadd.ledger import SPECS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,9 +55,16 @@ def parse_size(value: int | str, key: str = "size") -> int:
 class NamespaceQuota(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Limits for namespaces whose name matches ``pattern`` (first match applies)."""
 
+    # glob pattern of the namespace names this quota applies to (the first match decides)
+    # example: "*"
     pattern: str
-    max_region_size: int | str = 0  # 0: unlimited
-    max_pinned_blocks: int = 0  # 0: unlimited
+    # the region bytes the namespace's blocks may hold: a full namespace evicts its own
+    # blocks first, and if none can go, prepare_store answers QUOTA_EXCEEDED; 0: no limit
+    # example: "64GiB"
+    max_region_size: int | str = 0
+    # blocks pinned by outstanding prepare_load calls (QUOTA_EXCEEDED beyond); 0: no limit
+    # example: 100000
+    max_pinned_blocks: int = 0
 
     @property
     def max_region_bytes(self) -> int:
@@ -65,33 +73,116 @@ class NamespaceQuota(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return parse_size(self.max_region_size, "namespace_quotas.max_region_size")
 
 
-class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One secondary tier below the region (``[[tiers]]`` in the file, fastest first)."""
+class LineLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Limits of one ledger line (``[limits.<line>]``); 0 keeps the line's default."""
 
-    type: str  # "disk", "redis" or "mooncake"
-    name: str = ""  # empty: the type (then "disk2", ... for more of one type)
-    capacity: int | str = 0  # disk: required; redis: 0 = Redis's own maxmemory
-    path: str = ""  # disk: directory of block files
-    url: str = ""  # redis: redis://host:port/db
-    threads: int = 4  # disk: I/O threads; redis: connections; mooncake: job threads
-    fsync: bool = False  # disk: fsync each file (survive power loss, slower)
-    verify: bool = True  # older configs: every block's MAC is always checked now
-    ttl_s: float = 0.0  # redis: expire blocks after this long (0: never)
-    prefix: str = "kvoffload"  # redis, mooncake: key prefix (daemons sharing blocks use one)
-    chunk_size: int | str = "8MiB"  # redis: unused since blocks are one field (old configs)
-    timeout_s: float = 2.0  # redis: connect and command timeout; mooncake: transfer hold
-    refresh_s: float = 0.2  # redis, mooncake: how often other daemons' blocks are picked up
-    full_sync_s: float = 10.0  # redis, mooncake: how often the whole store is re-read
-    master: str = ""  # mooncake: host:port of mooncake_master
-    metadata_server: str = ""  # mooncake: http://host:port/metadata (or etcd://...)
-    local_hostname: str = "127.0.0.1"  # mooncake: the address other nodes reach this one at
-    protocol: str = "tcp"  # mooncake: "tcp" or "rdma"
-    device: str = ""  # mooncake: RDMA device names, with protocol "rdma"
-    segment_size: int | str = "512MiB"  # mooncake: memory this daemon lends the store (0: none)
-    local_buffer_size: int | str = "16MiB"  # mooncake: the client's staging buffer
-    admin_url: str = ""  # mooncake: http://host:port of the master's admin server
-    lease_ttl_s: float = 10.0  # mooncake: the master's -default_kv_lease_ttl (0: off)
-    max_view_blocks: int = 262_144  # redis, mooncake: blocks of the store the daemon follows
+    # what one connection may hold of the line (sizes take units: "64MiB")
+    # example: 131072
+    per_connection: int | str = 0
+    # what all connections of one uid together may hold
+    # example: 524288
+    per_uid: int | str = 0
+    # what everyone together may hold
+    # example: 2097152
+    total: int | str = 0
+
+    def resolved(self, where: str) -> dict[str, int]:
+        """The set limits in units (sizes such as "64MiB" allowed), 0s dropped."""
+        out = {}
+        for key in ("per_connection", "per_uid", "total"):
+            value = getattr(self, key)
+            if value not in (0, "0"):
+                out[key] = parse_size(value, f"{where}.{key}")
+        return out
+
+
+# The kinds of secondary tier, for ``[[tiers]]``' ``type``: what each one is.
+TIER_TYPES = {
+    "disk": "one file per block under path, at most capacity bytes, least recently used "
+    "first; survives restarts (a restarted daemon finds the files, partial files from a "
+    "crash are deleted)",
+    "redis": "blocks shared by every daemon (node) pointed at the same server and prefix, "
+    "for namespaces with the same name and layout; capacity bounds all daemons' blocks "
+    "together; an unreachable server makes the tier miss until it answers again",
+    "mooncake": "blocks in a Mooncake Store cluster shared by every daemon pointed at the "
+    "same master and prefix; needs pip install 'kvoffload[mooncake]' and Debian's "
+    "libibverbs1, librdmacm1 and libnuma1; Mooncake places, leases and evicts the blocks",
+}
+
+
+class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One secondary tier below the region (``[[tiers]]`` in the file, fastest first).
+
+    A key's comment starting with tier types and a colon ("disk:", "redis, mooncake:")
+    applies to those types only; the others apply to every type.
+    """
+
+    # the kind of tier: "disk", "redis" or "mooncake"
+    # example: "disk"
+    type: str
+    # the tier's name in stats, metrics and logs; empty: the type (then "disk2", ... for
+    # more tiers of one type)
+    name: str = ""
+    # the most bytes the tier holds, least recently used blocks leaving first (disk:
+    # required; redis: 0 leaves it to Redis's own maxmemory; mooncake: only reported,
+    # Mooncake evicts by itself)
+    # example: "256GiB"
+    capacity: int | str = 0
+    # disk: the directory of block files; it and every directory above it must be
+    # writable by the daemon's uid alone (under the unit: inside /var/lib/kvoffload)
+    # example: "/var/lib/kvoffload/blocks"
+    path: str = ""
+    # redis: the server, redis://host:port/db (rediss:// and unix:// too)
+    # example: "redis://127.0.0.1:6379/0"
+    url: str = ""
+    # I/O threads of a disk tier, connections of a redis tier, job threads of a mooncake
+    # tier (1..64)
+    threads: int = 4
+    # disk: fsync each block file, so blocks survive power loss too (writes are slower)
+    fsync: bool = False
+    # kept for older configs: every block's MAC is checked whatever it says
+    verify: bool = True
+    # redis: expire blocks after this long (0: never)
+    ttl_s: float = 0.0
+    # redis, mooncake: key prefix; daemons that share blocks use one prefix
+    prefix: str = "kvoffload"
+    # redis: unused, blocks are stored whole (older configs may keep it)
+    chunk_size: int | str = "8MiB"
+    # redis, mooncake: connect and command timeout (redis); how long a Mooncake transfer
+    # that failed mid-way holds its slots before they are reused (mooncake)
+    timeout_s: float = 2.0
+    # redis, mooncake: how soon other daemons' blocks become visible here
+    refresh_s: float = 0.2
+    # redis, mooncake: how often the whole store is re-read, so blocks evicted elsewhere
+    # leave this daemon's view
+    full_sync_s: float = 10.0
+    # mooncake: host:port of mooncake_master's RPC server
+    # example: "127.0.0.1:50051"
+    master: str = ""
+    # mooncake: the metadata server, http://host:port/metadata (or etcd://host:port, or
+    # P2PHANDSHAKE)
+    # example: "http://127.0.0.1:8080/metadata"
+    metadata_server: str = ""
+    # mooncake: this node's address as the other nodes reach it
+    local_hostname: str = "127.0.0.1"
+    # mooncake: "tcp" or "rdma"
+    protocol: str = "tcp"
+    # mooncake: the RDMA devices to use with protocol "rdma" ("mlx5_0,mlx5_1")
+    device: str = ""
+    # mooncake: memory this daemon lends the store (0: none; it uses others' segments)
+    segment_size: int | str = "512MiB"
+    # mooncake: the Mooncake client's staging buffer
+    local_buffer_size: int | str = "16MiB"
+    # mooncake: http://host:port of the master's admin server; when set, the whole store
+    # is listed from it (/get_all_keys)
+    admin_url: str = ""
+    # mooncake: mooncake_master's -default_kv_lease_ttl (or less): blocks in this
+    # daemon's own segment are promoted by its threads while the master's read lease
+    # holds them; 0: Mooncake copies every block
+    lease_ttl_s: float = 10.0
+    # redis, mooncake: blocks of the shared store this daemon follows at most (about
+    # 250 B each); beyond it the oldest are forgotten
+    max_view_blocks: int = 262_144
 
     @property
     def capacity_bytes(self) -> int:
@@ -112,8 +203,8 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def validate(self) -> None:
         where = f"tiers.{self.name}"
-        if self.type not in ("disk", "redis", "mooncake"):
-            raise ConfigError(f"{where}.type: {self.type!r} is not one of disk, redis, mooncake")
+        if self.type not in TIER_TYPES:
+            raise ConfigError(f"{where}.type: {self.type!r} is not one of {', '.join(TIER_TYPES)}")
         if self.type == "mooncake":
             self._validate_mooncake(where)
         self.capacity_bytes  # noqa: B018 - parse for the error message
@@ -154,65 +245,148 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The daemon's configuration: one key per field, each with the comment above it
+    saying what it means (``configdoc`` turns them into the configuration reference
+    and the example file)."""
+
+    # instance name: the region is /dev/shm/kvoffload-<instance>@<random>, its name
+    # recorded in state_dir; one daemon per instance and state directory
     instance: str = "default"
-    socket: str = ""  # empty: default_socket_path(instance)
+    # unix socket to listen on; empty: $XDG_RUNTIME_DIR/kvoffload/kvoffloadd.sock, or
+    # /tmp/kvoffload-$UID/kvoffloadd.sock (other instances: kvoffloadd-<instance>.sock)
+    socket: str = ""
+    # size of the shared region (bytes, or with a unit: "512MiB", "64GiB")
     region_size: int | str = "1GiB"
-    extent_size: int | str = 0  # 0: about 64 extents per region
+    # size of one extent, the unit in which memory moves between namespaces; 0: about
+    # 64 extents per region, a power of two between 2 MiB and 256 MiB; must hold one block
+    extent_size: int | str = 0
+    # smallest slot; also sets the size of the slot table (96 bytes per possible slot)
     min_slot_size: int | str = "16KiB"
+    # eviction policy inside a namespace: "lru" or "arc"
     policy: str = "lru"
+    # CPU copier threads (1..64)
     copy_threads: int = 2
+    # log level: debug, info, warning or error
     log_level: str = "info"
+    # largest protocol frame accepted from a client, in bytes (at least 4096)
     max_frame_bytes: int = 16 * 1024 * 1024
+    # connections beyond this are closed at once
     max_clients: int = 1024
-    max_namespaces_per_uid: int = 32  # 0: unlimited; root and the daemon's uid never are
-    # share of a namespace's largest size one client may have in flight (being
-    # written or leased empty); all clients together 1.5 times that; 1: no limit
+    # namespaces one uid may create (root and the daemon's uid are not limited; 0: no
+    # limit); the table holds 256, and when it is full idle namespaces make room
+    max_namespaces_per_uid: int = 32
+    # blocks one client may have in flight in a namespace (being written, or leased to
+    # it empty), as a share of the namespace's largest size; all clients together 1.5
+    # times that, so a client never completing its stores cannot take the pool; 1: no
+    # limit
     max_writing_fraction: float = 0.5
-    # requests not yet complete and replies not yet sent, all clients together; the
-    # largest holder is cut off beyond it
+    # bytes of requests not yet complete and of replies not yet sent, all clients
+    # together; beyond it the client holding the most is disconnected (each client may
+    # also hold at most 32 MiB of unread replies and park at most 256 descriptors)
     buffer_budget: int | str = "256MiB"
+    # pre-fault the region in the background after start-up
     prefault: bool = True
-    gpu: str = "auto"  # "auto": copy for CUDA engines when a driver and GPU exist; "off"
-    pin_region: bool = True  # page-lock the region for GPU DMA (background, chunked)
-    # small GPU copy runs by the gather kernel: "auto" (calibrated per GPU), "always", "off"
+    # GPU copies for engines that register CUDA caches: "auto" uses the CUDA driver
+    # (libcuda.so.1) and every GPU it sees when there are any; "off" refuses GPU workers
+    gpu: str = "auto"
+    # page-lock the region for GPU DMA (cuMemHostRegister in chunks of at most 64 GiB,
+    # in the background after pre-faulting); unpinned parts are copied more slowly
+    pin_region: bool = True
+    # small GPU copy runs (pages of a few KiB, canonical fragments) through the gather
+    # kernel the package ships as PTX: "auto" where a start-up calibration on each GPU
+    # finds it faster than DMA, "always" for every 16-byte aligned run, "off" (DMA only)
     gpu_kernel: str = "auto"
-    keep_region: bool = False  # a clean stop leaves the region for the next daemon
-    # the daemon's private state (which segment is its region); empty: the socket's
-    # directory. It must live as long as the region does (regionstate.py)
+    # warm restart: a clean stop leaves the region (and every completed block in it) for
+    # the next daemon of this instance, which recovers it; a crash always leaves it; the
+    # systemd unit sets it (--keep-region), so upgrades and restarts keep the cache
+    keep_region: bool = False
+    # where the daemon records which segment in /dev/shm is its region (a name with a
+    # random part no other uid can take first): a directory only the daemon's uid or
+    # root may write, living as long as the region; empty: the socket's directory (under
+    # the unit /run/kvoffloadd, kept across restarts until a reboot clears it)
     state_dir: str = ""
-    discard_region: bool = False  # drop an existing region that cannot be recovered
-    metrics_port: int = 0  # 0: no Prometheus endpoint
+    # at start, drop this instance's region if it was made with another region_size,
+    # extent_size, min_slot_size or format, instead of refusing to start (its blocks are
+    # lost); a damaged region is always dropped, one another uid planted is ignored
+    discard_region: bool = False
+    # Prometheus endpoint port, serving /metrics, /healthz (the loop turns) and /readyz
+    # (serving, region pre-faulted, GPU pinning done or failed); 0: no endpoint
+    metrics_port: int = 0
+    # the address the Prometheus endpoint listens on
     metrics_address: str = "127.0.0.1"
-    # namespace names as metric labels (any local user can read the metrics port)
+    # label the per-namespace series with namespace names; any local user can read the
+    # metrics port, and a name tells whose model it is; off, they are summed as "all"
     metrics_namespace_labels: bool = False
-    # uids allowed to evict and read the config; unset: root and the daemon's own uid
+    # uids allowed to evict and to read this configuration over the socket (reading
+    # stats and the client list is open to every client); unset: root and the daemon's
+    # own uid
+    # example: [0, 998]
     admin_uids: list[int] | None = None
+    # groups whose members may administer too (primary or supplementary gid)
     admin_gids: list[int] = msgspec.field(default_factory=list)
-    # who may connect; both unset: whoever can reach the socket (see access.py)
+    # uids that may connect; with allow_uids and allow_gids both unset, whoever can
+    # reach the socket may (it is 0660 in a 0750 directory: the daemon's user and
+    # group); with either set, a peer needs a listed uid or group; root and the daemon's
+    # own uid always may; identities come from the kernel (SO_PEERCRED, /proc)
+    # example: [1000, 1001]
     allow_uids: list[int] | None = None
+    # groups whose members may connect (primary or supplementary gid); see allow_uids
+    # example: [997]
     allow_gids: list[int] | None = None
+    # which peers may open which namespaces: rules are tried in order, the first whose
+    # glob pattern matches the namespace name decides, and a name no rule matches is
+    # refused; no rules: every peer may open every namespace
     namespace_access: list[NamespaceRule] = msgspec.field(default_factory=list)
+    # quotas per namespace, the first matching pattern applies
     namespace_quotas: list[NamespaceQuota] = msgspec.field(default_factory=list)
-    # copy jobs one connection may have in flight (a uid 4x, everyone 16x; 0: no limit)
-    max_inflight_jobs_per_client: int = 4096
-    # pins one connection may hold on blocks (a uid 4x, everyone 16x; 0: no limit)
-    max_pins_per_client: int = 1 << 20
-    verify_checksums: bool = False  # CRC32 per stored block, checked on every load
-    # evicted blocks stay loadable this long for engines' key mirrors (graves.py)
+    # what peers may make the daemon hold, per ledger line ([limits.<line>] tables of
+    # per_connection, per_uid and total; docs/security.md lists every line and its
+    # default); a request past a limit is QUOTA_EXCEEDED naming the line
+    # example: {pins = {per_connection = 131072}, connections = {per_uid = 256}}
+    limits: dict[str, LineLimits] = msgspec.field(default_factory=dict)
+    # older key: copy jobs one connection may have in flight (a uid 4 times as many,
+    # everyone 16 times); 0: limits.jobs decides
+    max_inflight_jobs_per_client: int = 0
+    # older key: pins one connection may hold (a uid 4 times as many, everyone 16
+    # times); 0: limits.pins decides
+    max_pins_per_client: int = 0
+    # keep a CRC32 of every stored block (per rank) and verify it before each load: a
+    # block whose bytes changed fails the load (the engine recomputes) and is evicted;
+    # costs one extra pass over the block's bytes per store and per load
+    verify_checksums: bool = False
+    # while engines' key mirrors are attached, an evicted block stays loadable (its slot
+    # is not reused) until they have all seen the eviction, or at most this long: a
+    # lookup hit never turns into a failed load (graves.py)
     mirror_grace_s: float = 1.0
-    # a committed store whose copies have not all landed by then is dropped
+    # engines commit their stores one-way, sometimes before every rank's copy has
+    # landed; such a store waits for its copies this long, then is dropped (never made
+    # visible)
     commit_timeout_s: float = 30.0
-    # a pin held longer is dropped (a load takes a step): nobody keeps a block for good
+    # a pin (prepare_load, or a load an engine planned) held longer is dropped: a load
+    # takes a step, so nobody keeps a block, or the extent it lies in, for good
     pin_timeout_s: float = 60.0
-    # who may map the region for client-copy workers; unset: root and the daemon's uid
+    # uids that may map the region for client-copy workers (engines whose caches cannot
+    # be exported copy their leased slots themselves, and so can read and write every
+    # block of every namespace); unset: root and the daemon's own uid
+    # example: [1000]
     client_copy_uids: list[int] | None = None
+    # groups whose members may map the region for client-copy workers
     client_copy_gids: list[int] = msgspec.field(default_factory=list)
-    # secondary tiers, fastest first; blocks cascade down and are promoted back
+    # secondary tiers below the region, fastest first: every block stored in the region
+    # is copied down to each tier that lacks it, in the background; a lookup that misses
+    # the region but hits a tier promotes the block back and answers "ask again" (vLLM:
+    # RETRY) until it is readable; each tier has its own capacity and eviction
     tiers: list[TierConfig] = msgspec.field(default_factory=list)
-    tier_max_inflight_blocks: int = 256  # per tier: region blocks pinned for cascades
-    tier_job_timeout_s: float = 30.0  # a tier with a job older than this is stalled
-    # the per-deployment secret that seals tier blocks (64 hex digits; generated when
-    # absent); empty: tier-secret in $STATE_DIRECTORY, else in /var/lib/kvoffload
+    # blocks per tier that may be pinned in the region while the tier copies them down;
+    # more wait in a queue (and are skipped if the region evicts them first)
+    tier_max_inflight_blocks: int = 256
+    # a tier with a job running longer than this (a hung disk, a stuck server) is
+    # stalled: its keys miss and it gets no new work until its late jobs finish
+    tier_job_timeout_s: float = 30.0
+    # the per-deployment secret that seals tier blocks with a keyed MAC: a file of 64
+    # hex digits readable by kvoffloadd's user only (0600), generated at the first start
+    # with tiers when absent; daemons sharing a tier need the same file; empty:
+    # tier-secret in $STATE_DIRECTORY (the unit's /var/lib/kvoffload)
     tier_secret_file: str = ""
 
     @property
@@ -300,6 +474,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for key in ("max_inflight_jobs_per_client", "max_pins_per_client"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: {getattr(self, key)} is negative")
+        self.limit_overrides()  # names and sizes, for the error message
         if self.max_clients < 1:
             raise ConfigError(f"max_clients: {self.max_clients} is below 1")
         seen: dict[str, int] = {}
@@ -326,6 +501,23 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not 0 <= self.mirror_grace_s <= 60:
             raise ConfigError(f"mirror_grace_s: {self.mirror_grace_s} is not in 0..60")
         return self
+
+    def limit_overrides(self) -> dict[str, dict[str, int]]:
+        """The ledger limits this configuration sets (``limits``, and the older
+        per-connection keys for pins and jobs, which scale 4x per uid, 16x in total)."""
+        out: dict[str, dict[str, int]] = {}
+        for name, lim in self.limits.items():
+            if name not in SPECS:
+                raise ConfigError(
+                    f"limits.{name}: no such ledger line; one of {', '.join(sorted(SPECS))}"
+                )
+            out[name] = lim.resolved(f"limits.{name}")
+        older = (("pins", "max_pins_per_client"), ("jobs", "max_inflight_jobs_per_client"))
+        for name, key in older:
+            n = getattr(self, key)
+            if n and name not in out:
+                out[name] = {"per_connection": n, "per_uid": 4 * n, "total": 16 * n}
+        return out
 
     def quota_for(self, namespace: str) -> NamespaceQuota | None:
         for q in self.namespace_quotas:

@@ -12,7 +12,8 @@ import socket
 import sys
 from typing import Any
 
-from kvoffloadd.config import ConfigError, DaemonConfig, load_config
+from kvoffloadd import __version__
+from kvoffloadd.config import DEFAULT_CONFIG_PATH, ConfigError, DaemonConfig, load_config
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.copies.gpu import start_gpu
 from kvoffloadd.region.region import Geometry, RegionError, SharedOffloadRegion
@@ -29,19 +30,42 @@ from kvoffloadd.trust import FileLock, UntrustedError, raise_fd_limit, secure_di
 log = logging.getLogger("kvoffloadd")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The command line; every flag but ``--config`` overrides the config key of its
+    name (docs/configuration.md lists them)."""
     p = argparse.ArgumentParser(
         prog="kvoffloadd", description="Node-local KV-cache offload daemon."
     )
-    p.add_argument("--config", help="TOML config file (default: embedded defaults)")
-    p.add_argument("--socket", help="unix socket path to listen on")
-    p.add_argument("--instance", help="instance name (region and socket names derive from it)")
-    p.add_argument("--region-size", dest="region_size", help="region size, e.g. 1GiB")
-    p.add_argument("--extent-size", dest="extent_size", help="extent size, e.g. 16MiB")
-    p.add_argument("--policy", help="eviction policy: lru or arc")
-    p.add_argument("--copy-threads", dest="copy_threads", type=int, help="CPU copier threads")
-    p.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
-    p.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus port (0: off)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"TOML config file (default: {DEFAULT_CONFIG_PATH} if it exists)",
+    )
+    p.add_argument("--socket", metavar="PATH", help="unix socket path to listen on")
+    p.add_argument(
+        "--instance", metavar="NAME", help="instance name (region and socket names derive from it)"
+    )
+    p.add_argument(
+        "--region-size", dest="region_size", metavar="SIZE", help="region size, e.g. 1GiB"
+    )
+    p.add_argument(
+        "--extent-size", dest="extent_size", metavar="SIZE", help="extent size, e.g. 16MiB"
+    )
+    p.add_argument("--policy", metavar="POLICY", help="eviction policy: lru or arc")
+    p.add_argument(
+        "--copy-threads", dest="copy_threads", type=int, metavar="N", help="CPU copier threads"
+    )
+    p.add_argument(
+        "--log-level", dest="log_level", metavar="LEVEL", help="debug, info, warning or error"
+    )
+    p.add_argument(
+        "--metrics-port",
+        dest="metrics_port",
+        type=int,
+        metavar="PORT",
+        help="Prometheus port (0: off)",
+    )
     p.add_argument(
         "--keep-region",
         dest="keep_region",
@@ -71,7 +95,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="do not pre-fault the region in the background",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def config_of(args: argparse.Namespace) -> DaemonConfig:
@@ -196,9 +224,9 @@ def reexec_with_copy_tunables() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if argv is None:
         reexec_with_copy_tunables()
-    args = parse_args(argv)
     try:
         cfg = config_of(args)
     except ConfigError as exc:

@@ -16,7 +16,7 @@ Layers, lowest first; a module imports only from its own layer or below (checked
 ``tests/unit/test_layout.py``):
 
 1. ``protocol``: the sans-IO wire protocol (no sockets, no torch); the daemon and the
-   CLI import it too.
+   CLI import it too. ``version``: the distribution's version, its one place.
 2. ``datapath``, ``cuda``: how blocks lie in slots and the region and the copies that
    move them (shared with the daemon); the CUDA driver seam.
 3. ``link``: the unix-socket connection under the API, and who the daemon is.
@@ -47,9 +47,8 @@ from kvoffload.protocol.errors import (
     VersionMismatchError,
 )
 from kvoffload.protocol.messages import KEY_ABSENT, KEY_PROMOTING, KEY_READY, KVLayout
+from kvoffload.version import __version__
 from kvoffload.worker import TransferResult, Worker
-
-__version__ = "0.1.0"
 
 __all__ = [
     "KEY_ABSENT",

@@ -2,7 +2,9 @@
 
 ``shared_kv_cache`` allocates a ``(num_blocks, page_bytes)`` int8 tensor in a memfd
 sealed against shrinking and growing, so the daemon can map it safely (a client can
-never truncate it under a running copy). ``describe_cache`` finds the memfd behind
+never truncate it under a running copy), and populates it (the daemon refuses memory
+with holes: it never allocates an engine's pages on its own account).
+``describe_cache`` finds the memfd behind
 any row-contiguous 2-D view of such a tensor, so vLLM's canonical views of one
 buffer work too.
 
@@ -25,6 +27,7 @@ from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ def shared_kv_cache(num_blocks: int, page_bytes: int, *, name: str = "kvoffload-
         os.ftruncate(fd, nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         mm = mmap.mmap(fd, nbytes)
+        _populate(mm)
     except BaseException:
         os.close(fd)
         raise
@@ -84,6 +88,16 @@ def shared_kv_cache(num_blocks: int, page_bytes: int, *, name: str = "kvoffload-
     _reap()
     weakref.finalize(tensor.untyped_storage(), _forget, base_ptr)
     return tensor
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Allocate every page now, on the engine's account: the daemon copies only into
+    and out of memory the engine has populated (it never allocates an engine's pages)."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+    except OSError:  # before Linux 5.14: touch each page
+        for offset in range(0, len(mm), mmap.PAGESIZE):
+            mm[offset] = 0
 
 
 def describe_cache(tensor: Any) -> tuple[CacheDesc, int]:

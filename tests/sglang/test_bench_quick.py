@@ -1,4 +1,4 @@
-"""``make bench-sglang`` in a quick run, so the benchmark the README quotes cannot rot:
+"""``make bench-sglang`` in a quick run, so the benchmark docs/performance.md quotes cannot rot:
 every backend goes through SGLang's controller and comes back with the bytes it stored
 (the benchmark asserts that), and the report renders."""
 

@@ -26,6 +26,7 @@ from kvoffload.datapath.canonical import CanonicalPart, expand
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
@@ -66,7 +67,7 @@ def attach(
     desc, fd = describe_cache(cache)
     s.fds = [os.dup(fd)]
     d = m.CacheDesc(desc.kind, desc.num_blocks, desc.page_bytes, 0)
-    r = svc.handle(s, m.AttachWorker(2, ns, rank, [d], parts=parts, canonical=list(canon)))
+    r = handle_now(svc, s, m.AttachWorker(2, ns, rank, [d], parts=parts, canonical=list(canon)))
     assert isinstance(r, m.WorkerAttached)
     return r.worker
 

@@ -16,6 +16,7 @@ from kvoffload.cache import describe_cache
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError
 from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
@@ -45,7 +46,7 @@ def attach(svc: Service, s: Session, ns: int, cache: torch.Tensor) -> int:
     desc, fd = describe_cache(cache)
     s.fds = [os.dup(fd)]
     desc = m.CacheDesc(desc.kind, desc.num_blocks, desc.page_bytes, 0)
-    r = svc.handle(s, m.AttachWorker(2, ns, 0, [desc]))
+    r = handle_now(svc, s, m.AttachWorker(2, ns, 0, [desc]))
     assert isinstance(r, m.WorkerAttached)
     return r.worker
 
@@ -116,6 +117,6 @@ def test_a_cache_count_that_does_not_fit_the_layout_is_refused_and_fds_closed(
     sent = s.fds[0]
     one = m.CacheDesc(desc.kind, desc.num_blocks, desc.page_bytes, 0)
     with pytest.raises(InvalidArgumentError, match="do not tile"):
-        svc.handle(s, m.AttachWorker(2, r.ns, 0, [one]))
+        handle_now(svc, s, m.AttachWorker(2, r.ns, 0, [one]))
     with pytest.raises(OSError, match="Bad file descriptor"):
         os.fstat(sent)  # the daemon closed the descriptor it was given

@@ -136,14 +136,14 @@ def test_a_mooncake_tier_takes_its_settings(tmp_path: Path) -> None:
     assert (t.segment_bytes, t.lease_ttl_s) == (0, 2.5)  # lends none: uses others' segments
 
 
-def test_the_readme_and_example_tier_configs_validate(tmp_path: Path) -> None:
-    """The README's tiers and the example's commented Mooncake tier, uncommented,
-    are configs the daemon accepts."""
+def test_the_documented_and_example_tier_configs_validate(tmp_path: Path) -> None:
+    """The tiers of docs/tiers.md and the example's commented Mooncake tier,
+    uncommented, are configs the daemon accepts."""
     root = Path(__file__).parents[2]
-    readme = re.search(r"```toml\n(.*?)```", (root / "README.md").read_text(), re.S)
-    assert readme is not None
-    f = tmp_path / "readme.toml"
-    f.write_text(readme.group(1))
+    documented = re.search(r"```toml\n(.*?)```", (root / "docs" / "tiers.md").read_text(), re.S)
+    assert documented is not None
+    f = tmp_path / "tiers.toml"
+    f.write_text(documented.group(1))
     assert [t.type for t in load_config(str(f), {}).tiers] == ["disk", "redis", "mooncake"]
     example = (root / "systemd" / "kvoffloadd.toml.example").read_text()
     start = example.index('# type = "mooncake"') - len("# [[tiers]]\n")

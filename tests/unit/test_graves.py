@@ -125,3 +125,66 @@ def test_a_grave_pinned_past_its_grace_and_the_pin_timeout_is_freed() -> None:
     assert idx.expire_pins(now + 7.0) == 1
     assert len(idx.graves) == 0 and idx.pinned_by(B) == 0
     assert idx.slots.num_free == 1
+
+
+def test_acks_cost_what_they_free_however_many_graves_and_mirrors() -> None:
+    """200 acking mirrors and a silent one over 4,096 graves: an ack looks at the
+    oldest grave and the two least advanced mirrors only (never graves x mirrors), and
+    what mirrors' positions the graveyard keeps stays bounded."""
+    from kvoffloadd.index.graves import Graveyard
+    from kvoffloadd.index.policies import Block
+
+    g = Graveyard(grace_s=60.0)
+    for conn in range(201):
+        g.add_mirror(conn, 0)
+    for i in range(4096):
+        block = Block(i)
+        block.ref = 0
+        g.bury(b"k%d" % i, block, seq=i + 1, exempt=None, now_s=0.0)
+    looked = []
+    original = Graveyard._least_acked
+
+    def counted(self: Graveyard) -> tuple[int, int | None, int]:
+        looked.append(1)
+        return original(self)
+
+    Graveyard._least_acked = counted  # type: ignore[method-assign]
+    try:
+        for step in range(50):
+            for conn in range(1, 201):  # mirror 0 never acks
+                g.ack(conn, 4096 + step)
+                assert g.free_now(1.0) == []  # mirror 0 has seen none of them
+        assert len(looked) == 50 * 200 and len(g._heap) <= 2 * 201 + 64
+        g.drop_mirror(0)  # the silent one leaves: everything goes at once
+        assert len(g.free_now(1.0)) == 4096 and len(g) == 0
+    finally:
+        Graveyard._least_acked = original  # type: ignore[method-assign]
+
+
+def test_a_grave_exempt_from_the_slowest_mirror_waits_for_the_next_slowest() -> None:
+    from kvoffloadd.index.graves import Graveyard
+    from kvoffloadd.index.policies import Block
+
+    g = Graveyard(grace_s=60.0)
+    g.add_mirror(1, 0)
+    g.add_mirror(2, 0)
+    block = Block(7)
+    block.ref = 0
+    g.bury(b"k", block, seq=5, exempt=1, now_s=0.0)  # evicted by 1, which knows
+    assert g.free_now(1.0) == []  # 2 has not seen it
+    g.ack(2, 5)
+    assert [x.block.slot for x in g.free_now(1.0)] == [7]
+    # a pinned grave that every mirror saw waits for its last pin, then goes
+    b2 = Block(8)
+    b2.ref = 0
+    g.bury(b"j", b2, seq=6, exempt=None, now_s=0.0)
+    g.pin(3, 8)
+    g.ack(1, 6), g.ack(2, 6)
+    assert g.free_now(1.0) == []
+    g.unpin(3, 8)
+    assert [x.block.slot for x in g.free_now(1.0)] == [8]
+    # after its grace a grave goes whatever the mirrors saw
+    b3 = Block(9)
+    b3.ref = 0
+    g.bury(b"i", b3, seq=99, exempt=None, now_s=0.0)
+    assert g.free_now(30.0) == [] and [x.block.slot for x in g.free_now(61.0)] == [9]

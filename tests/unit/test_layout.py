@@ -92,10 +92,10 @@ LAYERS = {
         {"tiers"},
         {"service"},
         {"server"},
-        {"main", "__main__"},
+        {"main", "__main__", "configdoc"},
     ],
     "kvoffload": [
-        {"protocol"},
+        {"protocol", "version"},
         {"datapath", "cuda"},
         {"link"},
         {"", "client", "namespace", "worker", "cache", "plans", "paths"},
@@ -104,7 +104,7 @@ LAYERS = {
     ],
 }
 # What of the client library the daemon may use: the wire protocol and shared planning.
-DAEMON_USES = {"protocol", "datapath", "cuda", "plans", "paths"}
+DAEMON_USES = {"protocol", "version", "datapath", "cuda", "plans", "paths"}
 
 
 def layer_of(module: str) -> tuple[str, int] | None:

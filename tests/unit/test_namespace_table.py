@@ -35,7 +35,12 @@ LAYOUT = m.KVLayout([64 * 1024])
 
 
 def config(**fields: object) -> DaemonConfig:
-    base = {"instance": f"n{uuid.uuid4().hex[:8]}", "region_size": "16MiB", "extent_size": "1MiB"}
+    base = {
+        "instance": f"n{uuid.uuid4().hex[:8]}",
+        "region_size": "16MiB",
+        "extent_size": "1MiB",
+        "limits": {"namespaces": {"per_connection": 1024}},  # a table's worth on one
+    }
     return msgspec.convert(base | fields, DaemonConfig).validate()
 
 
@@ -270,7 +275,7 @@ def test_a_full_table_of_roots_namespaces_is_never_taken_from() -> None:
         root = session(svc, 1, 0)
         for i in range(MAX_NAMESPACES):
             open_ns(svc, root, f"root-{i:03d}")
-        with pytest.raises(NoSpaceError, match="no uid holds more than its share"):
+        with pytest.raises(NoSpaceError, match="every entry is root's or the daemon's"):
             svc.handle(session(svc, 2, 3000), m.OpenNamespace(1, "mine", LAYOUT))
 
 
@@ -306,3 +311,57 @@ def test_a_hole_a_reclaim_left_survives_a_warm_restart() -> None:
         s2 = session(svc, 2)
         refill = prepare(svc, s2, open_ns_layout(svc, s2, "h", layout), [b"new-0", b"new-1"])
         assert sorted(refill) == [2, 3]  # the hole's ids, now on an extent again
+
+
+def test_joins_hold_entries_like_opens_and_buy_no_more_of_the_table() -> None:
+    """Issue scenario: 8 uids created 31-32 entries each and another uid joined all 256
+    (a join needs no layout): every entry was untouchable, and a newcomer holding
+    nothing was told, untruly, that no uid held more than its share."""
+    with service(config(max_namespaces_per_uid=0)) as svc:
+        owners = [session(svc, 10 + u, 2000 + u) for u in range(8)]
+        for i in range(MAX_NAMESPACES):
+            open_ns(svc, owners[i % 8], f"own{i % 8}-{i:03d}")
+        joiner = session(svc, 50, 2500)
+        for name in list(svc.table.by_name):
+            r = svc.handle(joiner, m.OpenNamespace(1, name, m.KVLayout([1]), join=True))
+            assert isinstance(r, m.NamespaceOpened)
+        newcomer = session(svc, 99, 3000)
+        ns = open_ns(svc, newcomer, "mine")  # everyone holding the taken entry is over
+        assert svc.table.by_id[ns].name == "mine" and svc.table.revoked_total == 1
+        told = [p for p in joiner.pushes if isinstance(p, m.Notice)]
+        assert len(told) == 1 and "taken back" in told[0].message
+        # the newcomer now holds one of a fair share of (256 / 10): it may take more,
+        # until it holds its share; then the refusal says so, truly
+        for i in range(1, 25):
+            open_ns(svc, newcomer, f"mine-{i}")
+        with pytest.raises(NoSpaceError, match="uid 3000 holds 25 of its entries, its fair"):
+            svc.handle(newcomer, m.OpenNamespace(1, "one-too-many", LAYOUT))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        m.KVLayout([64 * 1024], model="m" * 2000),
+        m.KVLayout([64 * 1024], model="llama", salt="s" * 1720),
+    ],
+    ids=["2000-char-model", "1720-char-salt"],
+)
+def test_a_refused_open_drops_nothing_of_anyone_else(layout: m.KVLayout) -> None:
+    """Issue scenario: an open whose layout could not fit its record failed with an
+    internal error after the full table had already dropped another uid's idle
+    namespace and its blocks."""
+    with service(config(max_namespaces_per_uid=0)) as svc:
+        other = session(svc, 1, OTHER)
+        for i in range(MAX_NAMESPACES):
+            open_ns(svc, other, f"ns-{i:03d}")
+        keys = [b"kept-key"]
+        complete(svc, other, 0, keys, prepare(svc, other, 0, keys))
+        svc.close_session(other)  # every namespace idle now: the first to go if room is made
+        with pytest.raises(InvalidArgumentError, match="record holds"):
+            svc.handle(session(svc, 2, 3000), m.OpenNamespace(1, "too-big", layout))
+        assert len(svc.table.by_name) == MAX_NAMESPACES and svc.table.dropped_total == 0
+        kp, kb = pack_keys(keys)
+        reader = session(svc, 3, OTHER)
+        ns = open_ns(svc, reader, "ns-000")
+        hits = svc.handle(reader, m.Lookup(4, ns, kp, kb))
+        assert isinstance(hits, m.LookupReply) and hits.hits == 1

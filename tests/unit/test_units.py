@@ -1,4 +1,4 @@
-"""The systemd units do what the README says, with the config keys they rely on."""
+"""The systemd units do what docs/operations.md says, with the config keys they rely on."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from kvoffloadd.service.budgets import FD_RESERVE
 
 ROOT = Path(__file__).parents[2]
 UNITS = ROOT / "systemd"
+OPERATIONS = ROOT / "docs" / "operations.md"  # how to install and run the units
+TIERS = ROOT / "docs" / "tiers.md"  # its first toml block: the tiers example
 
 
 def unit(name: str) -> dict[str, dict[str, list[str]]]:
@@ -41,7 +43,7 @@ def one(section: dict[str, list[str]], key: str) -> str:
 
 
 def test_the_service_keeps_the_region_across_stops_and_removes_nothing() -> None:
-    """The README: a stop keeps the region for a warm restart (keep_region)."""
+    """docs/operations.md: a stop keeps the region for a warm restart (keep_region)."""
     svc = unit("kvoffloadd.service")["Service"]
     assert "ExecStopPost" not in svc and "ExecStop" not in svc
     assert "ExecStartPre" not in svc and one(svc, "RemoveIPC") == "no"
@@ -51,7 +53,7 @@ def test_the_service_keeps_the_region_across_stops_and_removes_nothing() -> None
     assert args.config == "/etc/kvoffload/kvoffloadd.toml"
     tmpfiles = (UNITS / "kvoffload.tmpfiles.conf").read_text()
     assert re.search(r"^d /etc/kvoffload ", tmpfiles, re.M), "the config directory exists"
-    args.config = str(UNITS / "kvoffloadd.toml.example")  # what the README installs there
+    args.config = str(UNITS / "kvoffloadd.toml.example")  # what operations.md installs there
     cfg = config_of(args)
     assert cfg.keep_region and not cfg.discard_region
     # the region's record (which segment is the region) lives next to the activated
@@ -61,10 +63,10 @@ def test_the_service_keeps_the_region_across_stops_and_removes_nothing() -> None
     assert one(svc, "RuntimeDirectoryPreserve") == "yes"
     assert int(one(svc, "RuntimeDirectoryMode"), 8) & 0o022 == 0  # the daemon's alone
     record = f"{cfg.state_path}/kvoffload-{cfg.instance}.region"
-    readme = (ROOT / "README.md").read_text()
-    for text in (readme, (UNITS / "kvoffloadd.service").read_text()):
+    operations = OPERATIONS.read_text()
+    for text in (operations, (UNITS / "kvoffloadd.service").read_text()):
         assert record in text and f"/dev/shm/kvoffload-{cfg.instance}@" in text
-    assert "`--keep-region`" in readme
+    assert "`--keep-region`" in operations
 
 
 def test_a_disk_tier_has_a_writable_home_under_the_sandbox() -> None:
@@ -77,15 +79,15 @@ def test_a_disk_tier_has_a_writable_home_under_the_sandbox() -> None:
     example = (UNITS / "kvoffloadd.toml.example").read_text()
     disk = re.search(r'^# path = "([^"]+)"', example, re.M)
     assert disk is not None and disk.group(1).startswith(state + "/")
-    readme = tomllib.loads(
-        re.search(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)  # type: ignore[union-attr]
+    documented = tomllib.loads(
+        re.search(r"```toml\n(.*?)```", TIERS.read_text(), re.S).group(1)  # type: ignore[union-attr]
     )
-    disk_tiers = [t for t in readme["tiers"] if t["type"] == "disk"]
+    disk_tiers = [t for t in documented["tiers"] if t["type"] == "disk"]
     assert disk_tiers and all(t["path"].startswith(state + "/") for t in disk_tiers)
     assert not any(k in svc for k in ("ReadOnlyPaths", "InaccessiblePaths"))
 
 
-def test_the_service_and_socket_agree_with_each_other_and_the_readme() -> None:
+def test_the_service_and_socket_agree_with_each_other_and_the_docs() -> None:
     svc, sock = unit("kvoffloadd.service")["Service"], unit("kvoffloadd.socket")["Socket"]
     sysusers = (UNITS / "kvoffload.sysusers.conf").read_text()
     user = one(svc, "User")
@@ -94,8 +96,8 @@ def test_the_service_and_socket_agree_with_each_other_and_the_readme() -> None:
     path = one(sock, "ListenStream")
     assert path.startswith(f"/run/{one(svc, 'RuntimeDirectory')}/")  # the lock file's home
     assert (one(sock, "SocketMode"), one(sock, "DirectoryMode")) == ("0660", "0750")
-    readme = (ROOT / "README.md").read_text()
-    assert f"KVOFFLOAD_SOCKET={path}" in readme
+    for page in (OPERATIONS, ROOT / "README.md"):
+        assert f"KVOFFLOAD_SOCKET={path}" in page.read_text(), page.name
     # descriptors: every client the daemon admits by default, twice over, plus the reserve
     assert int(one(svc, "LimitNOFILE")) >= 2 * DaemonConfig().max_clients + FD_RESERVE
     assert one(svc, "LimitMEMLOCK") == "infinity"

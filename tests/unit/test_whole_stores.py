@@ -25,6 +25,7 @@ from kvoffload.datapath.canonical import CanonicalPart, covers_pages
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
@@ -64,7 +65,7 @@ def plain_worker(svc: Service, s: Session, ns: int, caches: list[torch.Tensor]) 
         descs.append(m.CacheDesc(desc.kind, desc.num_blocks, desc.page_bytes, i))
         fds.append(os.dup(fd))
     s.fds = fds
-    r = svc.handle(s, m.AttachWorker(2, ns, 0, descs))
+    r = handle_now(svc, s, m.AttachWorker(2, ns, 0, descs))
     assert isinstance(r, m.WorkerAttached)
     return r.worker
 

@@ -7,7 +7,7 @@ the daemon at one boundary of a step and then requires that every request finish
 no step stalls, every block the engines count as computed holds exactly its bytes
 (loads included: ``bad_blocks``), and the logs say one thing per outage.
 
-Boundaries (README, "What the engine sees when kvoffloadd fails"): after a store was
+Boundaries (docs/vllm.md, "What the engine sees when kvoffloadd fails"): after a store was
 planned and before its deferred submit; during a store copy; after a load was planned
 and before its submit; during a load copy; between completion and the next lookup;
 while idle; SIGTERM; a warm and a cold restart; a daemon that never comes back; a

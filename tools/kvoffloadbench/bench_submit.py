@@ -36,6 +36,7 @@ import kvoffload
 from kvoffload.cache import describe_cache
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids
+from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import Completion, CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
@@ -93,7 +94,7 @@ class _Rig:
                     d.row_stride_bytes,
                 )
             )
-        attached = self.svc.handle(self.s, m.AttachWorker(3, self.ns, 0, descs))
+        attached = handle_now(self.svc, self.s, m.AttachWorker(3, self.ns, 0, descs))
         assert isinstance(attached, m.WorkerAttached)
         self.worker = attached.worker
         self.pool: list[int] = []  # granted, not claimed (an engine's lease pool)

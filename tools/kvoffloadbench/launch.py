@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -41,6 +42,13 @@ def _remove_made() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def toml_value(v: Any) -> str:
+    """A config value as TOML: JSON scalars and lists are TOML; tables go inline."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(v)
+
+
 class DaemonProcess:
     def __init__(
         self,
@@ -50,8 +58,10 @@ class DaemonProcess:
         socket_path: str | None = None,
         start_timeout_s: float = 20.0,
         settings: dict[str, Any] | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "kvoffloadd"),
     ) -> None:
-        """``settings``: config keys with scalar values, written to a config file."""
+        """``settings``: config keys with scalar or table values, written to a config
+        file; ``command``: how to start the daemon (another installation's ``kvoffloadd``)."""
         self.instance = instance or f"t{uuid.uuid4().hex[:10]}"
         self._tmp = tempfile.mkdtemp(prefix="kvoffload-")
         _made.append((os.getpid(), self._tmp))
@@ -59,12 +69,10 @@ class DaemonProcess:
         if settings:
             config = os.path.join(self._tmp, "kvoffloadd.toml")
             with open(config, "w") as f:  # JSON scalars are TOML scalars
-                f.writelines(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+                f.writelines(f"{k} = {toml_value(v)}\n" for k, v in settings.items())
             extra_args = ("--config", config, *extra_args)
         self.args = [
-            sys.executable,
-            "-m",
-            "kvoffloadd",
+            *command,
             "--socket",
             self.socket_path,
             "--instance",

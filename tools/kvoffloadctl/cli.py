@@ -137,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
         parents=[common],
         epilog="exit status: 0 done, 1 daemon unreachable, 2 usage error, 3 request refused",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {kvoffload.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, text: str) -> argparse.ArgumentParser:

@@ -20,7 +20,8 @@ Rules:
 - Only shared-memory files are taken (``F_GET_SEALS`` answers for memfd and tmpfs
   files only, and for nothing a read of which could block: no pipe, socket, FUSE or
   device file), opened read-write, regular, and at least as long as every row the
-  descriptor claims. The descriptor is duplicated; the engine's copy is closed.
+  descriptor claims (``imports``: one duplicate descriptor and one mapping of the
+  claimed rows per file; the engine's descriptor is closed).
 - The mapping of the memfd is used as a system-call buffer only: no Python, numpy or
   memmove access ever reads or writes it (checksums cover region bytes only).
 - The loop thread validates the job exactly as for mapped caches and hands over its
@@ -35,24 +36,17 @@ Rules:
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import itertools
 import logging
-import mmap
 import os
-import stat
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.datapath.copyplan import CacheGeometry, JobPlan
-from kvoffload.datapath.memruns import populate_async
-from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import CacheDesc
+from kvoffload.datapath.copyplan import JobPlan
 from kvoffloadd.copies.copier import (
     ChecksumCheck,
     CompletionSink,
@@ -62,54 +56,12 @@ from kvoffloadd.copies.copier import (
     finished,
     split_by_bytes,
 )
+from kvoffloadd.copies.imports import DescriptorCache
 
 log = logging.getLogger(__name__)
 
-MEMFD_IO = "memfd_io"
 I64 = npt.NDArray[np.int64]
 IOV_MAX = 1024
-
-
-@dataclass
-class DescriptorCache:
-    """An engine cache copied through by system calls only (see module rules)."""
-
-    geometry: CacheGeometry
-    fd: int
-    nbytes: int
-    mm: mmap.mmap  # a system-call buffer for loads, never touched from user space
-    map_address: int
-    base_address: int = 0  # runs address the descriptor by offset
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        self.fd = -1
-        with contextlib.suppress(BufferError):
-            self.mm.close()
-
-
-def import_descriptor(geometry: CacheGeometry, desc: CacheDesc, fd: int) -> DescriptorCache:
-    """Check one ``memfd_io`` descriptor and keep a duplicate of it."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise InvalidArgumentError(
-            "a memfd_io cache must be a memfd or shared-memory file descriptor"
-        ) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
-        raise InvalidArgumentError("a memfd_io cache must be a regular file opened read-write")
-    if geometry.end_bytes > st.st_size:
-        raise InvalidArgumentError(
-            f"cache needs {geometry.end_bytes} bytes but its memfd holds {st.st_size}"
-        )
-    mm = mmap.mmap(fd, st.st_size)
-    anchor = ctypes.c_char.from_buffer(mm)  # the address only; released at once
-    address = ctypes.addressof(anchor)
-    del anchor
-    populate_async(address, st.st_size)
-    return DescriptorCache(geometry, os.dup(fd), st.st_size, mm, address)
 
 
 def is_descriptor(cache: object) -> bool:

@@ -43,8 +43,9 @@ from kvoffload.protocol.messages import CacheDesc
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.calibrate import DevicePaths
 from kvoffloadd.copies.copier import ChecksumCheck, CompletionSink
+from kvoffloadd.copies.imports import check_desc
 from kvoffloadd.copies.lanes import CopyLane, GpuJob
-from kvoffloadd.copies.workers import ImportedCache, check_desc
+from kvoffloadd.copies.workers import ImportedCache
 from kvoffloadd.region.pinning import RegionPinner, plan_chunks
 from kvoffloadd.region.region import SharedOffloadRegion
 

@@ -1,39 +1,25 @@
-"""Engine caches imported into the daemon: memfd-backed CPU KV tensors, and the
-registration record of one worker (CUDA caches are imported by ``gpu``).
+"""The registration record of one worker (an engine rank) and the caches it imported.
 
 Rules:
-- A cache arrives as a file descriptor (SCM_RIGHTS) plus a ``CacheDesc``. The daemon
-  maps it only if the fd is sealed against shrinking (``F_SEAL_SHRINK``): otherwise
-  the engine could truncate it under a running copy and crash the daemon with SIGBUS.
-- Sizes are checked against the fd: every engine block id the daemon will accept
-  (``0 .. num_blocks-1``) lies inside the mapping (invariant 4).
-- Unsealable memfds (kind ``memfd_io``) are never mapped: ``fdcopy`` copies through
-  them by descriptor, and a worker's caches are all of one kind.
-- Descriptors are closed as soon as they are mapped; the mapping lives until the
-  worker detaches or its client dies *and* its in-flight copies have drained.
+- CPU caches are imported by ``imports`` (one mapping per file, only the rows
+  claimed), GPU caches by ``gpu`` (CUDA IPC handles); a client-copy worker's caches
+  are geometry only.
+- A worker's mappings live until it detaches or its client dies *and* its in-flight
+  copies have drained; what it was charged (``charges``) is given back then.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-import numpy.typing as npt
-
 from kvoffload.datapath.canonical import area_of
 from kvoffload.datapath.copyplan import CacheGeometry, Placement
-from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import CacheDesc, JobResult
+from kvoffload.protocol.messages import JobResult
 from kvoffloadd.copies.copier import ChecksumCheck
-from kvoffloadd.copies.fdcopy import MEMFD_IO, import_descriptor, is_descriptor
-
-_F_SEAL_SHRINK = 0x0002
 
 
 class ImportedCache(Protocol):
@@ -46,67 +32,6 @@ class ImportedCache(Protocol):
     @property
     def nbytes(self) -> int: ...
     def close(self) -> None: ...
-
-
-@dataclass
-class MappedCache:
-    geometry: CacheGeometry
-    mm: mmap.mmap
-    array: npt.NDArray[np.uint8]
-    base_address: int = field(init=False)  # read once: numpy's ctypes.data costs ~2 us
-
-    def __post_init__(self) -> None:
-        self.base_address = int(self.array.ctypes.data)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.mm)
-
-    def close(self) -> None:
-        del self.array
-        self.mm.close()
-
-
-def check_desc(desc: CacheDesc) -> CacheGeometry:
-    """The geometry a descriptor claims, if it is sane (``place_caches`` checks that
-    the pages fit the namespace layout)."""
-    stride = desc.row_stride_bytes or desc.page_bytes
-    if (
-        desc.num_blocks <= 0
-        or desc.page_bytes <= 0
-        or stride < desc.page_bytes
-        or desc.offset_bytes < 0
-    ):
-        raise InvalidArgumentError(
-            f"bad cache geometry: {desc.num_blocks} blocks, stride {stride}, "
-            f"page {desc.page_bytes}, offset {desc.offset_bytes}"
-        )
-    return CacheGeometry(desc.num_blocks, desc.page_bytes, desc.offset_bytes, stride)
-
-
-def map_cache(desc: CacheDesc, fd: int) -> MappedCache:
-    """Validate and map one memfd cache; raises InvalidArgumentError."""
-    if desc.kind != "memfd":
-        raise InvalidArgumentError(
-            f"cache kind {desc.kind!r} is not supported here (expected 'memfd')"
-        )
-    geometry = check_desc(desc)
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        seals = 0
-    if not seals & _F_SEAL_SHRINK:
-        raise InvalidArgumentError(
-            "cache descriptor is not a memfd sealed against shrinking; "
-            "allocate CPU caches with kvoffload.shared_kv_cache()"
-        )
-    size = os.fstat(fd).st_size
-    if geometry.end_bytes > size:
-        raise InvalidArgumentError(
-            f"cache needs {geometry.end_bytes} bytes but its memfd holds {size}"
-        )
-    mm = mmap.mmap(fd, size)
-    return MappedCache(geometry, mm, np.frombuffer(mm, dtype=np.uint8))
 
 
 @dataclass(frozen=True)
@@ -154,6 +79,7 @@ class AttachedWorker:
     push: bool = False  # one-way submits, results pushed (JobsDone)
     client_jobs: dict[int, ClientJob] = field(default_factory=dict)  # job id -> in flight
     parts: int = 1  # >1: one of an engine's ranks writing parts of canonical slots
+    charges: dict[str, int] = field(default_factory=dict)  # ledger lines it holds
 
     @property
     def area(self) -> int:
@@ -177,30 +103,3 @@ def close_fds(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-
-
-def attach_caches(descs: list[CacheDesc], fds: list[int]) -> list[ImportedCache]:
-    """Map every cache of a worker or none; always closes every fd it was given."""
-    try:
-        mapped: list[ImportedCache] = []
-        try:
-            for desc in descs:
-                if not 0 <= desc.fd_index < len(fds):
-                    raise InvalidArgumentError(
-                        f"cache refers to descriptor #{desc.fd_index}, "
-                        f"but {len(fds)} came with the message"
-                    )
-                fd = fds[desc.fd_index]
-                if desc.kind == MEMFD_IO:  # unsealable: copied by descriptor (fdcopy)
-                    mapped.append(import_descriptor(check_desc(desc), desc, fd))
-                else:
-                    mapped.append(map_cache(desc, fd))
-            if len({is_descriptor(c) for c in mapped}) > 1:
-                raise InvalidArgumentError("a worker's caches must be all memfd or all memfd_io")
-        except BaseException:
-            for m in mapped:
-                m.close()
-            raise
-        return mapped
-    finally:
-        close_fds(fds)

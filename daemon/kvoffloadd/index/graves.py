@@ -19,18 +19,25 @@ Rules:
   well above that covers the lookup-to-``prepare_load`` gap.
 - Mirrors are the connections that took a key snapshot (``SyncKeys``); a connection
   that goes away stops counting.
+- Freeing costs what it frees, never graves x mirrors: graves wait in burial order
+  (their feed positions and deadlines only grow), mirrors' positions in a heap, so one
+  look at the oldest grave and the two least advanced mirrors says whether anything
+  can go; a pinned grave waits apart until its last pin goes.
 - Loop thread only, like the index that owns it.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import heapq
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from kvoffloadd.index.policies import Block
 
+NONE_YET = 1 << 62  # no mirror: every position counts as seen
 
-@dataclass
+
+@dataclass(eq=False)
 class Grave:
     key: bytes
     block: Block  # its slot; ref counts the loads pinning it
@@ -38,6 +45,7 @@ class Grave:
     deadline_s: float
     exempt: int | None  # the connection that does not need to ack it
     loadable: bool = True  # False once found corrupt
+    seen: bool = False  # every mirror has seen it (or its grace is over): it waits for pins
 
 
 class Graveyard:
@@ -46,7 +54,11 @@ class Graveyard:
         self.by_slot: dict[int, Grave] = {}
         self._by_key: dict[bytes, Grave] = {}
         self._mirrors: dict[int, int] = {}  # connection -> feed sequence it has read up to
+        self._heap: list[tuple[int, int]] = []  # (seq, connection), stale entries skipped
         self._pins: dict[int, Counter[int]] = {}  # connection -> grave slots it pinned
+        self._order: deque[Grave] = deque()  # in burial order, not yet seen
+        self._ready: list[Grave] = []  # seen, unpinned or forbidden: free at the next call
+        self._pinned: set[int] = set()  # slots of graves with pins
 
     def __len__(self) -> int:
         return len(self.by_slot)
@@ -57,17 +69,22 @@ class Graveyard:
 
     def add_mirror(self, conn: int, seq: int) -> None:
         self._mirrors[conn] = seq
+        heapq.heappush(self._heap, (seq, conn))
 
     def drop_mirror(self, conn: int) -> None:
         self._mirrors.pop(conn, None)
 
     def ack(self, conn: int, seq: int) -> None:
-        if conn in self._mirrors:
+        if self._mirrors.get(conn, seq) < seq:
             self._mirrors[conn] = seq
+            heapq.heappush(self._heap, (seq, conn))
 
     def bury(self, key: bytes, block: Block, seq: int, exempt: int | None, now_s: float) -> None:
         grave = Grave(key, block, seq, now_s + self.grace_s, exempt)
         self.by_slot[block.slot] = grave
+        self._order.append(grave)
+        if block.ref:
+            self._pinned.add(block.slot)
         old = self._by_key.get(key)
         if old is None or old.seq < seq:
             self._by_key[key] = grave
@@ -83,11 +100,15 @@ class Graveyard:
 
     def forbid(self, slot: int) -> None:
         """A grave whose bytes failed their checksum is never loaded again."""
-        if (grave := self.by_slot.get(slot)) is not None:
+        if (grave := self.by_slot.get(slot)) is not None and grave.loadable:
             grave.loadable = False
+            grave.seen = True
+            if not grave.block.ref:
+                self._ready.append(grave)
 
     def pin(self, conn: int, slot: int) -> None:
         self.by_slot[slot].block.ref += 1
+        self._pinned.add(slot)
         self._pins.setdefault(conn, Counter())[slot] += 1
 
     def pinned_by(self, conn: int) -> dict[bytes, dict[int, int]]:
@@ -99,7 +120,7 @@ class Graveyard:
         return out
 
     def unpin(self, conn: int, slot: int, n: int = 1) -> None:
-        self.by_slot[slot].block.ref -= n
+        self._drop_pins(slot, n)
         pins = self._pins[conn]
         pins[slot] -= n
         if not pins[slot]:
@@ -107,12 +128,18 @@ class Graveyard:
         if not pins:
             del self._pins[conn]
 
+    def _drop_pins(self, slot: int, n: int) -> None:
+        grave = self.by_slot[slot]
+        grave.block.ref -= n
+        if not grave.block.ref:
+            self._pinned.discard(slot)
+            if grave.seen:
+                self._ready.append(grave)
+
     def expire_pins(self, now_s: float, timeout_s: float) -> list[tuple[int, int]]:
         """Drop the pins on graves evicted more than ``timeout_s`` past their grace
         (a load takes a step); returns (connection, pins dropped) pairs."""
-        late = {
-            s for s, g in self.by_slot.items() if g.block.ref and now_s > g.deadline_s + timeout_s
-        }
+        late = {s for s in self._pinned if now_s > self.by_slot[s].deadline_s + timeout_s}
         out: list[tuple[int, int]] = []
         for conn, pins in list(self._pins.items()):
             n = sum(pins.pop(slot) for slot in late & pins.keys())
@@ -121,27 +148,60 @@ class Graveyard:
             if not pins:
                 del self._pins[conn]
         for slot in late:
-            self.by_slot[slot].block.ref = 0
+            self._drop_pins(slot, self.by_slot[slot].block.ref)
         return out
 
     def release(self, conn: int) -> int:
         """A connection went away: its pins and its mirror go; returns the pins dropped."""
         pins = self._pins.pop(conn, Counter())
         for slot, n in pins.items():
-            self.by_slot[slot].block.ref -= n
+            self._drop_pins(slot, n)
         self.drop_mirror(conn)
         return sum(pins.values())
 
     def free_now(self, now_s: float) -> list[Grave]:
         """Take out every grave that may be freed now; the caller frees their slots."""
-        out = [g for g in self.by_slot.values() if g.block.ref == 0 and self._seen(g, now_s)]
-        for g in out:
-            del self.by_slot[g.block.slot]
-            if self._by_key.get(g.key) is g:
-                del self._by_key[g.key]
+        low, low_conn, second = self._least_acked()
+        order = self._order
+        while order:
+            g = order[0]
+            if self.by_slot.get(g.block.slot) is not g or g.seen:
+                order.popleft()  # freed or forbidden meanwhile
+                continue
+            acked = second if g.exempt is not None and g.exempt == low_conn else low
+            if now_s < g.deadline_s and acked < g.seq:
+                break  # later graves were buried later: none of them is seen either
+            order.popleft()
+            g.seen = True
+            if not g.block.ref:
+                self._ready.append(g)
+        out = []
+        for g in self._ready:
+            if self.by_slot.get(g.block.slot) is g and not g.block.ref:
+                del self.by_slot[g.block.slot]
+                if self._by_key.get(g.key) is g:
+                    del self._by_key[g.key]
+                out.append(g)
+        self._ready = []
         return out
 
-    def _seen(self, g: Grave, now_s: float) -> bool:
-        if not g.loadable or now_s >= g.deadline_s:
-            return True
-        return all(seq >= g.seq for conn, seq in self._mirrors.items() if conn != g.exempt)
+    def _least_acked(self) -> tuple[int, int | None, int]:
+        """The least advanced mirror's position and connection, and the position of the
+        least advanced other one (a grave exempt from the first waits for the second)."""
+        heap, mirrors = self._heap, self._mirrors
+        if len(heap) > 2 * len(mirrors) + 64:  # stale entries pile up under a slow mirror
+            heap[:] = [(seq, c) for c, seq in mirrors.items()]
+            heapq.heapify(heap)
+        self._clean_top()
+        if not heap:
+            return NONE_YET, None, NONE_YET
+        first = heapq.heappop(heap)
+        self._clean_top()
+        second = heap[0][0] if heap else NONE_YET
+        heapq.heappush(heap, first)
+        return first[0], first[1], second
+
+    def _clean_top(self) -> None:
+        heap, mirrors = self._heap, self._mirrors
+        while heap and mirrors.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)  # a mirror that moved on or went away

@@ -466,7 +466,9 @@ class NamespaceIndex(StoreIndex):
     def release_client(self, client: int, token: int = 0) -> tuple[int, int]:
         """Fail the client's in-flight stores, free its leases and drop its pins;
         returns (stores failed, pins dropped)."""
-        writes = [(k, self._policy.get(k)) for k, c in self._writers.items() if c == client]
+        # its own writes only (indexed by client): a leaver's cost never grows with
+        # what other clients have in flight
+        writes = [(k, self._policy.get(k)) for k in self._writes_of.get(client, ())]
         self._finish_stores([(k, b) for k, b in writes if b is not None], success=False)
         if token:
             held = self.leases.release_shadows(token) + self.leases.release(token)

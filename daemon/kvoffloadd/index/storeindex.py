@@ -46,7 +46,7 @@ from kvoffloadd.index.events import EventFeed
 from kvoffloadd.index.graves import Graveyard
 from kvoffloadd.index.leases import LeaseBook
 from kvoffloadd.index.policies import Block, make_policy
-from kvoffloadd.ledger import Ledger, Limits
+from kvoffloadd.ledger import Limits, Line
 from kvoffloadd.region.allocator import SlotJournal, SlotPool
 
 
@@ -126,7 +126,7 @@ class StoreIndex:
         self._void: set[int] = set()  # slots whose copy failed: their store never commits
         self._waiting: dict[int, float] = {}  # committed slot -> deadline for its copies
         self._writers: dict[bytes, int] = {}
-        self._writing_by: Counter[int] = Counter()  # client -> blocks it is writing
+        self._writes_of: dict[int, set[bytes]] = {}  # client -> keys it is writing
         # blocks in flight per uid (written, leased empty, duplicates); ``uid_of`` is
         # the service's (alone, every client is a uid of its own)
         self._inflight_by_uid: Counter[int] = Counter()
@@ -143,7 +143,7 @@ class StoreIndex:
         # goes with its last pin, so this holds one entry per pinned key, never more
         self._pin_since: OrderedDict[tuple[int, bytes], float] = OrderedDict()
         # pins held per client, per uid and in total (the service's; unlimited alone)
-        self.pin_ledger = Ledger("pins", Limits.scaled(0))
+        self.pin_ledger = Line("pins", Limits.scaled(0))
         self.leases = LeaseBook()
         self.creator_uid = 0  # who created the namespace (per-uid limits)
         self.events = EventFeed()
@@ -210,7 +210,7 @@ class StoreIndex:
             if token:
                 assign(slot, token)
             journal_writing(slot, key, token)
-        self._writing_by[client] += need
+        self._writes_of.setdefault(client, set()).update(to_store)
         self._inflight_by_uid[self.uid_of(client)] += need
         self._stores_prepared += need
         return StorePlan(to_store, slots, evicted)
@@ -231,7 +231,7 @@ class StoreIndex:
         self._policy.insert(key, Block(slot))
         self._slot_key[slot] = key
         self._writers[key] = client
-        self._writing_by[client] += 1
+        self._writes_of.setdefault(client, set()).add(key)
         if token:
             self.leases.assign(slot, token)
         self._journal.writing(slot, key, token)
@@ -265,7 +265,7 @@ class StoreIndex:
         room = 1 << 62
         leases = self.leases
         if self.max_writing_per_client is not None:
-            mine = self._writing_by[client]
+            mine = len(self._writes_of.get(client, ()))
             if token:
                 mine += leases.unclaimed(token) + leases.shadow_count(token)
             uid = self._inflight_by_uid[self.uid_of(client)]
@@ -397,14 +397,13 @@ class StoreIndex:
     def _finish_stores(self, blocks: list[tuple[bytes, Block]], success: bool) -> None:
         stored: list[bytes] = []
         stored_slots: list[int] = []
-        writing_by, writers_pop = self._writing_by, self._writers.pop
+        writes_of, writers_pop = self._writes_of, self._writers.pop
         for key, _ in blocks:
             client = writers_pop(key)
-            left = writing_by[client] - 1
-            if left:
-                writing_by[client] = left
-            else:
-                del writing_by[client]
+            mine = writes_of[client]
+            mine.discard(key)
+            if not mine:
+                del writes_of[client]
             self._uncharge(client, 1)
         if not success:
             remove, free = self._policy.remove, self._free_slot
@@ -492,7 +491,7 @@ class StoreIndex:
         return sum(self._pins.get(client, Counter()).values())
 
     def writing_by(self, client: int) -> int:
-        return self._writing_by[client]
+        return len(self._writes_of.get(client, ()))
 
     def statistics(self) -> NamespaceStatistics:
         """O(1): counters kept as blocks change, never a walk over the blocks."""

@@ -14,7 +14,7 @@ fixed name would let any local user keep the service from starting. So:
   its descriptor (regular, ours, 0600) and ``flock``ed for the daemon's life, as the
   lock file is (trust.py). Its home must outlive the region for a warm restart: the
   socket's directory by default (the unit's preserved RuntimeDirectory), a host path
-  in Kubernetes (README).
+  in Kubernetes (docs/operations.md).
 - The record is written before the segment is made, in one write: a crash anywhere
   leaves a record naming nothing (a new region is made) or a segment this uid made.
 - A recorded segment is adopted only if it is this uid's, held by no other daemon,

@@ -26,7 +26,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvoffload.protocol.errors import ErrorCode
@@ -84,6 +89,14 @@ class StatsCollector(Collector):
             blocks.add_metric([ns, "writing"], st["writing_blocks"])
             blocks.add_metric([ns, "pinned"], st["pinned_blocks"])
         yield blocks
+        loop = s["loop"]
+        yield HistogramMetricFamily(
+            "kvoffload_loop_turn_seconds",
+            "Loop time per turn (everything but waiting for input): what another client "
+            "may wait behind one turn.",
+            buckets=[(str(le), n) for le, n in loop["turn_seconds_buckets"]],
+            sum_value=loop["turn_seconds_sum"],
+        )
         copies = s["copies"]
         moved = CounterMetricFamily(
             "kvoffload_copied_bytes",

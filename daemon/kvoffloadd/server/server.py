@@ -9,17 +9,21 @@ Rules:
 - A protocol error (bad frame, oversized frame, unknown tag, request before Hello)
   gets one ``ErrorReply(rid=0, PROTOCOL_ERROR)`` and that connection is closed;
   everyone else is unaffected (invariant 6).
-- Budgets (budgets.py): descriptors (a reserve for shedding at EMFILE, a cap on
-  clients and on descriptors parked with SCM_RIGHTS), buffered bytes per connection
-  and in total (the largest holder is cut off), and loop time: at most
-  ``FRAMES_PER_TURN`` requests or a fair share of ``TURN_S`` per connection per turn,
-  none while it has more than ``PAUSE_OUTPUT_BYTES`` of replies unsent (it is not read
-  until it reads).
+- What each connection holds is charged to it, its uid and everyone in the ledger
+  (``kvoffloadd.ledger``): its connection (past the uid's or everyone's limit a new one
+  gets one ``QUOTA_EXCEEDED`` and is closed), its buffered request and reply bytes and
+  its parked descriptors (the connection, or the largest holder of its uid or of all,
+  is cut off past a limit). A reserve descriptor lets ``accept`` shed at EMFILE.
+- Loop time: connections with work are served one unit at a time (a request, or one
+  slice of a large engine batch) by start-time fair queueing on the loop time each
+  used (turns.py); a turn serves ``TURN_S`` in total, then polls. A connection with more
+  than ``PAUSE_OUTPUT_BYTES`` of replies unsent is not served (it must read first).
 - A peer the access rules refuse gets one ``ErrorReply(rid=0, PERMISSION_DENIED)`` and
   is disconnected at once: it holds no slot and parks nothing.
 - One-way requests (rid 0) get no reply; a refused one becomes a push. Pushes the
-  service queued (``Session.pushes``) go out after each read and each drain of copy
-  completions; pushed event feeds once per loop turn, for connections that keep up.
+  service queued (``Session.pushes``) go out after each request and each drain of copy
+  completions; pushed event feeds once per loop turn, to the subscribers of namespaces
+  whose feed moved, and to connections that fell behind once they have read.
 - An ``AssertionError`` is a broken internal invariant: log the stats, exit non-zero.
 - SIGTERM/SIGINT: stop accepting, drain in-flight copies, close, unlink, exit 0.
 - The cron (every second, or every half watchdog interval when shorter) runs the
@@ -47,19 +51,20 @@ from kvoffload.protocol import NeedData, ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 from kvoffloadd.copies.workers import close_fds
+from kvoffloadd.ledger import Line
 from kvoffloadd.server.metrics import MetricsEndpoint
 from kvoffloadd.server.systemd import Notifier, watchdog_interval_s
+from kvoffloadd.server.turns import TurnQueue
 from kvoffloadd.service.budgets import (
-    FRAMES_PER_TURN,
     MAX_OUTPUT_BYTES_PER_CLIENT,
     PAUSE_OUTPUT_BYTES,
-    Budgets,
-    slice_s,
+    TURN_S,
 )
+from kvoffloadd.service.engines import split_batch
 from kvoffloadd.service.service import Service
 from kvoffloadd.service.session import Session
 from kvoffloadd.service.stats import render_stats
-from kvoffloadd.trust import UntrustedError, raise_fd_limit, secure_dir, socket_in_use
+from kvoffloadd.trust import UntrustedError, secure_dir, socket_in_use
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +87,11 @@ class _Client:
     fd_marks: deque[tuple[int, list[int]]] = field(default_factory=deque)
     events: int = selectors.EVENT_READ  # what the selector watches for it now
     closing_by_s: float = 0.0  # after a protocol error: deliver the replies, then close
-    # what this connection holds of the global budgets (budgets.py)
+    # what this connection has charged to the ledger for its buffers and parked fds
     held_in: int = 0
     held_out: int = 0
     held_fds: int = 0
-
-    @property
-    def held_bytes(self) -> int:
-        return self.held_in + self.held_out
+    parts: deque[m.Request] = field(default_factory=deque)  # slices of a large batch
 
 
 class Server:
@@ -121,11 +123,12 @@ class Server:
         self._sig_w.setblocking(False)
         self.sel.register(self._sig_r, selectors.EVENT_READ, self._signalled)
         self.clients: dict[int, _Client] = {}
-        self._backlog: set[_Client] = set()  # frames left undispatched by a turn's limit
-        self._slice_s = slice_s(1)  # one connection's share of this turn
-        cfg = service.config
-        self.budgets = Budgets(cfg.max_clients, cfg.buffer_budget_bytes, raise_fd_limit())
-        service.budgets = self.budgets
+        self.turns = TurnQueue()  # connections with work, served fairly
+        self._push_due: set[int] = set()  # connections that fell behind their feed, read
+        self.budgets = service.budgets
+        self.ledger = service.ledger
+        self._buffered: Line = self.ledger["buffered_bytes"]
+        self._descriptors: Line = self.ledger["descriptors"]
         self._next_id = 1
         self._stop = False
         self._max_frame = service.config.max_frame_bytes
@@ -150,16 +153,15 @@ class Server:
         next_cron = time.monotonic() + self._cron_period_s
         try:
             while not self._stop:
-                timeout = 0.0 if self._backlog else max(0.0, next_cron - time.monotonic())
+                timeout = 0.0 if self.turns else max(0.0, next_cron - time.monotonic())
                 ready = self.sel.select(timeout)
                 t0 = time.perf_counter()
-                self._slice_s = slice_s(len(ready) + len(self._backlog))
                 for key, mask in ready:
                     key.data(key.fileobj, mask)
-                for c in list(self._backlog):
-                    self._process(c)
+                busy = bool(self.turns)
+                self._serve(t0 + TURN_S)
                 self._push_feeds()
-                if ready or self._backlog:
+                if ready or busy:
                     self.service.loop.record(time.perf_counter() - t0)
                 if time.monotonic() >= next_cron:
                     self._cron()
@@ -241,7 +243,7 @@ class Server:
                 else:
                     log.warning("accept failed: %s", exc)
                 return
-            if self._stop or len(self.clients) >= self.budgets.max_clients:
+            if self._stop:
                 self.budgets.shed_total += 1
                 conn.close()
                 continue
@@ -253,18 +255,23 @@ class Server:
             self._next_id += 1
             session = self.service.open_session(cid, pid, uid, gid)
             if not session.allowed:
-                self._refuse(conn, session)
+                self._refuse(conn, session, ErrorCode.PERMISSION_DENIED)
+                continue
+            if self.ledger.take(cid, {"connections": 1}):
+                self.budgets.shed_total += 1
+                self._refuse(conn, session, ErrorCode.QUOTA_EXCEEDED)
                 continue
             client = _Client(conn, ServerConnection(self._max_frame), session)
             self.clients[cid] = client
             self.sel.register(conn, selectors.EVENT_READ, lambda s, mk, c=client: self._io(c, mk))
             log.debug("client %d connected (pid %d uid %d)", cid, pid, uid)
 
-    def _refuse(self, conn: socket.socket, session: Session) -> None:
-        """A peer the access rules refuse: one error frame, then gone."""
-        reason = self.service.refusal(session)
+    def _refuse(self, conn: socket.socket, session: Session, code: ErrorCode) -> None:
+        """A peer refused at connect (access rules, or its uid or everyone holds every
+        connection it may): one error frame, then gone."""
+        reason = self.service.refusal(session, code)
         with contextlib.suppress(OSError):
-            conn.send(encode_frame(m.ErrorReply(0, ErrorCode.PERMISSION_DENIED, reason)))
+            conn.send(encode_frame(m.ErrorReply(0, code, reason)))
         conn.close()
         self.service.close_session(session)
 
@@ -293,27 +300,42 @@ class Server:
             self._drop(c, "disconnected")
             return
         c.conn.receive_data(self._rview[:nbytes])
-        self._process(c)
+        if self._account(c):
+            self.turns.wake(c.session.session_id, c.conn.buffered_bytes)
 
-    def _process(self, c: _Client) -> None:
-        """Dispatch the connection's complete frames, within this turn's limits."""
-        self._backlog.discard(c)
-        if not self._account(c):
-            return
+    def _serve(self, end_s: float) -> None:
+        """Serve queued connections one unit at a time, fairly, until ``end_s``."""
+        turns, clients = self.turns, self.clients
+        while (cid := turns.next()) is not None:
+            c = clients.get(cid)
+            if c is None:
+                continue
+            t0 = time.perf_counter()
+            more = self._serve_one(c)
+            t1 = time.perf_counter()
+            turns.served(cid, t1 - t0, more if cid in clients else 0)
+            if t1 >= end_s:
+                return
+
+    def _serve_one(self, c: _Client) -> int:
+        """Dispatch one unit of ``c``'s work; the bytes of work it has left now (0:
+        none it can do now)."""
+        if len(c.outbuf) > PAUSE_OUTPUT_BYTES or c.closing_by_s:
+            return 0  # paused: woken again once it has read its replies
         try:
-            end_s = time.perf_counter() + self._slice_s
-            for _ in range(FRAMES_PER_TURN):
-                if len(c.outbuf) > PAUSE_OUTPUT_BYTES:
-                    break  # paused: it is read again once it has read its replies
+            if c.parts:
+                self._dispatch(c, c.parts.popleft())
+            else:
                 req = c.conn.next_event()
                 if isinstance(req, NeedData):
-                    break
+                    return 0
+                if isinstance(req, m.StepBatch):
+                    parts = split_batch(req)
+                    req = parts[0]
+                    c.parts.extend(parts[1:])
                 self._dispatch(c, req)
-                if time.perf_counter() > end_s:
-                    self._backlog.add(c)  # its slice is used: the others go first
-                    break
-            else:
-                self._backlog.add(c)  # more may be buffered: the next turn goes on
+            if c.session.session_id not in self.clients:
+                return 0  # cut off by what the request made it hold
         except ProtocolError as exc:
             c.outbuf += encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, str(exc.args[0])))
             self.service.count_error(ErrorCode.PROTOCOL_ERROR.name)
@@ -322,25 +344,45 @@ class Server:
             # all, then close (or give up after LINGER_S if the client stops reading).
             c.closing_by_s = time.monotonic() + LINGER_S
             self._flush(c)
-            return
+            return 0
         self._flush(c)
+        return _pending_bytes(c)
 
     def _account(self, c: _Client) -> bool:
-        """Update what the connection holds of the budgets; cut off whoever is over."""
-        b = self.budgets
+        """Charge the connection's buffered bytes and parked descriptors to the ledger;
+        cut off whoever is over a limit. Whether ``c`` is still connected."""
+        cid = c.session.session_id
         held_in, fds = c.conn.buffered_bytes, len(c.session.fds)
-        b.input_bytes += held_in - c.held_in
-        b.parked_fds += fds - c.held_fds
+        self._charge(self._buffered, cid, held_in - c.held_in)
+        self._charge(self._descriptors, cid, fds - c.held_fds)
         c.held_in, c.held_fds = held_in, fds
-        if not b.fds_ok(fds):
-            self._cut_off(c, f"{fds} descriptors parked (global {b.parked_fds})")
-            return False
-        while b.memory_over() and self.clients:
-            worst = max(self.clients.values(), key=lambda x: x.held_bytes)
-            self._cut_off(worst, f"holds {worst.held_bytes} bytes of the buffer budget")
-            if worst is c:
-                return False
-        return c.session.session_id in self.clients
+        for line in (self._descriptors, self._buffered):
+            self._enforce(line, c)
+        return cid in self.clients
+
+    @staticmethod
+    def _charge(line: Line, cid: int, delta: int) -> None:
+        if delta > 0:
+            line.add(cid, delta)
+        elif delta < 0:
+            line.give(cid, -delta)
+
+    def _enforce(self, line: Line, c: _Client) -> None:
+        """What arrived is held already: past a limit, cut off the connection (its own
+        limit) or the largest holder of its uid, or of everyone."""
+        cid = c.session.session_id
+        while cid in self.clients and (scope := line.excess(cid)):
+            if scope == "connection":
+                victim = c
+            else:
+                pool = [
+                    x
+                    for x in self.clients.values()
+                    if scope == "total" or x.session.uid == c.session.uid
+                ]
+                victim = max(pool, key=lambda x: line.held(x.session.session_id))
+            held = line.held(victim.session.session_id)
+            self._cut_off(victim, f"holds {held} {line.what} (over the {scope} limit)")
 
     def _cut_off(self, c: _Client, why: str) -> None:
         self.budgets.cut_off_total += 1
@@ -370,10 +412,15 @@ class Server:
                 reply = m.ErrorReply(req.rid, code, message)
         self._queue_pushes(c)  # what the request caused goes out before its reply
         if reply is not None:
-            if c.session.out_fds:  # they travel with the first byte of this reply
-                c.fd_marks.append((c.sent_bytes + len(c.outbuf), c.session.out_fds))
-                c.session.out_fds = []
-            c.outbuf += c.conn.send(reply)
+            self._queue_reply(c, reply)
+        if len(c.session.fds) != c.held_fds:
+            self._account(c)  # the request claimed parked descriptors
+
+    def _queue_reply(self, c: _Client, reply: m.Reply) -> None:
+        if c.session.out_fds:  # they travel with the first byte of this reply
+            c.fd_marks.append((c.sent_bytes + len(c.outbuf), c.session.out_fds))
+            c.session.out_fds = []
+        c.outbuf += c.conn.send(reply)
 
     def _queue_pushes(self, c: _Client) -> None:
         if c.session.pushes:
@@ -382,9 +429,15 @@ class Server:
             c.session.pushes.clear()
 
     def _push_feeds(self) -> None:
-        feeds = self.service.engines.feed_pushes
-        for c in list(self.clients.values()):
-            if not c.session.push_feeds or c.closing_by_s:
+        engines = self.service.engines
+        feeds = engines.feed_pushes
+        due = engines.due()
+        if self._push_due:
+            due |= self._push_due
+            self._push_due = set()
+        for cid in due:
+            c = self.clients.get(cid)
+            if c is None or c.closing_by_s:
                 continue
             sent = False
             for push in feeds(c.session, len(c.outbuf)):
@@ -397,7 +450,7 @@ class Server:
         for session_id, reply in self.service.on_completions(self.service.copier.drain()):
             c = self.clients.get(session_id)
             if c is not None:
-                c.outbuf += c.conn.send(reply)
+                self._queue_reply(c, reply)
                 self._flush(c)
 
     def _flush(self, c: _Client) -> None:
@@ -416,22 +469,27 @@ class Server:
         if c.closing_by_s and not c.outbuf:
             self._drop(c, "protocol error")
             return
-        self.budgets.output_bytes += len(c.outbuf) - c.held_out
+        cid = c.session.session_id
+        self._charge(self._buffered, cid, len(c.outbuf) - c.held_out)
         c.held_out = len(c.outbuf)
         if len(c.outbuf) > MAX_OUTPUT_BYTES_PER_CLIENT:
             self._cut_off(c, "not reading its replies")
             return
-        if self.budgets.memory_over() and not self._account(c):
+        self._enforce(self._buffered, c)
+        if cid not in self.clients:
             return
         paused = len(c.outbuf) > PAUSE_OUTPUT_BYTES or bool(c.closing_by_s)
         events = (0 if paused else selectors.EVENT_READ) | (
             selectors.EVENT_WRITE if c.outbuf else 0
         )
-        if events != c.events and c.session.session_id in self.clients:
+        if events != c.events:
             self.sel.modify(c.sock, events, lambda s, mk, cl=c: self._io(cl, mk))
             c.events = events
-            if not paused and c.conn.buffered_bytes:
-                self._backlog.add(c)  # resumed: frames buffered while paused go on
+            if not paused and (pending := _pending_bytes(c)):
+                self.turns.wake(cid, pending)  # resumed: what was buffered while paused
+        if not paused and cid in self.service.engines.lagging:
+            self.service.engines.lagging.discard(cid)
+            self._push_due.add(cid)  # it fell behind its feed and has read: try again
 
     @staticmethod
     def _send_some(c: _Client) -> int:
@@ -450,13 +508,10 @@ class Server:
     def _drop(self, c: _Client, why: str) -> None:
         if self.clients.pop(c.session.session_id, None) is None:
             return
-        self._backlog.discard(c)
-        b = self.budgets
-        b.input_bytes -= c.held_in
-        b.output_bytes -= c.held_out
-        b.parked_fds -= c.held_fds
-        b.released_bytes += c.held_in + c.held_out
-        c.held_in = c.held_out = c.held_fds = 0
+        self.turns.drop(c.session.session_id)
+        self.budgets.released_bytes += c.held_in + c.held_out
+        c.held_in = c.held_out = c.held_fds = 0  # the ledger forgets them with the session
+        c.parts.clear()
         for _, fds in c.fd_marks:
             close_fds(fds)
         c.fd_marks.clear()
@@ -465,6 +520,16 @@ class Server:
             self.sel.unregister(c.sock)
         c.sock.close()
         self.service.close_session(c.session)
+
+
+def _pending_bytes(c: _Client) -> int:
+    """The size of ``c``'s next unit of work: its next slice of a batch, else the bytes
+    of requests it has buffered (0: nothing to do)."""
+    if c.parts:
+        p = c.parts[0]
+        assert isinstance(p, m.StepBatch)
+        return len(p.claim_keys) + len(p.pin_keys) + len(p.unpin_keys) + len(p.touch_keys)
+    return c.conn.buffered_bytes
 
 
 def bind_listener(path: str) -> socket.socket:

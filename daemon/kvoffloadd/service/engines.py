@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import msgspec
+
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
@@ -45,11 +47,49 @@ LEASE_SHARE = 8  # all connections together lease at most 1/8 of a namespace
 MIN_LEASE_CAP = 1
 
 
+STEP_SLICE_KEYS = 2048  # keys of one engine batch the loop applies in one go
+_KEY_FIELDS = ("pin_keys", "unpin_keys", "commit_keys", "fail_keys", "touch_keys")
+
+
+def split_batch(r: m.StepBatch, max_keys: int = STEP_SLICE_KEYS) -> list[m.StepBatch]:
+    """A one-way batch as slices of at most ``max_keys`` keys each, in field order, the
+    ack and the lease wish on the last: applied one after another they do what the
+    batch does, and the loop serves other connections between them. A batch that is
+    malformed, or answered (``rid``), stays whole (it is refused or answered as one)."""
+    kb = r.key_bytes
+    if r.rid or kb <= 0 or len(r.claim_slots) != len(r.claim_keys) // kb * 8:
+        return [r]
+    total = sum(len(getattr(r, f)) for f in ("claim_keys", *_KEY_FIELDS)) // kb
+    if total <= max_keys:
+        return [r]
+    step = max_keys * kb
+    parts: list[m.StepBatch] = []
+    for i in range(0, len(r.claim_keys), step):
+        keys = r.claim_keys[i : i + step]
+        slots = r.claim_slots[i // kb * 8 : (i + len(keys)) // kb * 8]
+        parts.append(m.StepBatch(0, r.ns, kb, claim_keys=keys, claim_slots=slots))
+    empty = m.StepBatch(0, r.ns, kb)
+    for f in _KEY_FIELDS:
+        packed: bytes = getattr(r, f)
+        parts.extend(
+            msgspec.structs.replace(empty, **{f: packed[i : i + step]})
+            for i in range(0, len(packed), step)
+        )
+    parts[-1] = msgspec.structs.replace(parts[-1], ack_seq=r.ack_seq, want_leases=r.want_leases)
+    return parts
+
+
 class EngineChannel:
     def __init__(self, namespaces: dict[int, NamespaceIndex], max_frame_bytes: int) -> None:
         self.namespaces = namespaces
         self.max_frame_bytes = max_frame_bytes
         self.refused_claims_total = 0
+        # pushed feeds: namespace -> connections it is pushed to, the feed position each
+        # namespace had when last pushed, and connections that fell behind (retried once
+        # their output drains): a loop turn looks only at namespaces that changed
+        self._push_subs: dict[int, set[int]] = {}
+        self._pushed_seq: dict[int, int] = {}
+        self.lagging: set[int] = set()
 
     # ------------------------------------------------------------ batches
 
@@ -131,8 +171,9 @@ class EngineChannel:
             index.add_mirror(s.session_id)
             if r.push:
                 s.push_feeds.add(ns)
+                self._push_subs.setdefault(ns, set()).add(s.session_id)
             else:
-                s.push_feeds.discard(ns)
+                self.stop_pushing(s, ns)
         snap = s.snapshots.get(ns)
         if snap is None or not 0 <= r.offset < max(len(snap), 1):
             raise InvalidArgumentError("no key snapshot at that offset; start with offset 0")
@@ -148,10 +189,35 @@ class EngineChannel:
             index.events.seq,
         )
 
+    def stop_pushing(self, s: Session, ns: int) -> None:
+        s.push_feeds.discard(ns)
+        subs = self._push_subs.get(ns)
+        if subs is not None:
+            subs.discard(s.session_id)
+            if not subs:
+                del self._push_subs[ns]
+                self._pushed_seq.pop(ns, None)
+        if not s.push_feeds:
+            self.lagging.discard(s.session_id)
+
+    def due(self) -> set[int]:
+        """Connections with feed events to push now: subscribers of the namespaces whose
+        feed moved since the last call (at most one look per pushed namespace)."""
+        out: set[int] = set()
+        for ns, subs in self._push_subs.items():
+            seq = self.namespaces[ns].events.seq
+            if self._pushed_seq.get(ns) != seq:
+                self._pushed_seq[ns] = seq
+                out |= subs
+        return out
+
     def feed_pushes(self, s: Session, backlog_bytes: int) -> Iterator[m.FeedPush]:
-        """The connection's pending feed events, as pushes (nothing while it lags)."""
+        """The connection's pending feed events, as pushes (nothing while it lags: it is
+        marked ``lagging`` and tried again once it has read its replies)."""
         if backlog_bytes > FEED_BACKLOG_BYTES:
+            self.lagging.add(s.session_id)
             return
+        self.lagging.discard(s.session_id)
         for ns in s.push_feeds:
             index = self.namespaces[ns]
             if not index.events.pending(s.session_id):

@@ -9,14 +9,18 @@ Rules:
   scheduler joins what the engine's workers created from their own pages.
 - The table has ``MAX_NAMESPACES`` entries, kept in the region (they survive restarts).
   A uid may create at most ``max_namespaces_per_uid`` (root and the daemon's uid are
-  not limited); when the table is full, a namespace nobody has open and nothing pins,
-  writes, leases or copies is dropped (its blocks evicted, its extents freed, its
-  entry cleared) to make room, least used first. If none is idle, a uid holding fewer
-  entries than its fair share (the table over the uids holding entries) takes one from
-  the uid holding the most, if that one is over its share: the least used of its
-  namespaces that only its own connections have open and no copy runs in; those
-  connections lose it (``on_revoke``). Root's and the daemon's entries are never
-  taken. Only then is the open refused (``NO_SPACE``).
+  not limited). A request is validated whole (name, layout, its record's size, its
+  slot size, the uid's creations) before anything of anyone else's is dropped.
+- When the table is full, a namespace nobody has open and nothing pins, writes, leases
+  or copies is dropped (its blocks evicted, its extents freed, its entry cleared) to
+  make room, least used first. If none is idle, entries are shared fairly among uids:
+  a uid *holds* every entry it created and every one its connections have open or
+  joined, and its fair share is the entries root's and the daemon's do not take, over
+  the uids holding entries (the newcomer counted). A uid below its share takes the
+  least used entry all of whose holders are above theirs, preferring the largest
+  holder's, with no copy running in it; its connections lose it (``on_revoke``).
+  Root's and the daemon's entries are never taken. Only then is the open refused
+  (``NO_SPACE``), saying which of these stopped it.
 - Extents move to a namespace below its fair share (extents / active namespaces) from
   the fattest one above it, by evicting a whole extent of it that holds nothing
   pinned, busy, leased or being written, wherever it lies (``evict_extent``), so a
@@ -29,12 +33,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import msgspec
 
-from kvoffload.datapath.regionfmt import MAX_NAMESPACES
+from kvoffload.datapath.regionfmt import MAX_LAYOUT_BYTES, MAX_NAMESPACES
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
@@ -56,6 +59,7 @@ MAX_NAME_CHARS = 200
 MAX_NAME_BYTES = 255
 MIN_WRITING_CAP = 64
 RECLAIM_BUDGET_SLOTS = 1 << 16  # slots one reclaim may look at
+TRUSTED = frozenset((0, os.getuid()))  # root and the daemon's own uid
 
 
 def check_name(name: str) -> None:
@@ -100,12 +104,12 @@ class NamespaceTable:
         name: str,
         layout: m.KVLayout,
         uid: int,
-        users: dict[int, set[int]],
+        users: Callable[[int], Collection[int]],
         join: bool = False,
     ) -> NamespaceIndex:
         """The namespace ``name`` (created if new, unless ``join``: then it must exist,
-        whatever its layout) for a client of ``uid``; ``users``: namespace id -> uids of
-        the connections that have it open."""
+        whatever its layout) for a client of ``uid``; ``users``: the uids of the
+        connections that have a namespace (by id) open or joined."""
         check_name(name)
         index = self.by_name.get(name)
         if join:
@@ -127,38 +131,41 @@ class NamespaceTable:
                 f"one offloaded block is {slot_bytes} bytes, larger than an extent "
                 f"({self.region.geometry.extent_bytes} bytes); raise extent_size"
             )
+        record = msgspec.msgpack.encode(layout)
+        if len(record) > MAX_LAYOUT_BYTES:
+            raise InvalidArgumentError(
+                f"the layout takes {len(record)} bytes; a namespace's record holds "
+                f"{MAX_LAYOUT_BYTES} (shorten its model, dtype or salt strings)"
+            )
         limit = self.config.max_namespaces_per_uid
-        if uid not in (0, os.getuid()) and limit:
+        if uid not in TRUSTED and limit:
             mine = sum(1 for ns in self.by_id.values() if ns.creator_uid == uid)
             if mine >= limit:
                 raise QuotaExceededError(
                     f"uid {uid} created {mine} namespaces, the max_namespaces_per_uid limit"
                 )
-        ns_id = self._free_id(users, uid)
-        self.region.register_namespace(ns_id, name, fp, msgspec.msgpack.encode(layout), uid)
+        ns_id = self._free_id(users, uid)  # only now may another's namespace go
+        self.region.register_namespace(ns_id, name, fp, record, uid)
         index = self._new_index(ns_id, name, layout, fp, slot_bytes, uid)
         log.info("namespace %s opened: %d-byte slots, fingerprint %s", name, slot_bytes, fp)
         return index
 
-    def _free_id(self, users: dict[int, set[int]], uid: int) -> int:
+    def _free_id(self, users: Callable[[int], Collection[int]], uid: int) -> int:
         free = next((i for i in range(MAX_NAMESPACES) if i not in self.by_id), None)
         if free is not None:
             return free
         idle = [
             ns
             for ns in self.by_id.values()
-            if ns.ns_id not in users and ns.is_idle() and not ns.slots.any_busy()
+            if not users(ns.ns_id) and ns.is_idle() and not ns.slots.any_busy()
         ]
-        victim = min(idle, key=_use) if idle else self._over_share(users, uid)
-        if victim is None:
-            raise NoSpaceError(
-                f"the namespace table is full ({MAX_NAMESPACES}), every namespace is in "
-                "use, and no uid holds more than its share of it"
-            )
-        if not idle:
+        if idle:
+            victim = min(idle, key=_use)
+        else:
+            victim = self._over_share(users, uid)
             log.warning(
-                "namespace %s of uid %d taken back: its uid holds more than its share of "
-                "the namespace table and uid %d needs one",
+                "namespace %s of uid %d taken back: every uid holding it holds more "
+                "than its share of the namespace table and uid %d needs one",
                 victim.name,
                 victim.creator_uid,
                 uid,
@@ -168,23 +175,46 @@ class NamespaceTable:
         self.drop(victim)
         return victim.ns_id
 
-    def _over_share(self, users: dict[int, set[int]], uid: int) -> NamespaceIndex | None:
-        """The entry a uid below its fair share may take, if any (see the rules)."""
-        held = Counter(ns.creator_uid for ns in self.by_id.values())
-        fair = MAX_NAMESPACES // len(held.keys() | {uid})
-        trusted = (0, os.getuid())
-        hogs = [v for v in held if v != uid and v not in trusted and held[v] > fair]
-        if held[uid] >= fair or not hogs:
-            return None
-        hog = max(hogs, key=held.__getitem__)
-        mine = [
+    def _over_share(self, users: Callable[[int], Collection[int]], uid: int) -> NamespaceIndex:
+        """The entry a uid below its fair share may take (see the rules); NoSpaceError
+        saying why there is none."""
+        holders: dict[int, set[int]] = {}  # uid -> entries it holds
+        trusted_entries = 0
+        for ns in self.by_id.values():
+            if ns.creator_uid in TRUSTED:
+                trusted_entries += 1
+            for holder in {ns.creator_uid, *users(ns.ns_id)} - TRUSTED:
+                holders.setdefault(holder, set()).add(ns.ns_id)
+        if trusted_entries == MAX_NAMESPACES:
+            raise NoSpaceError(
+                f"the namespace table is full ({MAX_NAMESPACES}): every entry is root's or "
+                "the daemon's"
+            )
+        counted = len(holders.keys() | {uid})
+        fair = (MAX_NAMESPACES - trusted_entries) // counted
+        mine = len(holders.get(uid, ()))
+        if mine >= fair:
+            raise NoSpaceError(
+                f"the namespace table is full ({MAX_NAMESPACES}) and uid {uid} holds {mine} "
+                f"of its entries, its fair share of {fair} ({counted} uids hold entries); "
+                "close namespaces it no longer needs"
+            )
+        over = {h for h, held in holders.items() if len(held) > fair}
+        takeable = [
             ns
             for ns in self.by_id.values()
-            if ns.creator_uid == hog
-            and users.get(ns.ns_id, set()) <= {hog}
+            if ns.creator_uid not in TRUSTED
+            and {ns.creator_uid, *users(ns.ns_id)} - TRUSTED <= over
             and not ns.slots.any_busy()
         ]
-        return min(mine, key=_use) if mine else None
+        if not takeable:
+            raise NoSpaceError(
+                f"the namespace table is full ({MAX_NAMESPACES}): every entry is root's or "
+                f"the daemon's, has copies running, or is held by a uid within its fair "
+                f"share of {fair}"
+            )
+        # the largest holder's first, least used among them
+        return min(takeable, key=lambda ns: (-len(holders.get(ns.creator_uid, ())), *_use(ns)))
 
     def drop(self, index: NamespaceIndex) -> None:
         """Forget an idle namespace: its blocks, extents and table entry."""

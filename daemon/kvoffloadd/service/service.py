@@ -42,7 +42,7 @@ from kvoffloadd.copies.workers import AttachedWorker, close_fds
 from kvoffloadd.index.events import EventFeed, FeedBudget
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.index.leases import new_token
-from kvoffloadd.ledger import Ledger, Limits
+from kvoffloadd.ledger import Ledger, Limits, configured
 from kvoffloadd.region.region import SharedOffloadRegion
 from kvoffloadd.service.budgets import Budgets
 from kvoffloadd.service.engines import EngineChannel
@@ -51,6 +51,7 @@ from kvoffloadd.service.session import Session
 from kvoffloadd.service.stats import LoopTurns, clients_for, stats_for
 from kvoffloadd.service.transfers import Transfers
 from kvoffloadd.tiers.tiering import Tiering
+from kvoffloadd.trust import raise_fd_limit
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +76,16 @@ class Service:
         self.gpu_unavailable = gpu_unavailable
         self.tiering = tiering
         self.access = config.access_policy()
+        self.budgets = Budgets(config.max_clients, raise_fd_limit())
         # what each connection holds, per uid and in total (ledger.py)
-        self.pins = Ledger("pins", Limits.scaled(config.max_pins_per_client))
-        self.jobs = Ledger("jobs", Limits.scaled(config.max_inflight_jobs_per_client))
+        self.ledger = Ledger(configured(config.limit_overrides(), self._derived_limits()))
         self.feeds = FeedBudget()  # every namespace's event log together
         self.table = NamespaceTable(
             config, region, self._namespace_new, self._namespace_dropped, self._revoke
         )
         self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
         self.sessions: dict[int, Session] = {}
+        self.ns_sessions: dict[int, set[int]] = {}  # namespace -> connections that have it
         self.errors_by_code: dict[str, int] = {}
         self.transfers = Transfers(
             config,
@@ -95,11 +97,10 @@ class Service:
             self.sessions,
             self.count_error,
             self.access,
-            self.jobs,
+            self.ledger,
         )
         self.engines = EngineChannel(self.namespaces, config.max_frame_bytes)
         self.loop = LoopTurns()
-        self.budgets: Budgets | None = None  # the server's, once it runs
         self.shutting_down = False
         self.started_s = time.monotonic()
         self.requests_total = 0
@@ -107,9 +108,30 @@ class Service:
         if region.recovered:
             self.table.recover()
 
+    def _derived_limits(self) -> dict[str, Limits]:
+        """Ledger limits that follow from the machine: connections and descriptors
+        from the descriptor limit, leased bytes from the region's size."""
+        b, g = self.budgets, self.region.geometry
+        data_bytes = g.num_extents * g.extent_bytes
+        per_uid_clients = max(1, min(b.max_clients, max(64, b.max_clients // 4)))
+        return {
+            "connections": Limits(1, per_uid_clients, b.max_clients),
+            "descriptors": Limits(256, max(256, b.fd_budget // 4), b.fd_budget),
+            # leased ahead of need: one uid at most 1/8 of the region across all its
+            # namespaces, everyone 1/4
+            "leased_bytes": Limits(data_bytes // 8, data_bytes // 8, data_bytes // 4),
+        }
+
     # ------------------------------------------------------------ dispatch
 
-    def refusal(self, s: Session) -> str:
+    def refusal(self, s: Session, code: ErrorCode = ErrorCode.PERMISSION_DENIED) -> str:
+        if code == ErrorCode.QUOTA_EXCEEDED:
+            line = self.ledger["connections"]
+            return (
+                f"uid {s.uid} holds {line.held_by_uid(s.uid)} connections to kvoffloadd "
+                f"(a uid may hold {line.limits.per_uid}, everyone {line.limits.total}); "
+                "close some, or raise limits.connections in the daemon config"
+            )
         return (
             f"uid {s.uid} may not connect to kvoffloadd; list it in allow_uids or "
             "allow_gids of the daemon config"
@@ -218,8 +240,7 @@ class Service:
 
     def _on_get_finished(self, s: Session, r: m.GetFinished) -> m.Reply:
         w = self.transfers.worker(s, r.worker)
-        results, w.finished = w.finished, []
-        return m.FinishedReply(r.rid, results)
+        return m.FinishedReply(r.rid, self.transfers.take_results(w))
 
     def _on_wait(self, s: Session, r: m.WaitJobs) -> m.Reply | None:
         w = self.transfers.worker(s, r.worker)
@@ -282,7 +303,7 @@ class Service:
     # ------------------------------------------------------------ namespaces
 
     def _namespace_new(self, index: NamespaceIndex) -> None:
-        index.pin_ledger = self.pins
+        index.pin_ledger = self.ledger["pins"]
         index.uid_of = self.uid_of
         index.events = EventFeed(budget=self.feeds)
         if self.tiering is not None:
@@ -303,9 +324,8 @@ class Service:
         """The table takes ``index`` back: every connection that has it open loses
         it (stores failed, pins dropped, leases freed, workers detached), and is told."""
         ns_id = index.ns_id
-        for s in self.sessions.values():
-            if ns_id not in s.namespaces:
-                continue
+        for sid in list(self.ns_sessions.get(ns_id, ())):
+            s = self.sessions[sid]
             self._leave_namespace(s, ns_id)
             for wid in [w for w in s.workers if self.workers[w].ns_id == ns_id]:
                 self.transfers.detach(self.workers[wid])
@@ -333,10 +353,20 @@ class Service:
                 index.name,
             )
         s.namespaces.discard(ns_id)
+        self.ledger.give(s.session_id, {"namespaces": 1})
+        held = self.ns_sessions.get(ns_id)
+        if held is not None:
+            held.discard(s.session_id)
+            if not held:
+                del self.ns_sessions[ns_id]
         s.leases.pop(ns_id, None)
         s.want_leases.pop(ns_id, None)
-        s.push_feeds.discard(ns_id)
+        self.engines.stop_pushing(s, ns_id)
         s.snapshots.pop(ns_id, None)
+
+    def _users_of(self, ns_id: int) -> set[int]:
+        """The uids of the connections that have the namespace open or joined."""
+        return {self.sessions[sid].uid for sid in self.ns_sessions.get(ns_id, ())}
 
     def _ns(self, s: Session, ns_id: int) -> NamespaceIndex:
         if ns_id not in s.namespaces:
@@ -354,13 +384,19 @@ class Service:
     ) -> m.Reply:
         if not self.access.may_open(s.peer, name):
             raise self._deny(s, f"open namespace {name!r}", "add a namespace_access rule for it")
-        users: dict[int, set[int]] = {}
-        for x in self.sessions.values():
-            for ns_id in x.namespaces:
-                users.setdefault(ns_id, set()).add(x.uid)
-        index = self.table.open(name, layout, s.uid, users, join)
+        known = self.table.by_name.get(name)
+        new = known is None or known.ns_id not in s.namespaces
+        if new:  # a cursor, a lease token, a mirror: charged before anything is held
+            self.ledger.require(s.session_id, {"namespaces": 1}, f"open namespace {name!r}")
+        try:
+            index = self.table.open(name, layout, s.uid, self._users_of, join)
+        except BaseException:
+            if new:
+                self.ledger.give(s.session_id, {"namespaces": 1})
+            raise
         if index.ns_id not in s.namespaces:
             s.namespaces.add(index.ns_id)
+            self.ns_sessions.setdefault(index.ns_id, set()).add(s.session_id)
             s.leases[index.ns_id] = new_token()
             if subscribe:
                 index.events.subscribe(s.session_id)
@@ -408,8 +444,7 @@ class Service:
         if not s.allowed:
             log.warning("refused connection from uid %d gid %d (pid %d)", uid, gid, pid)
         self.sessions[session_id] = s
-        for ledger in (self.pins, self.jobs, self.transfers.copies):
-            ledger.join(session_id, uid)
+        self.ledger.join(session_id, uid)
         return s
 
     def close_session(self, s: Session) -> None:
@@ -421,9 +456,8 @@ class Service:
         close_fds(s.fds)  # descriptors no message claimed
         s.fds = []
         del self.sessions[s.session_id]
-        self.pins.leave(s.session_id)  # all released above
-        for ledger in (self.jobs, self.transfers.copies):
-            ledger.leave(s.session_id)  # its copies still drain, charged to nobody
+        # Released above, or (copies, mappings) draining, charged to nobody from now.
+        self.ledger.leave(s.session_id)
 
     def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
         """Apply finished copies; returns deferred replies as (session id, reply)."""

@@ -43,23 +43,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload.datapath.canonical import MAX_JOB_COPIES, check_copy_count
+from kvoffload.datapath.canonical import check_copy_count
 from kvoffload.datapath.copyplan import (
     CacheGeometry,
     JobPlan,
     JobRuns,
-    Placement,
     check_transfer,
     check_whole_store,
     has_duplicates,
-    place_caches,
     select_caches,
 )
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
     NotLeasedError,
-    PermissionDeniedError,
     QuotaExceededError,
     TimedOutError,
 )
@@ -69,26 +66,21 @@ from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import ChecksumCheck, Completion, CpuCopier, finished
 from kvoffloadd.copies.fdcopy import FdCopier, is_descriptor
 from kvoffloadd.copies.gpu import GpuRuntime
-from kvoffloadd.copies.seals import Sealer, canonical_placements
+from kvoffloadd.copies.seals import Sealer
 from kvoffloadd.copies.workers import (
     AttachedWorker,
-    ClientCache,
     ClientJob,
-    ImportedCache,
-    attach_caches,
-    check_desc,
-    close_fds,
 )
 from kvoffloadd.index.index import NamespaceIndex
-from kvoffloadd.ledger import Ledger, Limits
+from kvoffloadd.ledger import Ledger
 from kvoffloadd.region.region import SharedOffloadRegion
+from kvoffloadd.service.attach import Attacher
 from kvoffloadd.service.session import Session
 
 log = logging.getLogger(__name__)
 
 
 LOOP_PLAN_COPIES = 8192  # a job expanding to more is planned by a copier thread
-COPIES_PER_CLIENT = 2 * MAX_JOB_COPIES  # expanded copies one client may have in flight
 
 SUM_JOB = -1  # a _Job's worker id when it only takes checksums of whole canonical slots
 
@@ -116,7 +108,7 @@ class Transfers:
         sessions: dict[int, Session],
         count_error: Callable[[str], None],
         access: AccessPolicy,
-        jobs: Ledger,
+        ledger: Ledger,
     ) -> None:
         self.config = config
         self.region = region
@@ -128,14 +120,13 @@ class Transfers:
         self.sessions = sessions
         self._count_error = count_error
         self.access = access
-        self.jobs = jobs  # copy jobs in flight per connection, per uid, in total
-        # copies those jobs expand to (what building and running them costs)
-        self.copies = Ledger("copies", Limits.scaled(COPIES_PER_CLIENT))
+        self.ledger = ledger
+        # copy jobs in flight (and results not yet taken), the copies they expand to
+        self.jobs, self.copies = ledger["jobs"], ledger["copies"]
         self.workers: dict[int, AttachedWorker] = {}
         self.fd_copier: FdCopier | None = None  # started by the first memfd_io job
         self._jobs: dict[int, _Job] = {}
         self._tokens = itertools.count(1)
-        self._worker_ids = itertools.count(1)
         self.bytes_stored = self.bytes_loaded = 0
         self.jobs_failed = 0
         self.store_seconds = self.load_seconds = 0.0
@@ -143,10 +134,14 @@ class Transfers:
         # mean run length (contiguous engine blocks into contiguous slots merge).
         self.pages_planned = self.runs_planned = 0
         self.sealer = Sealer(copier, self._tokens, namespaces, self._sum_whole)
+        self.attacher = Attacher(
+            ledger, copier, gpu, gpu_unavailable, access, region, namespaces, sessions,
+            self._tokens, self._add,
+        )  # fmt: skip
 
     @property
     def inflight_jobs(self) -> int:
-        return len(self._jobs) + self.sealer.pending
+        return len(self._jobs) + self.sealer.pending + self.attacher.importing
 
     def worker(self, s: Session, worker_id: int) -> AttachedWorker:
         w = self.workers.get(worker_id)
@@ -154,65 +149,8 @@ class Transfers:
             raise InvalidArgumentError(f"worker {worker_id} is not attached on this connection")
         return w
 
-    def _placements(self, s: Session, r: m.AttachWorker) -> list[Placement]:
-        """Where a registration's caches go in a slot, once its namespace, rank, cache
-        pages and copy mode are acceptable."""
-        index = self.namespaces[r.ns] if r.ns in s.namespaces else None
-        if index is None:
-            raise InvalidArgumentError(f"namespace id {r.ns} was not opened on this connection")
-        layout = index.layout
-        pages = [c.page_bytes for c in r.caches]
-        if r.parts > 1 or r.canonical:
-            placements = canonical_placements(layout, r, pages)
-        elif not 0 <= r.rank < layout.world_size:
-            raise InvalidArgumentError(f"rank {r.rank} is not in 0..{layout.world_size - 1}")
-        else:
-            placements = place_caches(layout, pages)
-        if r.client_copy and not self.access.may_map_region(s.peer):
-            raise PermissionDeniedError(
-                f"uid {s.uid} may not map the region for client-copy mode; list it in "
-                "client_copy_uids or client_copy_gids of the daemon config, or register "
-                "exportable caches (kvoffload.shared_kv_cache or CUDA tensors)"
-            )
-        return placements
-
-    def attach(self, s: Session, r: m.AttachWorker) -> m.Reply:
-        nfds = max((c.fd_index + 1 for c in r.caches), default=0)
-        fds, s.fds = s.fds[:nfds], s.fds[nfds:]
-        try:
-            placements = self._placements(s, r)
-        except InvalidArgumentError:
-            close_fds(fds)
-            raise
-        wid = next(self._worker_ids)
-        caches: list[ImportedCache]
-        region_bytes = 0
-        if r.client_copy or (r.want_region and self.access.may_map_region(s.peer)):
-            s.out_fds = [self.region.open_fd()]  # trusted: the region goes along
-            region_bytes = self.region.geometry.region_bytes
-        if r.client_copy:
-            close_fds(fds)
-            caches = [ClientCache(check_desc(d)) for d in r.caches]
-            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
-            w.client_copy, w.push, w.parts = True, r.push, r.parts
-            self._add(s, w)
-            return m.WorkerAttached(r.rid, wid, region_bytes)
-        if r.device_uuid:
-            close_fds(fds)
-            if self.gpu is None:
-                raise InvalidArgumentError(
-                    f"this kvoffloadd cannot take GPU caches: {self.gpu_unavailable}"
-                )
-            gpu = self.gpu
-            ordinal, caches, event = gpu.attach(r.caches, r.device_uuid, r.store_event)
-            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements, ordinal, event)
-            w.release = lambda: gpu.release_event(ordinal, event)
-        else:
-            caches = attach_caches(r.caches, fds)
-            w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements)
-        w.push, w.parts = r.push, r.parts
-        self._add(s, w)
-        return m.WorkerAttached(r.rid, wid, region_bytes)
+    def attach(self, s: Session, r: m.AttachWorker) -> m.Reply | None:
+        return self.attacher.attach(s, r)
 
     def _add(self, s: Session, w: AttachedWorker) -> None:
         self.workers[w.worker_id] = w
@@ -236,9 +174,9 @@ class Transfers:
             raise InvalidArgumentError(f"job {r.job_id} is already in flight")
         if not self.jobs.room(s.session_id):
             raise QuotaExceededError(
-                f"this client has {self.jobs.held(s.session_id)} jobs in flight; one more "
-                "would pass what one client, its uid or all clients may have "
-                "(max_inflight_jobs_per_client)"
+                f"this client has {self.jobs.held(s.session_id)} jobs in flight or "
+                f"finished and not taken; one more would pass {self.jobs.over(s.session_id, 1)} "
+                "(take results with get_finished; limits.jobs in the daemon config)"
             )
         if has_duplicates(slots):
             raise InvalidArgumentError("a transfer names the same slot twice")
@@ -396,6 +334,9 @@ class Transfers:
         pushed: dict[int, list[m.JobResult]] = {}
         now_ns = time.monotonic_ns()
         for c in done:
+            if self.attacher.is_import(c.token):
+                replies.extend(self.attacher.imported(c))
+                continue
             if self.sealer.is_seal(c.token):
                 for held_job, held in self.sealer.sealed(c):
                     self._finish_job(held_job, held, replies, pushed)
@@ -446,10 +387,11 @@ class Transfers:
         unmap a closing worker's caches after its last job."""
         w = self.workers[job.worker_id]
         w.active_jobs.discard(job.job_id)
-        self.jobs.give(w.session_id, 1)
         self.copies.give(w.session_id, job.copies)
         self.runs_planned += c.runs
         self._account(w, job, c)
+        if w.push or w.closing:  # else its result holds the job's charge until taken
+            self.jobs.give(w.session_id, 1)
         if w.closing:
             if not w.active_jobs:
                 self._unmap(w)
@@ -514,8 +456,15 @@ class Transfers:
                     out.append((s.session_id, m.OkReply(rid)))
         return out
 
+    def take_results(self, w: AttachedWorker) -> list[m.JobResult]:
+        """The worker's finished results, handed to its client: their charge goes."""
+        results, w.finished = w.finished, []
+        self.jobs.give(w.session_id, len(results))
+        return results
+
     def detach(self, w: AttachedWorker) -> None:
         w.closing = True
+        self.take_results(w)  # nobody will take them now
         for job in w.client_jobs.values():  # nobody will finish these copies now
             self._post_client_done(job, False)
         w.client_jobs.clear()
@@ -529,6 +478,7 @@ class Transfers:
 
     def _unmap(self, w: AttachedWorker) -> None:
         w.close()
+        self.ledger.give(w.session_id, w.charges)  # a no-op once its connection left
         del self.workers[w.worker_id]
         self.sealer.remove(w.worker_id)
 

@@ -119,7 +119,7 @@ def _generate(path: str) -> None:
             os.link(tmp, path)
             log.warning(
                 "generated a tier secret in %s: every daemon that shares a tier with this "
-                "one needs a copy of this file (README: Secondary tiers)",
+                "one needs a copy of this file (docs/tiers.md: the secret)",
                 path,
             )
         except FileExistsError:

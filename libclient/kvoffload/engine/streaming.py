@@ -24,8 +24,8 @@ result succeeded. This worker keeps that contract whatever happens to the daemon
   of its own from its mapping of the region (trusted uids), checked against the slot
   records; the key's current slot asked from the daemon; resubmitting on the next
   connection. A load that none of these can complete within ``load_wait_s`` raises
-  ``LoadLostError`` naming the case (README: "What the engine sees when kvoffloadd
-  fails").
+  ``LoadLostError`` naming the case (docs/vllm.md: "What the engine sees when
+  kvoffloadd fails").
 - Nothing here blocks but ``wait``, which blocks at most until the jobs' deadlines.
 """
 

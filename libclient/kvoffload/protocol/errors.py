@@ -102,7 +102,8 @@ class TimedOutError(KVOffloadError):
 
 class LoadLostError(KVOffloadError):
     """A load vLLM planned cannot complete, so the engine must stop rather than compute
-    with KV it did not load (README: "What the engine sees when kvoffloadd fails")."""
+    with KV it did not load (docs/vllm.md: "What the engine sees when kvoffloadd
+    fails")."""
 
     code = ErrorCode.NOT_FOUND
 

@@ -4,7 +4,7 @@ Point vLLM at it with configuration alone::
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "KVOffloadSpec",
-        "spec_module_path": "kvoffload.vllm", "socket_path": "/run/kvoffload/kvoffloadd.sock"}}'
+        "spec_module_path": "kvoffload.vllm", "socket_path": "/run/kvoffloadd/kvoffloadd.sock"}}'
 
 Rules:
 - ``KVOffloadSpec`` is imported lazily, so ``kvoffload.vllm.identity`` works without vLLM.

@@ -1,0 +1,81 @@
+"""A release a user can install: ``python -m build`` makes an sdist and, from it, a
+wheel; the wheel installs into a fresh virtualenv with its dependencies from the package
+index (never torch), and the daemon, the admin CLI and the plug-ins it installs run.
+
+The wheel is built from the sdist (``python -m build``'s default), so a file missing
+from the sdist fails here too.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+from kvoffload.version import __version__
+from kvoffloadbench.launch import DaemonProcess
+
+ROOT = Path(__file__).parents[2]
+# What the build reads: the packages, their metadata, what the sdist carries.
+SOURCES = ("daemon", "libclient", "tools", "pyproject.toml", "README.md", "MANIFEST.in")
+SHIPPED = ("systemd", "deploy", "docs", "CHANGELOG.md")
+IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
+
+
+def run(*argv: str | Path, timeout_s: float = 120.0) -> str:
+    """Run a command; on failure the assertion carries its output's end."""
+    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout_s)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, argv))} exited {proc.returncode}:\n{out[-3000:]}"
+    )
+    return out
+
+
+def test_the_wheel_installs_into_a_fresh_virtualenv_and_serves(tmp_path: Path) -> None:
+    src = tmp_path / "src"  # a copy: the build writes egg-info and build/ beside it
+    for name in (*SOURCES, *SHIPPED):
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=IGNORE)
+        else:
+            src.mkdir(exist_ok=True)
+            shutil.copy(path, src / name)
+    dist = tmp_path / "dist"
+    run(sys.executable, "-m", "build", "--outdir", dist, src)
+    wheel = dist / f"kvoffload-{__version__}-py3-none-any.whl"
+    sdist = dist / f"kvoffload-{__version__}.tar.gz"
+    assert sorted(p.name for p in dist.iterdir()) == sorted([wheel.name, sdist.name])
+    listing = run("tar", "tzf", sdist)
+    for name in ("systemd/kvoffloadd.service", "systemd/kvoffloadd.toml.example", "CHANGELOG.md"):
+        assert f"kvoffload-{__version__}/{name}" in listing, f"the sdist lacks {name}"
+
+    env = tmp_path / "venv"
+    venv.create(env, with_pip=True)
+    bin_ = env / "bin"
+    run(bin_ / "pip", "install", "--disable-pip-version-check", "-q", wheel, timeout_s=240)
+    installed = run(bin_ / "pip", "list", "--disable-pip-version-check", "--format=freeze")
+    names = {
+        line.split("==")[0].lower().replace("-", "_")
+        for line in installed.splitlines()
+        if "==" in line
+    }
+    assert {"kvoffload", "numpy", "msgspec", "posix_ipc", "blake3"} <= names
+    assert "torch" not in names, "the wheel pulled torch: engines bring their own"
+
+    for tool in ("kvoffloadd", "kvoffloadctl"):
+        assert run(bin_ / tool, "--version").strip() == f"{tool} {__version__}"
+    # the plug-ins import without their engines (which load them by module path)
+    run(
+        bin_ / "python",
+        "-c",
+        "import kvoffload.vllm, kvoffload.sglang, kvoffload.vllm.identity, "
+        "kvoffload.sglang.identity",
+    )
+
+    with DaemonProcess("64MiB", "--no-prefault", command=[str(bin_ / "kvoffloadd")]) as d:
+        assert f"listening on {d.socket_path}" in d.banner
+        assert "pong in" in run(bin_ / "kvoffloadctl", "--socket", d.socket_path, "ping")
+        assert d.stop() == 0
