@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run docs test test-gpu test-vllm test-sglang bench-sglang bench bench-engine bench-submit bench-canonical bench-report soak lint clean
+.PHONY: setup run docs test test-gpu gpu-wheels gpu-check ptx test-vllm test-sglang bench-sglang bench bench-engine bench-submit bench-canonical bench-report soak lint clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,28 @@ bench-sglang: $(SGLANG_STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu $(PYTEST_ARGS)
 
+# The GPU check for a short GPU slot (docs/gpu-check.md). `make gpu-wheels` runs where
+# pip reaches PyPI and fetches the CPython 3.12 manylinux x86_64 wheels the project needs
+# beyond the GPU machine's image into .gpu-wheels/ (carried there); `make gpu-check`
+# builds .venv-gpu offline from the image's Python (its CUDA PyTorch) and those wheels,
+# and runs every part: figures in $$OUT/gpu-check.json (or ARGS="--json FILE").
+GPU_WHEELS := .gpu-wheels
+gpu-wheels:
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+		-d $(GPU_WHEELS) -r tools/gpu-requirements.txt
+	@du -sh $(GPU_WHEELS)
+
+gpu-check:
+	GPU_WHEELS=$(GPU_WHEELS) tools/gpu-venv
+	.venv-gpu/bin/python -m kvoffloadbench.gpu_check $(ARGS)
+
+# The copy kernel's PTX, shipped in the package (needs nvcc; the daemon does not).
+ptx:
+	tools/build-ptx
+
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 
@@ -124,4 +146,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-gpu build *.egg-info

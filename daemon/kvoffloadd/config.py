@@ -292,6 +292,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # page-lock the region for GPU DMA (cuMemHostRegister in chunks of at most 64 GiB,
     # in the background after pre-faulting); unpinned parts are copied more slowly
     pin_region: bool = True
+    # small GPU copy runs (pages of a few KiB, canonical fragments) through the gather
+    # kernel the package ships as PTX: "auto" where a start-up calibration on each GPU
+    # finds it faster than DMA, "always" for every 16-byte aligned run, "off" (DMA only)
+    gpu_kernel: str = "auto"
     # warm restart: a clean stop leaves the region (and every completed block in it) for
     # the next daemon of this instance, which recovers it; a crash always leaves it; the
     # systemd unit sets it (--keep-region), so upgrades and restarts keep the cache
@@ -458,6 +462,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.gpu not in ("auto", "off"):
             raise ConfigError(f"gpu: {self.gpu!r} is not one of auto, off")
+        if self.gpu_kernel not in ("auto", "always", "off"):
+            raise ConfigError(f"gpu_kernel: {self.gpu_kernel!r} is not one of auto, always, off")
         if self.max_frame_bytes < 4096:
             raise ConfigError(f"max_frame_bytes: {self.max_frame_bytes} is below 4096")
         if not 0 <= self.metrics_port <= 65535:

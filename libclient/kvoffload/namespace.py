@@ -203,6 +203,7 @@ class Namespace:
             unpack_keys(r.keys, r.key_bytes),
             unpack_ids(r.slots).tolist(),
             unpack_keys(r.evicted_keys, r.key_bytes),
+            r.lease,
         )
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:

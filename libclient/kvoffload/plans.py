@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StorePlan:
-    """Keys to store (the ones not stored yet), their leased slots, and what was evicted."""
+    """Keys to store (the ones not stored yet), their leased slots, and what was evicted.
+    ``lease``: the token an engine's workers, on connections of their own, name to copy
+    into these slots (``Worker.submit_store(..., lease=plan.lease)``)."""
 
     keys_to_store: list[bytes]
     slots: list[int]
     evicted_keys: list[bytes]
+    lease: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)

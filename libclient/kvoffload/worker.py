@@ -216,8 +216,11 @@ class Worker:
         engine_block_ids: npt.ArrayLike,
         slots: npt.ArrayLike,
         caches: Sequence[int] = (),
+        lease: int = 0,
     ) -> bool:
-        """Copy engine blocks into leased slots (block_size_factor blocks per slot)."""
+        """Copy engine blocks into leased slots (block_size_factor blocks per slot).
+        Slots another connection prepared (the engine's scheduler) need that plan's
+        ``lease``; 0 names slots this connection prepared."""
         ids, sl, sel = pack_ids(engine_block_ids), pack_ids(slots), list(caches)
         if self._fence is not None:
             ordinal = self._fence.ordinal
@@ -225,7 +228,9 @@ class Worker:
                 self._stream if self._stream is not None else current_stream(ordinal)
             )
         return self._submit(
-            job_id, lambda rid: m.SubmitStore(rid, self.worker_id, job_id, ids, sl, sel), True
+            job_id,
+            lambda rid: m.SubmitStore(rid, self.worker_id, job_id, ids, sl, sel, lease),
+            True,
         )
 
     def submit_load(

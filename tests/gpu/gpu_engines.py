@@ -53,6 +53,21 @@ def make_caches(pages: list[int], seed: int | None, shared_buffer: bool) -> list
     return [fill(torch.zeros(NUM_ENGINE_BLOCKS, p, dtype=torch.int8, device="cuda")) for p in pages]
 
 
+def wait_copy_paths(client: kvoffload.Client, deadline_s: float = 60.0) -> str:
+    """Until the daemon's copy paths on GPU 0 are settled (kernel loaded and calibrated,
+    or DMA only); returns their state."""
+    import time
+
+    end = time.monotonic() + deadline_s
+    while True:
+        paths = client.stats()["gpu"].get("copy_paths", {}).get("0", {})
+        state = str(paths.get("state", ""))
+        if state and state != "calibrating":
+            return state
+        assert time.monotonic() < end, f"copy paths not settled after {deadline_s} s: {paths}"
+        time.sleep(0.05)
+
+
 def wait_done(w: kvoffload.Worker, job_id: int) -> kvoffload.TransferResult:
     """The job's result, waited for by the daemon (Worker.wait has its own deadline)."""
     w.wait([job_id])
@@ -70,6 +85,7 @@ def store(
     seed: int,
     shared_buffer: bool = False,
     late_write: bool = False,
+    settle_paths: bool = False,
 ) -> None:
     """Store n_blocks offloaded blocks from engine blocks 0.. of seeded GPU caches.
 
@@ -88,6 +104,8 @@ def store(
         caches = make_caches(pages, seed, shared_buffer)
         torch.cuda.synchronize()
     w = ns.attach_worker(caches)
+    if settle_paths:
+        wait_copy_paths(client)
     ks = keys(ns_name.encode(), n_blocks)
     plan = ns.prepare_store(ks)
     assert plan is not None and plan.keys_to_store == ks

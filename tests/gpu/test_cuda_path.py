@@ -121,13 +121,39 @@ def test_expandable_segments_are_refused(gpu_daemon: DaemonProcess) -> None:
     assert gpu_daemon.alive
 
 
-def test_region_is_pinned_and_copies_are_batched(gpu_daemon: DaemonProcess) -> None:
+def wait_pinned(sock: str) -> None:
     deadline = time.monotonic() + 60
-    while (st := gpu_stats(gpu_daemon.socket_path))["pinned_bytes"] < st["pin_target_bytes"]:
+    while (st := gpu_stats(sock))["pinned_bytes"] < st["pin_target_bytes"]:
         assert not st["pin_error"], st
         assert time.monotonic() < deadline, st
         time.sleep(0.1)
+
+
+def test_region_is_pinned_and_copies_are_batched(gpu_daemon: DaemonProcess) -> None:
+    wait_pinned(gpu_daemon.socket_path)
     run_in_engine(eng.store, gpu_daemon.socket_path, "batched", [32768], 1, 16, 1, False)
     st = gpu_stats(gpu_daemon.socket_path)
     if st["batched_copies"]:
         assert st["batched_jobs_total"] >= 1, st
+
+
+@pytest.mark.parametrize("mode", ["always", "off"])
+def test_the_kernel_path_moves_the_same_bytes_as_dma(mode: str) -> None:
+    """Stores and loads with every aligned run through the gather kernel ("always"),
+    or none ("off"): both byte-exact. Runs of the 1028-byte pages are not 16-byte long, so
+    a kernel job copies them with DMA in the same job."""
+    pages = [8192, 4096, 1028]
+    with DaemonProcess("1GiB", "--log-level", "info", settings={"gpu_kernel": mode}) as d:
+        sock = d.socket_path
+        wait_pinned(sock)
+        run_in_engine(eng.store, sock, "kernel", pages, 2, 40, 21, False, False, True)
+        bad = run_in_engine(eng.load_and_compare, sock, "kernel", pages, 2, 40, 21, 1)
+        st = gpu_stats(sock)
+        assert bad == 0
+        assert st["copy_paths"]["0"]["state"] == ("ready" if mode == "always" else "off"), st
+        if mode == "always":
+            assert st["kernel_jobs_total"] == 2 and st["kernel_bytes_total"] > 0, st
+            assert st["batched_jobs_total"] + st["looped_jobs_total"] == 2, st  # 1028 B pages
+        else:
+            assert st["kernel_jobs_total"] == 0, st
+        assert d.stop() == 0

@@ -6,12 +6,19 @@ they can: a stream stops at a wait on an event that has not completed, exactly t
 ordering a real CUDA stream gives. ``hold``/``release`` model an engine whose kernels
 are still running. IPC handles and event handles are opaque 64-byte tokens, so the
 daemon code under test cannot tell the fake from the driver.
+
+Modules load the shipped PTX: the fake reads each ``.entry``'s parameter count and
+``.maxntid`` from it and refuses launches that do not match. A launch of the gather
+kernel runs, in stream order, what gather.cu does: it reads the tile records from
+"device memory" and copies every tile, so the descriptors the daemon plans are checked
+byte for byte.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -34,6 +41,9 @@ class FakeCuda:
         has_batch: bool = True,
         ipc_capable: bool = True,
         fail_register_at: int | None = None,
+        multiprocessors: int = 4,
+        host_pointer_ok: bool = True,
+        module_error: str = "",
     ) -> None:
         self.uuids = list(uuids)
         self.has_batch = has_batch
@@ -49,6 +59,11 @@ class FakeCuda:
         self._cv = threading.Condition()
         self.registered: list[tuple[int, int]] = []
         self.calls: Counter[str] = Counter()
+        self.attributes = {16: multiprocessors, 75: 8, 91: int(host_pointer_ok)}
+        self._module_error = module_error
+        self._modules: dict[int, dict[str, tuple[int, int]]] = {}  # entry: (params, maxntid)
+        self._functions: dict[int, tuple[int, str]] = {}
+        self.launches: list[tuple[int, int, int]] = []  # (grid, block, tiles)
 
     # ------------------------------------------------------------ test helpers
 
@@ -85,9 +100,19 @@ class FakeCuda:
                     progress = True
                     if op[0] == "copy":
                         ctypes.memmove(op[1], op[2], op[3])
+                    elif op[0] == "gather":
+                        self._gather(op[1], op[2])
                     elif op[0] == "record":
                         self._done[op[1]] = True
         self._cv.notify_all()
+
+    def _gather(self, tiles_ptr: int, num_tiles: int) -> None:
+        """What gather.cu's kvo_gather does, on host memory."""
+        records = np.ctypeslib.as_array(
+            (ctypes.c_uint64 * (3 * num_tiles)).from_address(tiles_ptr)
+        ).reshape(num_tiles, 3)
+        for dst, src, n in records.tolist():
+            ctypes.memmove(dst, src, n)
 
     def _enqueue(self, stream: int, *op: Any) -> None:
         with self._cv:
@@ -158,6 +183,7 @@ class FakeCuda:
             self._run_all()
 
     def event_synchronize(self, event: int) -> None:
+        self.calls["event_synchronize"] += 1
         with self._cv:
             if not self._cv.wait_for(lambda: self._done[event], timeout=DEADLINE_S):
                 raise CudaError("cuEventSynchronize", 702, "CUDA_ERROR_LAUNCH_TIMEOUT")
@@ -197,6 +223,56 @@ class FakeCuda:
 
     def host_unregister(self, ptr: int) -> None:
         self.registered = [r for r in self.registered if r[0] != ptr]
+
+    def device_attribute(self, ordinal: int, attr: int) -> int:
+        return self.attributes[attr]
+
+    def mem_alloc(self, nbytes: int) -> int:
+        self.calls["mem_alloc"] += 1
+        return int(self.alloc(nbytes).ctypes.data)
+
+    def mem_free(self, ptr: int) -> None:
+        self.calls["mem_free"] += 1
+        del self._allocs[ptr]
+
+    def host_alloc(self, nbytes: int) -> int:
+        self.calls["host_alloc"] += 1
+        return int(self.alloc(nbytes).ctypes.data)
+
+    def host_free(self, ptr: int) -> None:
+        self.calls["host_free"] += 1
+        del self._allocs[ptr]
+
+    def module_load_data(self, image: bytes) -> int:
+        if self._module_error:
+            raise CudaError("cuModuleLoadData", 222, self._module_error)
+        text = image.decode()
+        entries = {}
+        for m in re.finditer(r"\.entry (\w+)\(([^)]*)\)\s*(?:\.maxntid (\d+))?", text):
+            entries[m.group(1)] = (m.group(2).count(".param"), int(m.group(3) or 1024))
+        module = next(self._ids)
+        self._modules[module] = entries
+        return module
+
+    def module_unload(self, module: int) -> None:
+        del self._modules[module]
+
+    def module_get_function(self, module: int, name: str) -> int:
+        if name not in self._modules[module]:
+            raise CudaError("cuModuleGetFunction", 500, "CUDA_ERROR_NOT_FOUND")
+        fn = next(self._ids)
+        self._functions[fn] = (module, name)
+        return fn
+
+    def launch_kernel(
+        self, function: int, grid: int, block: int, stream: int, args: tuple[int, ...]
+    ) -> None:
+        module, name = self._functions[function]
+        params, maxntid = self._modules[module][name]
+        if len(args) != params or not 0 < block <= maxntid or grid <= 0:
+            raise CudaError("cuLaunchKernel", 1, "CUDA_ERROR_INVALID_VALUE")
+        self.launches.append((grid, block, args[1]))
+        self._enqueue(stream, "gather", args[0], args[1])
 
 
 @dataclass

@@ -136,7 +136,13 @@ class Rig:
         return self.svc.on_completions(self.copier.drain()) if r else []
 
 
-def make_rig(fake: FakeCuda, pin: bool = True, verify: bool = False) -> Iterator[Rig]:
+def make_rig(
+    fake: FakeCuda,
+    pin: bool = True,
+    verify: bool = False,
+    kernel_mode: str = "off",
+    calibration: dict[str, object] | None = None,
+) -> Iterator[Rig]:
     cfg = DaemonConfig(
         instance=f"g{uuid.uuid4().hex[:8]}",
         region_size="32MiB",
@@ -151,7 +157,7 @@ def make_rig(fake: FakeCuda, pin: bool = True, verify: bool = False) -> Iterator
     if pin:
         pinner.start()
         assert pinner.done.wait(10)
-    gpu = GpuRuntime(fake, copier.sink, base, pinner)
+    gpu = GpuRuntime(fake, copier.sink, base, pinner, kernel_mode, calibration)
     svc = Service(cfg, region, copier, gpu)
     yield Rig(fake, svc, copier, pinner)
     gpu.close()

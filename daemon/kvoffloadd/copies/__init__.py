@@ -7,5 +7,6 @@ Rules:
 - No thread here touches daemon metadata; memory behind a job's addresses stays
   mapped until its completion is drained on the loop.
 - Engine memory the daemon cannot seal is only touched by the kernel (``fdcopy``).
-- CUDA is reached through the driver API only (``kvoffload.cuda.driver``), no toolkit.
+- CUDA is reached through the driver API only (``kvoffload.cuda.driver``), no toolkit;
+  the one kernel (``gather.cu``) ships as PTX that the driver compiles at load.
 """

@@ -10,11 +10,9 @@ Rules:
 - Import checks every row the daemon may touch against the imported allocation's size
   (invariant 4), exactly as the CPU path checks a memfd's size.
 - Per GPU there are two lanes, stores (to the region) and loads (to the GPU), each with
-  its own stream, an issuing thread and a completion thread. A store's stream first
-  waits on the engine's interprocess event. Each transfer is one batched copy
-  (cuMemcpyBatchAsync) when the driver has it and the region part it touches is pinned,
-  else a cuMemcpyAsync loop. A completion is posted only after the stream passed the
-  job's event, so memory is never released under a running copy, even after errors.
+  its own stream, an issuing thread and a completion thread (``lanes``). Each device's
+  copy paths (the gather kernel for small runs, DMA for the rest) are calibrated on it
+  when its first worker attaches (``calibrate``); until then its lanes copy with DMA.
 - Only the loop thread calls ``attach``/``submit``; lane threads touch no metadata.
   A transfer comes as a ``JobPlan``: its issuing thread builds the runs and cuts them
   at pinning-chunk boundaries, off the loop.
@@ -24,11 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,8 +41,10 @@ from kvoffload.datapath.copyplan import CacheGeometry, JobPlan, split_at_boundar
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
 from kvoffloadd.config import DaemonConfig
-from kvoffloadd.copies.copier import ChecksumCheck, CompletionSink, finished
+from kvoffloadd.copies.calibrate import DevicePaths
+from kvoffloadd.copies.copier import ChecksumCheck, CompletionSink
 from kvoffloadd.copies.imports import check_desc
+from kvoffloadd.copies.lanes import CopyLane, GpuJob
 from kvoffloadd.copies.workers import ImportedCache
 from kvoffloadd.region.pinning import RegionPinner, plan_chunks
 from kvoffloadd.region.region import SharedOffloadRegion
@@ -74,124 +73,6 @@ class _Import:
     refs: int
 
 
-@dataclass
-class GpuJob:
-    token: int
-    dst: I64
-    src: I64
-    nbytes: I64
-    wait_event: int
-    region_end_bytes: int  # one past the highest region offset the job touches
-    started_s: float
-    check: ChecksumCheck | None = None
-    corrupt: list[int] = field(default_factory=list)
-    plan: JobPlan | None = None  # built into dst/src/nbytes by the issuing thread
-
-
-class CopyLane:
-    """One direction on one GPU: one stream, an issuing and a completing thread.
-
-    One stream per direction on purpose: spreading a transfer over 2 or 4 streams
-    made 32 KiB-page copies 20-40% slower on an H100 (measured with ``make bench``).
-    """
-
-    def __init__(
-        self,
-        api: CudaApi,
-        ordinal: int,
-        to_host: bool,
-        sink: CompletionSink,
-        batch_ok: Callable[[GpuJob], bool],
-        prepare: Callable[[GpuJob], None] = lambda job: None,
-    ) -> None:
-        self._api, self.ordinal, self.to_host = api, ordinal, to_host
-        self._sink, self._batch_ok, self._prepare = sink, batch_ok, prepare
-        self._jobs: queue.SimpleQueue[GpuJob | None] = queue.SimpleQueue()
-        # (job, completion event or 0, enqueued without error)
-        self._issued: queue.SimpleQueue[tuple[GpuJob, int, bool] | None] = queue.SimpleQueue()
-        self._free_events: queue.SimpleQueue[int] = queue.SimpleQueue()
-        name = f"kvoffload-gpu{ordinal}-{'store' if to_host else 'load'}"
-        self._waiter = threading.Thread(target=self._complete, name=f"{name}-done", daemon=True)
-        self._issuer = threading.Thread(target=self._issue, name=name, daemon=True)
-        self.batched_jobs = self.looped_jobs = 0
-        self._waiter.start()
-        self._issuer.start()
-
-    def submit(self, job: GpuJob) -> None:
-        self._jobs.put(job)
-
-    def _event(self) -> int:
-        try:
-            return self._free_events.get_nowait()
-        except queue.Empty:
-            return self._api.event_create()
-
-    def _enqueue(self, job: GpuJob, stream: int) -> None:
-        api = self._api
-        self._prepare(job)
-        if job.check is not None and job.check.expected is not None:
-            job.corrupt = job.check.mismatches()  # verify the region before loading
-            if job.corrupt:
-                return
-        if job.wait_event:
-            api.stream_wait_event(stream, job.wait_event)
-        if self._batch_ok(job):
-            api.memcpy_batch_async(job.dst, job.src, job.nbytes, stream, self.ordinal, self.to_host)
-            self.batched_jobs += 1
-        else:
-            for d, s, n in zip(job.dst.tolist(), job.src.tolist(), job.nbytes.tolist()):
-                api.memcpy_async(d, s, n, stream)
-            self.looped_jobs += 1
-
-    def _issue(self) -> None:
-        api = self._api
-        api.set_device(self.ordinal)
-        stream = api.stream_create()
-        while (job := self._jobs.get()) is not None:
-            ok = True
-            event = 0
-            try:
-                self._enqueue(job, stream)
-            except CudaError as exc:
-                log.error("GPU %d copy job %d failed: %s", self.ordinal, job.token, exc)
-                ok = False
-            except Exception:  # building its runs failed: the job fails, the lane goes on
-                log.exception("GPU %d copy job %d could not be planned", self.ordinal, job.token)
-                ok = False
-            try:  # even after a failure: completion waits for what was enqueued
-                event = self._event()
-                api.event_record(event, stream)
-            except CudaError as exc:
-                log.error("GPU %d cannot record a completion event: %s", self.ordinal, exc)
-                ok = False
-            self._issued.put((job, event, ok))
-        self._issued.put(None)
-        self._waiter.join()
-        with contextlib.suppress(CudaError, queue.Empty):
-            while True:
-                api.event_destroy(self._free_events.get_nowait())
-        with contextlib.suppress(CudaError):
-            api.stream_destroy(stream)
-
-    def _complete(self) -> None:
-        self._api.set_device(self.ordinal)
-        while (item := self._issued.get()) is not None:
-            job, event, ok = item
-            if event:
-                try:
-                    self._api.event_synchronize(event)
-                except CudaError as exc:
-                    log.error("GPU %d copy job %d failed: %s", self.ordinal, job.token, exc)
-                    ok = False
-                self._free_events.put(event)
-            nbytes = int(job.nbytes.sum())
-            self._sink.post(finished(job.token, ok, nbytes, job.started_s, job.check, job.corrupt))
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._issuer.join()
-
-
 class GpuRuntime:
     """The daemon's GPUs: UUID map, imported handles and copy lanes (loop thread)."""
 
@@ -201,15 +82,20 @@ class GpuRuntime:
         sink: CompletionSink,
         region_base: int,
         pinner: RegionPinner,
+        kernel_mode: str = "off",
+        calibration: dict[str, Any] | None = None,
     ) -> None:
         self.api = api
         self.pinner = pinner
+        self.kernel_mode = kernel_mode
+        self._calibration = calibration or {}  # keyword arguments of calibrate()
         self._sink = sink
         self._region_base = region_base
         self._boundary_bytes = max(1, pinner.chunk_bytes)
         self.ordinals = {api.device_uuid(i): i for i in range(api.device_count())}
         self._imports: dict[tuple[int, bytes], _Import] = {}
         self._lanes: dict[tuple[int, bool], CopyLane] = {}
+        self.paths: dict[int, DevicePaths] = {}
 
     @property
     def open_handles(self) -> int:
@@ -291,6 +177,7 @@ class GpuRuntime:
             for c in caches:
                 c.close()
             raise
+        self.device_paths(ordinal)  # calibrated by the time copies come, mostly
         return ordinal, caches, event
 
     def release_event(self, ordinal: int, event: int) -> None:
@@ -300,16 +187,28 @@ class GpuRuntime:
 
     # ------------------------------------------------------------ copies
 
+    def device_paths(self, ordinal: int) -> DevicePaths:
+        """The device's copy paths; the first call starts their calibration."""
+        paths = self.paths.get(ordinal)
+        if paths is None:
+            paths = self.paths[ordinal] = DevicePaths(ordinal, self.kernel_mode)
+            paths.start(self.api, **self._calibration)
+        return paths
+
     def _lane(self, ordinal: int, to_host: bool) -> CopyLane:
         lane = self._lanes.get((ordinal, to_host))
         if lane is None:
-            lane = CopyLane(self.api, ordinal, to_host, self._sink, self._batch_ok, self._prepare)
+            paths = self.device_paths(ordinal)
+            lane = CopyLane(
+                self.api, ordinal, to_host, self._sink, self._pinned, self._prepare, paths
+            )
             self._lanes[(ordinal, to_host)] = lane
         return lane
 
-    def _batch_ok(self, job: GpuJob) -> bool:
-        """Batched only where the region part is pinned (registration is in order)."""
-        return self.api.has_batch and job.region_end_bytes <= self.pinner.pinned_bytes
+    def _pinned(self, job: GpuJob) -> bool:
+        """Whether the region part a job touches is pinned (registration is in order):
+        batched copies and the kernel need it."""
+        return job.region_end_bytes <= self.pinner.pinned_bytes
 
     def submit(
         self, ordinal: int, token: int, plan: JobPlan, wait: int, check: ChecksumCheck | None
@@ -341,11 +240,18 @@ class GpuRuntime:
         lanes = self._lanes.values()
         return sum(x.batched_jobs for x in lanes), sum(x.looped_jobs for x in lanes)
 
+    def kernel_counts(self) -> tuple[int, int]:
+        """(jobs that launched the gather kernel, bytes it copied)."""
+        lanes = self._lanes.values()
+        return sum(x.kernel_jobs for x in lanes), sum(x.kernel_bytes for x in lanes)
+
     def close(self) -> None:
-        """Stop the lanes (after their queued copies) and unpin the region."""
+        """Stop the lanes (after their queued copies), the calibrations, and unpin."""
         for lane in self._lanes.values():
             lane.close()
         self._lanes.clear()
+        for paths in self.paths.values():
+            paths.close(self.api)
         self.pinner.close()
 
 
@@ -365,7 +271,7 @@ def start_gpu(
         base = int(region.buffer.ctypes.data) + g.data_offset
         chunks = plan_chunks(g.num_extents * g.extent_bytes, g.extent_bytes)
         pinner = RegionPinner(api, base, chunks, before=region.wait_prefault)
-        runtime = GpuRuntime(api, sink, base, pinner)
+        runtime = GpuRuntime(api, sink, base, pinner, cfg.gpu_kernel)
     except CudaError as exc:
         return None, f"CUDA is not usable: {exc}"
     if cfg.pin_region:
@@ -373,10 +279,11 @@ def start_gpu(
     else:
         pinner.done.set()
     log.info(
-        "GPU copies enabled on %s (driver %d, batched copies: %s)",
+        "GPU copies enabled on %s (driver %d, batched copies: %s, copy kernel: %s)",
         ", ".join(runtime.describe()),
         getattr(api, "driver_version", 0),
         "yes" if api.has_batch else "no",
+        cfg.gpu_kernel,
     )
     return runtime, ""
 

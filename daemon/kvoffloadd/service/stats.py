@@ -203,6 +203,7 @@ def gpu_stats(svc: Service) -> dict[str, Any]:
     if gpu is None:
         return {"enabled": False, "reason": svc.gpu_unavailable}
     batched, looped = gpu.lane_counts()
+    kernel_jobs, kernel_bytes = gpu.kernel_counts()
     return {
         "enabled": True,
         "devices": gpu.describe(),
@@ -215,6 +216,10 @@ def gpu_stats(svc: Service) -> dict[str, Any]:
         "pin_error": gpu.pinner.error,
         "batched_jobs_total": batched,
         "looped_jobs_total": looped,
+        "kernel_mode": gpu.kernel_mode,
+        "kernel_jobs_total": kernel_jobs,
+        "kernel_bytes_total": kernel_bytes,
+        "copy_paths": {str(i): p.describe() for i, p in sorted(gpu.paths.items())},
     }
 
 

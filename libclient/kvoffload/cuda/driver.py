@@ -11,6 +11,9 @@ Rules:
 - A failed call raises ``CudaError`` naming the call and the driver's error name.
 - ``set_device`` makes a device's primary context (the one PyTorch uses) current on the
   calling thread; call it once per thread before any other call for that device.
+- Kernels come as PTX the project ships, loaded with ``module_load_data`` (the driver
+  compiles it for the device) and launched with ``launch_kernel``; their arguments are
+  64-bit integers only.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ _EVENT_DISABLE_TIMING = 2
 _EVENT_INTERPROCESS = 4
 _STREAM_NON_BLOCKING = 1
 _HOST_REGISTER_PORTABLE = 1
+_HOST_REGISTER_DEVICEMAP = 2  # the GPU may read and write it (copy kernels)
+_HOST_ALLOC_PORTABLE = 1
+_HOST_ALLOC_DEVICEMAP = 2
 _ATTR_IS_LEGACY_IPC_CAPABLE = 10
 _ATTR_RANGE_START = 11
 _ATTR_RANGE_SIZE = 12
@@ -38,6 +44,10 @@ _SRC_ACCESS_ORDER_STREAM = 1
 _SRC_ACCESS_ORDER_ANY = 3
 _LOCATION_DEVICE = 1
 _LOCATION_HOST = 2
+# Device attributes (CUdevice_attribute)
+ATTR_MULTIPROCESSOR_COUNT = 16
+ATTR_COMPUTE_CAPABILITY_MAJOR = 75
+ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 # Descriptors per cuMemcpyBatchAsync call: bounded so one call never builds huge arrays.
 BATCH_MAX = 8192
 
@@ -79,6 +89,17 @@ class CudaApi(Protocol):
     ) -> None: ...
     def host_register(self, ptr: int, nbytes: int) -> None: ...
     def host_unregister(self, ptr: int) -> None: ...
+    def device_attribute(self, ordinal: int, attr: int) -> int: ...
+    def mem_alloc(self, nbytes: int) -> int: ...
+    def mem_free(self, ptr: int) -> None: ...
+    def host_alloc(self, nbytes: int) -> int: ...
+    def host_free(self, ptr: int) -> None: ...
+    def module_load_data(self, image: bytes) -> int: ...
+    def module_unload(self, module: int) -> None: ...
+    def module_get_function(self, module: int, name: str) -> int: ...
+    def launch_kernel(
+        self, function: int, grid: int, block: int, stream: int, args: tuple[int, ...]
+    ) -> None: ...
 
 
 class _Handle(ctypes.Structure):
@@ -293,13 +314,83 @@ class DriverApi:
             self._check("cuMemcpyBatchAsync", rc)
 
     def host_register(self, ptr: int, nbytes: int) -> None:
+        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP
         self._check(
-            "cuMemHostRegister",
-            self._lib.cuMemHostRegister_v2(_vp(ptr), _sz(nbytes), _HOST_REGISTER_PORTABLE),
+            "cuMemHostRegister", self._lib.cuMemHostRegister_v2(_vp(ptr), _sz(nbytes), flags)
         )
 
     def host_unregister(self, ptr: int) -> None:
         self._check("cuMemHostUnregister", self._lib.cuMemHostUnregister(_vp(ptr)))
+
+    # -------------------------------------------------------------- memory and kernels
+
+    def device_attribute(self, ordinal: int, attr: int) -> int:
+        out = ctypes.c_int()
+        self._check(
+            "cuDeviceGetAttribute",
+            self._lib.cuDeviceGetAttribute(ctypes.byref(out), attr, self._device(ordinal)),
+        )
+        return out.value
+
+    def mem_alloc(self, nbytes: int) -> int:
+        ptr = _u64()
+        self._check("cuMemAlloc", self._lib.cuMemAlloc_v2(ctypes.byref(ptr), _sz(nbytes)))
+        return ptr.value
+
+    def mem_free(self, ptr: int) -> None:
+        self._check("cuMemFree", self._lib.cuMemFree_v2(_u64(ptr)))
+
+    def host_alloc(self, nbytes: int) -> int:
+        """Pinned host memory the GPU reaches at the same address."""
+        ptr = _vp()
+        flags = _HOST_ALLOC_PORTABLE | _HOST_ALLOC_DEVICEMAP
+        self._check(
+            "cuMemHostAlloc", self._lib.cuMemHostAlloc(ctypes.byref(ptr), _sz(nbytes), flags)
+        )
+        return int(ptr.value or 0)
+
+    def host_free(self, ptr: int) -> None:
+        self._check("cuMemFreeHost", self._lib.cuMemFreeHost(_vp(ptr)))
+
+    def module_load_data(self, image: bytes) -> int:
+        """Load a module from PTX (NUL-terminated here) or a cubin, in the current context."""
+        mod = _vp()
+        data = ctypes.create_string_buffer(image + b"\0")
+        self._check("cuModuleLoadData", self._lib.cuModuleLoadData(ctypes.byref(mod), data))
+        return int(mod.value or 0)
+
+    def module_unload(self, module: int) -> None:
+        self._check("cuModuleUnload", self._lib.cuModuleUnload(_vp(module)))
+
+    def module_get_function(self, module: int, name: str) -> int:
+        fn = _vp()
+        self._check(
+            "cuModuleGetFunction",
+            self._lib.cuModuleGetFunction(ctypes.byref(fn), _vp(module), name.encode()),
+        )
+        return int(fn.value or 0)
+
+    def launch_kernel(
+        self, function: int, grid: int, block: int, stream: int, args: tuple[int, ...]
+    ) -> None:
+        values = [_u64(a) for a in args]
+        params = (_vp * len(values))(*(ctypes.addressof(v) for v in values))
+        self._check(
+            "cuLaunchKernel",
+            self._lib.cuLaunchKernel(
+                _vp(function),
+                ctypes.c_uint(grid),
+                ctypes.c_uint(1),
+                ctypes.c_uint(1),
+                ctypes.c_uint(block),
+                ctypes.c_uint(1),
+                ctypes.c_uint(1),
+                ctypes.c_uint(0),
+                _vp(stream),
+                params,
+                None,
+            ),
+        )
 
 
 _driver: DriverApi | None = None
