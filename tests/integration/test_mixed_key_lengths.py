@@ -1,12 +1,13 @@
 """Keys of two lengths in one namespace: found while writing issue 35's tests, not one
 of its findings.
 
-A namespace's keys need not all have one length (a vLLM and an SGLang engine, or a
-client that lies, may share one), but every packed key field of the protocol has one
-``key_bytes``. One eviction that takes keys of both lengths makes the daemon pack
+Every packed key field of the protocol has one ``key_bytes``. When a namespace could
+hold keys of two lengths, one eviction that took keys of both made the daemon pack
 them together: for a connection mirroring the namespace by push (``SyncKeys(push=
-True)``) the loop's feed pushes raise ``ValueError`` outside any request's handler,
-and the daemon exits (status 1). One uid does it alone, in its own namespace.
+True)``) the loop's feed pushes raised ``ValueError`` outside any request's handler,
+and the daemon exited (status 1). One uid did it alone, in its own namespace. A
+namespace's keys now all have the first stored key's length; a store of another
+length is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from test_isolation import start
 
 import kvoffload
 from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import KVOffloadError
 
 PAGE = 64 * 1024
 
@@ -39,9 +41,11 @@ def run() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def evict_two_lengths(sock: str, hold: Hold) -> str:
-    """Mirror a namespace by push, fill it with keys of 8 and 16 bytes, then store
-    as many new keys: the eviction takes keys of both lengths at once."""
+def evict_two_lengths(sock: str, hold: Hold) -> tuple[str, str]:
+    """Mirror a namespace by push, fill half of it with keys of 8 bytes, try to fill
+    the rest with keys of 16, then store a region's worth of new keys: the eviction
+    would take keys of both lengths at once. What the 16-byte store and the last store
+    got."""
     mirror = Liar(sock)
     ns_id = mirror.open("mixed", m.KVLayout([PAGE])).ns
     mirror.call(m.SyncKeys(0, ns_id, push=True))
@@ -52,29 +56,34 @@ def evict_two_lengths(sock: str, hold: Hold) -> str:
         w = ns.attach_worker([kvoffload.shared_kv_cache(capacity, PAGE)])
         half = capacity // 2
         short = [b"s%07d" % i for i in range(half)]
-        long = [b"long%012d" % i for i in range(capacity - half)]
-        for job, keys in enumerate((short, long)):
-            plan = ns.prepare_store(keys)
-            assert plan is not None and w.submit_store(job, np.arange(len(keys)), plan.slots)
-            w.wait([job])
-            w.get_finished()
-            ns.complete_store(keys)
+        plan = ns.prepare_store(short)
+        assert plan is not None and w.submit_store(0, np.arange(half), plan.slots)
+        w.wait([0])
+        w.get_finished()
+        ns.complete_store(short)
         try:
-            ns.prepare_store([b"n%07d" % i for i in range(capacity)])
-            got = "planned"
+            ns.prepare_store([b"long%012d" % i for i in range(capacity - half)])
+            other = "planned"
+        except KVOffloadError as exc:
+            other = exc.code.name
+        try:  # evicts the 8-byte keys (held for the mirror: the plan may come later)
+            plan = ns.prepare_store([b"n%07d" % i for i in range(half)])
+            got = "planned" if plan else "evicted, space held for the mirror"
         except Exception as exc:
             got = type(exc).__name__
         hold()
     mirror.close()
-    return got
+    return other, got
 
 
 def test_an_eviction_of_keys_of_two_lengths_never_stops_the_daemon(run: Path) -> None:
     sock = str(run / "k.sock")
     with start(run, "32MiB", "max_writing_fraction = 1.0\n") as d:
         with Measure("an eviction of keys of two lengths", d) as f:
-            got = f.attack(lambda hold: evict_two_lengths(sock, hold))
-            f.note(f"the evicting store: {got}; the daemon alive: {d.alive()}")
+            other, got = f.attack(lambda hold: evict_two_lengths(sock, hold))
+            f.note(f"the store of another length: {other}; the daemon alive: {d.alive()}")
         assert d.alive(), "the daemon exited"
+        assert other == "INVALID_ARGUMENT"
+        assert got in ("planned", "evicted, space held for the mirror"), got
         with kvoffload.connect(sock) as c:
             assert c.ping() > 0

@@ -309,7 +309,7 @@ def test_a_hole_a_reclaim_left_survives_a_warm_restart() -> None:
         top = np.asarray([before[keys[4]]], dtype=np.int64)
         assert smap.offsets(top).tolist() == index.slots.region_offsets(top).tolist()
         s2 = session(svc, 2)
-        refill = prepare(svc, s2, open_ns_layout(svc, s2, "h", layout), [b"new-0", b"new-1"])
+        refill = prepare(svc, s2, open_ns_layout(svc, s2, "h", layout), [b"n-0000", b"n-0001"])
         assert sorted(refill) == [2, 3]  # the hole's ids, now on an extent again
 
 

@@ -82,6 +82,10 @@ class NamespaceIndex(StoreIndex):
         """An engine stores ``keys`` into its leased ``slots``; returns refused claims."""
         get, refused, now = self._policy.get, 0, self.clock()
         claimed = 0
+        if keys and len(keys[0]) != self.key_bytes:
+            if self.key_bytes:
+                return len(keys)  # keys of another length: refused, counted
+            self.key_bytes = len(keys[0])
         for key, slot in zip(keys, slots):
             if not self.leases.claim(token, slot, now):
                 refused += 1  # not (or no longer) this engine's lease
@@ -367,6 +371,8 @@ class NamespaceIndex(StoreIndex):
     def restore(self, blocks: list[tuple[int, bytes]]) -> None:
         """Re-insert completed stores found in a kept region, oldest first (warm restart)."""
         self._allocate(0)
+        if blocks:
+            self.key_bytes = len(blocks[0][1])  # recovery kept one length only
         for slot, key in blocks:
             block = Block(slot)
             block.ref = 0

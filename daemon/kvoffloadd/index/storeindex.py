@@ -18,6 +18,10 @@ so that engines see exactly the behaviour of the built-in offloader:
   parts each write some fragments of the one area: once all of them reported
   (``mark_parts``), the service checks that what they copied covers every page
   (``seal``), and only then does the area count as written.
+- A namespace's keys all have one length, the first stored key's: every packed key
+  field of the protocol (a feed event, a plan's evicted keys) has one ``key_bytes``.
+  A store of keys of another length is refused (INVALID_ARGUMENT); lookups of them
+  simply miss.
 - Every block being written belongs to the client that prepared or claimed it. One
   client, and all clients of one uid together, may have ``max_writing_per_client``
   blocks in flight (being written, leased empty, or claimed as a duplicate), all
@@ -127,6 +131,7 @@ class StoreIndex:
         self._waiting: dict[int, float] = {}  # committed slot -> deadline for its copies
         self._writers: dict[bytes, int] = {}
         self._writes_of: dict[int, set[bytes]] = {}  # client -> keys it is writing
+        self.key_bytes = 0  # the length of every key here (0: none stored yet)
         # blocks in flight per uid (written, leased empty, duplicates); ``uid_of`` is
         # the service's (alone, every client is a uid of its own)
         self._inflight_by_uid: Counter[int] = Counter()
@@ -172,7 +177,18 @@ class StoreIndex:
             self._lookup_misses += 1
         return hits
 
+    def check_key_bytes(self, key_bytes: int) -> None:
+        """Keys of this length may be stored here (the first store fixes the length)."""
+        if key_bytes != self.key_bytes:
+            if self.key_bytes:
+                raise InvalidArgumentError(
+                    f"namespace {self.name!r} holds keys of {self.key_bytes} bytes, not {key_bytes}"
+                )
+            self.key_bytes = key_bytes
+
     def prepare_store(self, keys: Sequence[bytes], client: int, token: int = 0) -> StorePlan | None:
+        if keys:
+            self.check_key_bytes(len(keys[0]))
         get = self._policy.get
         to_store = [k for k in dict.fromkeys(keys) if get(k) is None]
         if not to_store:

@@ -284,8 +284,13 @@ class NamespaceTable:
             index = self._new_index(
                 rec.ns_id, rec.name, rec.layout, rec.fingerprint, slot_bytes, rec.creator_uid
             )
-            index.slots.adopt(rec.extents, {slot for slot, _ in rec.blocks})
-            index.restore(rec.blocks)
+            one = len(rec.blocks[0][1]) if rec.blocks else 0
+            blocks = [(slot, key) for slot, key in rec.blocks if len(key) == one]
+            if len(blocks) < len(rec.blocks):
+                log.warning("namespace %s: %d kept keys of another length are dropped",
+                            rec.name, len(rec.blocks) - len(blocks))  # fmt: skip
+            index.slots.adopt(rec.extents, {slot for slot, _ in blocks})
+            index.restore(blocks)
             log.info("recovered namespace %s: %d blocks", rec.name, len(rec.blocks))
         pool = self.region.pool
         orphans = [e for e, o in enumerate(pool.owner) if o is not None and o not in self.by_id]
