@@ -31,7 +31,13 @@ from kvoffload.protocol.errors import (
     NoSpaceError,
     QuotaExceededError,
 )
-from kvoffload.protocol.messages import KVLayout, pack_keys, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import (
+    MAX_STATE_KEYS,
+    KVLayout,
+    pack_keys,
+    unpack_ids,
+    unpack_keys,
+)
 from kvoffload.worker import Worker
 
 if TYPE_CHECKING:
@@ -192,36 +198,57 @@ class Namespace:
         """Lease slots for the keys not stored yet; None when there is no space.
 
         None also when the namespace's quota is full and nothing of its own can be
-        evicted (``QUOTA_EXCEEDED``); the reason stays in ``last_error``.
+        evicted (``QUOTA_EXCEEDED``); the reason stays in ``last_error``. More than
+        ``MAX_STATE_KEYS`` keys go in several calls, all or nothing: a part that
+        finds no space fails the parts planned before it.
         """
-        try:
-            r = self._keys_call(m.PrepareStore, keys, m.StorePlanReply)
+        plans: list[m.StorePlanReply] = []
+        try:  # a part that fails leaves the parts before it in ``plans``
+            plans.extend(
+                self._keys_call(m.PrepareStore, part, m.StorePlanReply) for part in _parts(keys)
+            )
         except (NoSpaceError, QuotaExceededError, DaemonUnavailableError) as exc:
             self.last_error = exc
+            planned = [k for r in plans for k in unpack_keys(r.keys, r.key_bytes)]
+            self.complete_store(planned, success=False)
             return None
+        except BaseException:
+            planned = [k for r in plans for k in unpack_keys(r.keys, r.key_bytes)]
+            self.complete_store(planned, success=False)
+            raise
         return StorePlan(
-            unpack_keys(r.keys, r.key_bytes),
-            unpack_ids(r.slots).tolist(),
-            unpack_keys(r.evicted_keys, r.key_bytes),
-            r.lease,
+            [k for r in plans for k in unpack_keys(r.keys, r.key_bytes)],
+            [s for r in plans for s in unpack_ids(r.slots).tolist()],
+            [k for r in plans for k in unpack_keys(r.evicted_keys, r.key_bytes)],
+            plans[-1].lease if plans else 0,
         )
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
-        if keys:
-            # Without the daemon there is nothing to complete: it failed these stores
-            # when the connection dropped.
-            with contextlib.suppress(DaemonUnavailableError):
-                self._keys_call(m.CompleteStore, keys, m.OkReply, success)
+        # Without the daemon there is nothing to complete: it failed these stores when
+        # the connection dropped.
+        with contextlib.suppress(DaemonUnavailableError):
+            for part in _parts(keys):
+                self._keys_call(m.CompleteStore, part, m.OkReply, success)
 
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
-        """Pin the blocks and return their slots in key order (raises if not all ready)."""
-        r = self._keys_call(m.PrepareLoad, keys, m.LoadPlanReply)
-        return LoadPlan(unpack_ids(r.slots).tolist())
+        """Pin the blocks and return their slots in key order (raises if not all
+        ready; more than ``MAX_STATE_KEYS`` go in several calls, all or nothing)."""
+        slots: list[int] = []
+        done = 0
+        try:
+            for part in _parts(keys):
+                r = self._keys_call(m.PrepareLoad, part, m.LoadPlanReply)
+                slots += unpack_ids(r.slots).tolist()
+                done += len(part)
+        except BaseException:
+            self.complete_load(keys[:done])
+            raise
+        return LoadPlan(slots)
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
-        if keys:
-            with contextlib.suppress(DaemonUnavailableError):  # pins died with it
-                self._keys_call(m.CompleteLoad, keys, m.OkReply)
+        with contextlib.suppress(DaemonUnavailableError):  # pins died with it
+            for part in _parts(keys):
+                self._keys_call(m.CompleteLoad, part, m.OkReply)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Refresh recency; sent without waiting for the reply."""
@@ -293,6 +320,11 @@ def fetch_snapshot(t: Transport, rid: Callable[[], int], ns: int, push: bool = T
             seq = page.seq
         offset = page.next_offset
     return Snapshot(keys, slots, seq)
+
+
+def _parts(keys: Sequence[bytes]) -> list[Sequence[bytes]]:
+    """``keys`` in calls of at most ``MAX_STATE_KEYS`` (none for no keys)."""
+    return [keys[i : i + MAX_STATE_KEYS] for i in range(0, len(keys), MAX_STATE_KEYS)]
 
 
 def pack_checked(keys: Sequence[bytes]) -> tuple[bytes, int]:

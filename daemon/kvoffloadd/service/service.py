@@ -32,7 +32,7 @@ from kvoffload.protocol.errors import (
     ShuttingDownError,
     VersionMismatchError,
 )
-from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import MAX_STATE_KEYS, pack_ids, pack_keys, unpack_ids, unpack_keys
 from kvoffloadd import __version__
 from kvoffloadd.access import Peer, peer_groups
 from kvoffloadd.config import DaemonConfig
@@ -193,18 +193,18 @@ class Service:
         return m.ProbeReply(r.rid, bytes(states))
 
     def _on_prepare_store(self, s: Session, r: m.PrepareStore) -> m.Reply:
-        return self._prepare_store(s, r.rid, self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes))
+        return self._prepare_store(s, r.rid, self._ns(s, r.ns), state_keys(r))
 
     def _on_complete_store(self, s: Session, r: m.CompleteStore) -> m.Reply:
-        self._ns(s, r.ns).complete_store(unpack_keys(r.keys, r.key_bytes), r.success, s.session_id)
+        self._ns(s, r.ns).complete_store(state_keys(r), r.success, s.session_id)
         return m.OkReply(r.rid)
 
     def _on_prepare_load(self, s: Session, r: m.PrepareLoad) -> m.Reply:
-        slots = self._ns(s, r.ns).prepare_load(unpack_keys(r.keys, r.key_bytes), s.session_id)
+        slots = self._ns(s, r.ns).prepare_load(state_keys(r), s.session_id)
         return m.LoadPlanReply(r.rid, pack_ids(slots))
 
     def _on_complete_load(self, s: Session, r: m.CompleteLoad) -> m.Reply:
-        self._ns(s, r.ns).complete_load(unpack_keys(r.keys, r.key_bytes), s.session_id)
+        self._ns(s, r.ns).complete_load(state_keys(r), s.session_id)
         return m.OkReply(r.rid)
 
     def _on_touch(self, s: Session, r: m.Touch) -> m.Reply:
@@ -505,3 +505,14 @@ class Service:
     @property
     def workers(self) -> dict[int, AttachedWorker]:
         return self.transfers.workers
+
+
+def state_keys(r: m.PrepareStore | m.CompleteStore | m.PrepareLoad | m.CompleteLoad) -> list[bytes]:
+    """The keys of a request that changes blocks' state: at most ``MAX_STATE_KEYS``, so
+    no one request holds the loop long (a client library splits larger calls)."""
+    if len(r.keys) > MAX_STATE_KEYS * max(1, r.key_bytes):
+        raise InvalidArgumentError(
+            f"{len(r.keys) // max(1, r.key_bytes)} keys in one {type(r).__name__}; at most "
+            f"{MAX_STATE_KEYS} (split the call)"
+        )
+    return unpack_keys(r.keys, r.key_bytes)

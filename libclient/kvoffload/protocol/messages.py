@@ -31,6 +31,9 @@ PROTOCOL_VERSION = 8
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_KEY_BYTES = 64
 MAX_KEYS_PER_MESSAGE = 65536  # bounds the loop time one request can take
+# keys a request that changes blocks' state names at most (prepare/complete of stores
+# and loads cost the daemon microseconds per key: a larger call goes in several)
+MAX_STATE_KEYS = 8192
 KEY_ABSENT, KEY_READY, KEY_PROMOTING = 0, 1, 2  # ProbeReply states
 
 
