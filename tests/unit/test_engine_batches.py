@@ -14,6 +14,7 @@ from test_index_story import ks
 from kvoffload.plans import OffloadEvent
 from kvoffload.protocol.errors import NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
+from kvoffloadd.index.events import unpacked
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.index.leases import new_token
 from kvoffloadd.region.allocator import ExtentPool, SlotPool
@@ -34,7 +35,7 @@ def make_index(blocks: int = 8, world_size: int = 1, grace_s: float = 60.0) -> N
 
 def stored_events(idx: NamespaceIndex, conn: int) -> list[tuple[list[bytes], list[int] | None]]:
     events, _ = idx.take_feed(conn)
-    return [(e.keys, e.slots) for e in events if not e.removed]
+    return [(e.keys, e.slots) for e in map(unpacked, events) if not e.removed]
 
 
 def test_a_claimed_lease_commits_once_written_and_the_event_says_where() -> None:
@@ -326,6 +327,7 @@ def test_engines_of_a_full_region_find_their_refills_free_every_step() -> None:
     of a step find their pools dry and fall back to blocking stores that fail."""
     from kvoffload.protocol import messages as m
     from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids
+    from kvoffloadd.ledger import Ledger
     from kvoffloadd.service.engines import EngineChannel
     from kvoffloadd.service.session import Session
 
@@ -333,7 +335,7 @@ def test_engines_of_a_full_region_find_their_refills_free_every_step() -> None:
     idx = make_index(blocks=256)
     for conn in (A, B):
         idx.graves.drop_mirror(conn)
-    channel = EngineChannel({0: idx}, 1 << 20)
+    channel = EngineChannel({0: idx}, 1 << 20, Ledger())
     sessions = [Session(10 + i, 0, 0, 0) for i in range(engines)]  # one uid, as on a node
     idx.uid_of = lambda client: 0  # as the service wires it: the connection's uid
     for s in sessions:

@@ -11,6 +11,7 @@ from test_index_story import CopyingIndex, ks
 
 from kvoffload.protocol.errors import NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
+from kvoffloadd.index.events import unpacked
 from kvoffloadd.region.allocator import ExtentPool, SlotPool
 
 A, B = 1, 2  # two engines, both with key mirrors
@@ -42,7 +43,7 @@ def test_a_hit_that_raced_an_eviction_still_loads_the_old_slot() -> None:
     idx.take_feed(A), idx.take_feed(B)  # both mirrors know 1..4
     # A needs room: 1 is evicted, announced, but B's mirror has not seen that yet
     assert store(idx, A, 5) is None  # the space frees once B has seen the eviction
-    assert idx.lookup(ks(1)) == 0 and idx.take_feed(A)[0][-1].keys == ks(1)
+    assert idx.lookup(ks(1)) == 0 and unpacked(idx.take_feed(A)[0][-1]).keys == ks(1)
     # B looked 1 up as a hit before its refresh: the load pins the old, intact slot
     assert idx.prepare_load(ks(1), B) == [slots[0]]
     idx.check_load_slots(np.array([slots[0]]))

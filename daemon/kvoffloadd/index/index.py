@@ -34,6 +34,8 @@ import numpy.typing as npt
 
 from kvoffload.plans import OffloadEvent
 from kvoffload.protocol.errors import NotFoundError, NotLeasedError, QuotaExceededError
+from kvoffload.protocol.messages import EventMsg
+from kvoffloadd.index.events import unpacked
 from kvoffloadd.index.policies import Block
 from kvoffloadd.index.storeindex import NamespaceStatistics, StoreIndex
 
@@ -422,19 +424,19 @@ class NamespaceIndex(StoreIndex):
 
     def take_events(self, subscriber: int = 0) -> list[OffloadEvent]:
         """Events for one subscriber since its last take (see ``events.EventFeed``)."""
-        return self.events.take(subscriber)[0]
+        return [unpacked(e) for e in self.events.take(subscriber)[0]]
 
-    def ready_keys(self) -> list[tuple[bytes, int]]:
-        """Every key a lookup would hit right now, with its slot (a mirror snapshot)."""
-        get = self._policy.get
-        return [(k, b.slot) for k in self._ready if (b := get(k)) is not None]
-
-    def snapshot(self) -> list[tuple[bytes, int]]:
-        """``ready_keys``, shared by every caller at the same feed position (never
-        changed: callers only page through it)."""
+    def snapshot_keys(self) -> list[bytes]:
+        """The ready keys, shared by every caller at the same feed position (never
+        changed: callers only page through it, ``where_ready``)."""
         if self._snapshot is None or self._snapshot[0] != self.events.seq:
-            self._snapshot = (self.events.seq, self.ready_keys())
+            self._snapshot = (self.events.seq, list(self._ready))
         return self._snapshot[1]
+
+    def where_ready(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        """Those of ``keys`` ready now, with their slots."""
+        get, ready = self._policy.get, self._ready
+        return [(k, b.slot) for k in keys if k in ready and (b := get(k)) is not None]
 
     # ------------------------------------------------------------ leases (data path)
 
@@ -575,8 +577,8 @@ class NamespaceIndex(StoreIndex):
         self.graves.ack(client, min(seq, self.events.seq))
         self.free_graves()
 
-    def take_feed(self, client: int) -> tuple[list[OffloadEvent], bool]:
-        """The client's events since its last take; for a mirror, also its ack."""
+    def take_feed(self, client: int) -> tuple[list[EventMsg], bool]:
+        """The client's events since its last take, as sent; for a mirror, its ack."""
         events, lost = self.events.take(client)
         self.ack(client, self.events.seq)
         return events, lost

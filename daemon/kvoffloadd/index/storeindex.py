@@ -156,7 +156,7 @@ class StoreIndex:
         self.leases = LeaseBook()
         self.creator_uid = 0  # who created the namespace (per-uid limits)
         self.events = EventFeed()
-        self._snapshot: tuple[int, list[tuple[bytes, int]]] | None = None  # (seq, keys)
+        self._snapshot: tuple[int, list[bytes]] | None = None  # (feed seq, ready keys)
         # called with the keys of every successful store (the tiers cascade them)
         self.on_stored: Callable[[list[bytes]], None] | None = None
         # evicted blocks other engines' key mirrors may still hit (graves.py)

@@ -28,7 +28,12 @@ Rules:
 - Nothing in a batch can fail the engine: what does not apply (a claim of a slot no
   longer leased, a pin of a key gone) is counted, never answered.
 - A connection pages through one key snapshot at a time (starting another drops the
-  first), and connections that start one at the same feed position share it.
+  first), and connections that start one at the same feed position share it. A
+  snapshot is the list of the ready keys at that position (a copy in C); each page
+  looks up where its keys are *now*, skipping those gone: with the feed replayed from
+  the snapshot's position that is exact (stores and evictions are idempotent), and no
+  page costs more than ``SNAPSHOT_PAGE_KEYS`` lookups, however large the namespace.
+  The snapshot's references are charged to the connection (``metadata_bytes``).
 - Loop thread only, as part of the service.
 """
 
@@ -40,8 +45,9 @@ import msgspec
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import pack_ids, unpack_ids, unpack_keys
 from kvoffloadd.index.index import NamespaceIndex
+from kvoffloadd.ledger import Ledger
 from kvoffloadd.service.session import Session
 
 FEED_BACKLOG_BYTES = 4 * 1024 * 1024
@@ -50,6 +56,8 @@ MIN_LEASE_CAP = 1
 
 
 STEP_SLICE_KEYS = 2048  # keys of one engine batch the loop applies in one go
+SNAPSHOT_PAGE_KEYS = 8192  # keys of a snapshot one SyncKeys page looks up
+SNAPSHOT_ENTRY_BYTES = 8  # a snapshot holds a reference per key
 _KEY_FIELDS = ("pin_keys", "unpin_keys", "commit_keys", "fail_keys", "touch_keys")
 
 
@@ -82,8 +90,11 @@ def split_batch(r: m.StepBatch, max_keys: int = STEP_SLICE_KEYS) -> list[m.StepB
 
 
 class EngineChannel:
-    def __init__(self, namespaces: dict[int, NamespaceIndex], max_frame_bytes: int) -> None:
+    def __init__(
+        self, namespaces: dict[int, NamespaceIndex], max_frame_bytes: int, ledger: Ledger
+    ) -> None:
         self.namespaces = namespaces
+        self.ledger = ledger
         self.max_frame_bytes = max_frame_bytes
         self.refused_claims_total = 0
         # pushed feeds: namespace -> connections it is pushed to, the feed position each
@@ -169,8 +180,11 @@ class EngineChannel:
         event feed at that instant (pushed from then on with ``push``)."""
         ns = index.ns_id
         if r.offset == 0:
-            s.snapshots.clear()  # one at a time per connection
-            s.snapshots[ns] = index.snapshot()
+            self.drop_snapshot(s)  # one at a time per connection
+            keys = index.snapshot_keys()
+            held = SNAPSHOT_ENTRY_BYTES * len(keys)
+            self.ledger.require(s.session_id, {"metadata_bytes": held}, "take a key snapshot")
+            s.snapshots[ns], s.snapshot_bytes = keys, held
             index.events.subscribe(s.session_id)
             index.add_mirror(s.session_id)
             if r.push:
@@ -181,10 +195,11 @@ class EngineChannel:
         snap = s.snapshots.get(ns)
         if snap is None or not 0 <= r.offset < max(len(snap), 1):
             raise InvalidArgumentError("no key snapshot at that offset; start with offset 0")
-        end = r.offset + max(1, (self.max_frame_bytes - 4096) // (m.MAX_KEY_BYTES + 24))
-        page = snap[r.offset : end]
+        per_page = (self.max_frame_bytes - 4096) // (m.MAX_KEY_BYTES + 24)
+        end = r.offset + max(1, min(SNAPSHOT_PAGE_KEYS, per_page))
+        page = index.where_ready(snap[r.offset : end])
         if end >= len(snap):
-            del s.snapshots[ns]
+            self.drop_snapshot(s)
         return m.KeysPage(
             r.rid,
             [k for k, _ in page],
@@ -192,6 +207,13 @@ class EngineChannel:
             pack_ids([slot for _, slot in page]),
             index.events.seq,
         )
+
+    def drop_snapshot(self, s: Session) -> None:
+        """The connection's key snapshot is paged through, replaced or left."""
+        if s.snapshots:
+            s.snapshots.clear()
+            self.ledger.give(s.session_id, {"metadata_bytes": s.snapshot_bytes})
+            s.snapshot_bytes = 0
 
     def stop_pushing(self, s: Session, ns: int) -> None:
         s.push_feeds.discard(ns)
@@ -227,8 +249,4 @@ class EngineChannel:
             if not index.events.pending(s.session_id):
                 continue
             events, lost = index.events.take(s.session_id)
-            msgs = [
-                m.EventMsg(*pack_keys(e.keys), e.removed, pack_ids(e.slots) if e.slots else b"")
-                for e in events
-            ]
-            yield m.FeedPush(0, ns, index.events.seq, msgs, lost)
+            yield m.FeedPush(0, ns, index.events.seq, events, lost)

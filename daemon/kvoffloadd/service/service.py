@@ -100,7 +100,7 @@ class Service:
             self.access,
             self.ledger,
         )
-        self.engines = EngineChannel(self.namespaces, config.max_frame_bytes)
+        self.engines = EngineChannel(self.namespaces, config.max_frame_bytes, self.ledger)
         self.loop = LoopTurns()
         self.shutting_down = False
         self.started_s = time.monotonic()
@@ -253,8 +253,7 @@ class Service:
 
     def _on_take_events(self, s: Session, r: m.TakeEvents) -> m.Reply:
         events, lost = self._ns(s, r.ns).take_feed(s.session_id)
-        msgs = [m.EventMsg(*pack_keys(e.keys), e.removed) for e in events]
-        return m.EventsReply(r.rid, msgs, lost)
+        return m.EventsReply(r.rid, events, lost)
 
     def _deny(self, s: Session, what: str, fix: str) -> PermissionDeniedError:
         log.warning("refused uid %d gid %d (pid %d): %s", s.uid, s.gid, s.pid, what)
@@ -365,7 +364,8 @@ class Service:
         s.leases.pop(ns_id, None)
         s.want_leases.pop(ns_id, None)
         self.engines.stop_pushing(s, ns_id)
-        s.snapshots.pop(ns_id, None)
+        if ns_id in s.snapshots:
+            self.engines.drop_snapshot(s)
 
     def _users_of(self, ns_id: int) -> set[int]:
         """The uids of the connections that have the namespace open or joined."""

@@ -18,7 +18,8 @@ class Session:
     name: str = ""
     fds: list[int] = field(default_factory=list)
     out_fds: list[int] = field(default_factory=list)  # go out with the next reply
-    snapshots: dict[int, list[tuple[bytes, int]]] = field(default_factory=dict)  # SyncKeys
+    snapshots: dict[int, list[bytes]] = field(default_factory=dict)  # SyncKeys, one at most
+    snapshot_bytes: int = 0  # what the snapshot is charged
     namespaces: set[int] = field(default_factory=set)
     leases: dict[int, int] = field(default_factory=dict)  # ns -> this connection's token
     want_leases: dict[int, int] = field(default_factory=dict)  # ns -> slots to keep leased
