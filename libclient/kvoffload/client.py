@@ -465,10 +465,15 @@ class Client:
         prefix: bytes | None = None,
     ) -> int:
         """Evict unpinned blocks of one namespace (or all): only ``keys``, only keys
-        starting with ``prefix``, or all of them. Returns how many were evicted."""
+        starting with ``prefix``, or all of them. Returns how many were evicted (the
+        daemon evicts ``MAX_STATE_KEYS`` per request: this asks until it is done)."""
         packed, kb = pack_checked(keys) if keys is not None else (None, 0)
-        reply = self.call(lambda rid: m.Evict(rid, namespace, packed, kb, prefix), m.EvictReply)
-        return reply.evicted
+        total = 0
+        while True:
+            reply = self.call(lambda rid: m.Evict(rid, namespace, packed, kb, prefix), m.EvictReply)
+            total += reply.evicted
+            if reply.evicted < m.MAX_STATE_KEYS:
+                return total
 
     def config(self) -> dict[str, Any]:
         """The daemon's effective configuration (admin uids only)."""

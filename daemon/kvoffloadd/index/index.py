@@ -24,9 +24,10 @@ Everything here runs on the daemon's loop thread only: no locks.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
 import numpy as np
@@ -514,16 +515,22 @@ class NamespaceIndex(StoreIndex):
         self.free_graves()
         return len(writes), dropped
 
-    def evict(self, keys: Sequence[bytes] | None = None, prefix: bytes | None = None) -> int:
-        """Admin eviction of ready, unpinned blocks (all, given keys, or a key prefix)."""
+    def evict(
+        self,
+        keys: Sequence[bytes] | None = None,
+        prefix: bytes | None = None,
+        limit: int = 1 << 62,
+    ) -> int:
+        """Admin eviction of ready, unpinned blocks (all, given keys, or a key prefix),
+        at most ``limit`` of them."""
+        found: Iterable[bytes]
         if keys is None:
-            candidates = [k for k, b in self._policy.items() if b.ref == 0]
+            found = (k for k, b in self._policy.items() if b.ref == 0)
         else:
-            candidates = [
-                k for k in dict.fromkeys(keys) if (b := self._policy.get(k)) and b.ref == 0
-            ]
+            found = (k for k in dict.fromkeys(keys) if (b := self._policy.get(k)) and b.ref == 0)
         if prefix is not None:
-            candidates = [k for k in candidates if k.startswith(prefix)]
+            found = (k for k in found if k.startswith(prefix))
+        candidates = list(itertools.islice(found, limit))
         victims = []
         for key in candidates:
             block = self._policy.get(key)

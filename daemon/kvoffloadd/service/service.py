@@ -56,6 +56,7 @@ from kvoffloadd.trust import raise_fd_limit
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
+EVICT_PER_REQUEST = m.MAX_STATE_KEYS  # blocks one Evict request evicts at most
 _SERVED_WHILE_STOPPING = (m.GetStats, m.Ping, m.ListClients)
 
 
@@ -248,6 +249,7 @@ class Service:
         pending = set(r.job_ids) & w.active_jobs
         if not pending:
             return m.OkReply(r.rid)
+        self.ledger.require(s.session_id, {"waits": 1}, "wait for jobs")
         s.waits.append((r.rid, r.worker, pending))
         return None  # answered by on_completions
 
@@ -434,7 +436,11 @@ class Service:
             raise InvalidArgumentError(f"no namespace named {namespace!r}")
         targets = [by_name[namespace]] if namespace else list(self.namespaces.values())
         key_list = unpack_keys(keys, key_bytes) if keys is not None else None
-        n = sum(ns.evict(key_list, prefix) for ns in targets)
+        n = 0
+        for ns in targets:  # at most EVICT_PER_REQUEST: the client asks again for more
+            n += ns.evict(key_list, prefix, EVICT_PER_REQUEST - n)
+            if n >= EVICT_PER_REQUEST:
+                break
         log.info("admin evicted %d blocks from %s", n, namespace or "all namespaces")
         return n
 

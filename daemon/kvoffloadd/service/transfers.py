@@ -453,6 +453,7 @@ class Transfers:
                 pending.discard(job_id)
                 if not pending:
                     s.waits.remove(wait)
+                    self.ledger.give(s.session_id, {"waits": 1})
                     out.append((s.session_id, m.OkReply(rid)))
         return out
 
@@ -473,6 +474,7 @@ class Transfers:
             s.workers.discard(w.worker_id)
             for wait in [x for x in s.waits if x[1] == w.worker_id]:
                 s.waits.remove(wait)
+                self.ledger.give(s.session_id, {"waits": 1})
         if not w.active_jobs:
             self._unmap(w)
 

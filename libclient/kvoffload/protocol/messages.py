@@ -324,7 +324,8 @@ class ListClients(_Msg, frozen=True, tag="clients"):
 
 
 class Evict(_Msg, frozen=True, tag="evict"):
-    """Evict unpinned blocks of one namespace (or all): given keys, a key prefix, or all."""
+    """Evict unpinned blocks of one namespace (or all): given keys, a key prefix, or all;
+    at most ``MAX_STATE_KEYS`` per request (``EvictReply.evicted`` says how many)."""
 
     rid: int
     namespace: str | None = None
