@@ -9,9 +9,10 @@ Rules:
   daemon's user and group). With either set, a peer must match one of them. The
   daemon's own uid and root always may.
 - Namespaces: ``namespace_access`` rules are tried in order and the first whose glob
-  ``pattern`` matches the namespace name decides (its ``uids``/``gids``). A name no
-  rule matches is refused once any rule exists. Without rules every peer may open
-  every namespace.
+  ``pattern`` matches the namespace name decides: its ``uids``/``gids`` may read and
+  write (store into) the namespace, its ``read_uids``/``read_gids`` only read it
+  (look up, probe, load, follow its keys). A name no rule matches is refused once any
+  rule exists. Without rules every peer may open, read and write every namespace.
 - Administering (evict, reading the config): ``admin_uids`` (unset: root and the
   daemon's own uid) or ``admin_gids``.
 - Mapping the region (client-copy workers, which copy their own caches and so can read
@@ -41,6 +42,12 @@ class NamespaceRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # groups whose members may open them (primary or supplementary gid)
     # example: [997]
     gids: list[int] = msgspec.field(default_factory=list)
+    # uids that may only read the matching namespaces (look up, probe, load), not store
+    # example: [1001]
+    read_uids: list[int] = msgspec.field(default_factory=list)
+    # groups whose members may only read them
+    # example: [998]
+    read_gids: list[int] = msgspec.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -95,13 +102,26 @@ class AccessPolicy:
             return True
         return self._matches(peer, self._allow_uids, self._allow_gids)
 
+    def _rule(self, namespace: str) -> NamespaceRule | None:
+        return next((r for r in self._rules if fnmatch.fnmatchcase(namespace, r.pattern)), None)
+
     def may_open(self, peer: Peer, namespace: str) -> bool:
+        """May read it (and maybe write: ``may_write``)."""
         if not self._rules:
             return True
-        for rule in self._rules:
-            if fnmatch.fnmatchcase(namespace, rule.pattern):
-                return self._matches(peer, frozenset(rule.uids), frozenset(rule.gids))
-        return False
+        rule = self._rule(namespace)
+        if rule is None:
+            return False
+        return self._matches(
+            peer, frozenset(rule.uids + rule.read_uids), frozenset(rule.gids + rule.read_gids)
+        )
+
+    def may_write(self, peer: Peer, namespace: str) -> bool:
+        """May store into it."""
+        if not self._rules:
+            return True
+        rule = self._rule(namespace)
+        return rule is not None and self._matches(peer, frozenset(rule.uids), frozenset(rule.gids))
 
     def may_administer(self, peer: Peer) -> bool:
         return self._matches(peer, self._admin_uids, self._admin_gids)

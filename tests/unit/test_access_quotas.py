@@ -106,6 +106,41 @@ def test_namespace_access_is_enforced_at_open() -> None:
             svc.handle(session(svc, 2, uid=0), m.OpenNamespace(1, "mine-2", m.KVLayout([65536])))
 
 
+READER = 4243
+
+
+def test_readers_load_what_writers_store_and_store_nothing() -> None:
+    """namespace_access grants reading apart from writing: a deployment says which uids
+    produce the KV the others load."""
+    rules = [{"pattern": "kv-*", "uids": [OTHER], "read_uids": [READER]}]
+    policy = AccessPolicy(None, None, None, [], [NamespaceRule(**rules[0])])  # type: ignore[arg-type]
+    assert policy.may_open(peer(READER), "kv-1") and not policy.may_write(peer(READER), "kv-1")
+    assert policy.may_write(peer(OTHER), "kv-1") and not policy.may_open(peer(1), "kv-1")
+    assert AccessPolicy(None, None, None, [], []).may_write(peer(READER), "anything")
+    for svc in make_service(namespace_access=rules):
+        writer, reader = session(svc, 1, uid=OTHER), session(svc, 2, uid=READER)
+        ns = open_ns(svc, writer, "kv-1")
+        assert open_ns(svc, reader, "kv-1") == ns
+        keys = [b"key-0001"]
+        assert isinstance(store(svc, writer, ns, keys), m.StorePlanReply)
+        kp, kb = pack_keys(keys)
+        hits = svc.handle(reader, m.Lookup(5, ns, kp, kb))
+        assert isinstance(hits, m.LookupReply) and hits.hits == 1
+        load = svc.handle(reader, m.PrepareLoad(6, ns, kp, kb))
+        assert isinstance(load, m.LoadPlanReply)
+        svc.handle(reader, m.CompleteLoad(7, ns, kp, kb))
+        other_kp, _ = pack_keys([b"key-0002"])
+        for req in (m.PrepareStore(8, ns, other_kp, kb), m.CompleteStore(9, ns, kp, kb)):
+            with pytest.raises(PermissionDeniedError, match="store into namespace 'kv-1'"):
+                svc.handle(reader, req)
+        # an engine's batch: its claims are refused, its wish for leases is not granted
+        reader.pushes.clear()
+        svc.handle(reader, m.StepBatch(0, ns, kb, claim_keys=other_kp, claim_slots=b"\0" * 8,
+                                       want_leases=64))  # fmt: skip
+        assert not [p for p in reader.pushes if isinstance(p, m.LeaseGrant)]
+        assert svc.engines.refused_claims_total == 1
+
+
 def store(svc: Service, s: Session, ns: int, keys: list[bytes]) -> m.Reply | None:
     kp, kb = pack_keys(keys)
     r = svc.handle(s, m.PrepareStore(2, ns, kp, kb))

@@ -340,6 +340,8 @@ def test_engines_of_a_full_region_find_their_refills_free_every_step() -> None:
     idx.uid_of = lambda client: 0  # as the service wires it: the connection's uid
     for s in sessions:
         s.leases[0] = new_token()
+        s.namespaces.add(0)
+        s.writable.add(0)  # engines that store here
         idx.events.subscribe(s.session_id)
         idx.add_mirror(s.session_id)
     pool: dict[int, list[int]] = {s.session_id: [] for s in sessions}

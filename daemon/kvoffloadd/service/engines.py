@@ -136,8 +136,8 @@ class EngineChannel:
     def refill(self, s: Session, index: NamespaceIndex) -> None:
         """Top the connection's lease pool up to what it wants (within its share)."""
         token = s.leases.get(index.ns_id)
-        if token is None:
-            return
+        if token is None or index.ns_id not in s.writable:
+            return  # no leases for connections that may not store here
         leases = index.leases
         want = min(s.want_leases.get(index.ns_id, 0), self.lease_cap(index, token))
         short = min(

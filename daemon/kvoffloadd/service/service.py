@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     ErrorCode,
@@ -194,10 +196,10 @@ class Service:
         return m.ProbeReply(r.rid, bytes(states))
 
     def _on_prepare_store(self, s: Session, r: m.PrepareStore) -> m.Reply:
-        return self._prepare_store(s, r.rid, self._ns(s, r.ns), state_keys(r))
+        return self._prepare_store(s, r.rid, self._writable(s, r.ns), state_keys(r))
 
     def _on_complete_store(self, s: Session, r: m.CompleteStore) -> m.Reply:
-        self._ns(s, r.ns).complete_store(state_keys(r), r.success, s.session_id)
+        self._writable(s, r.ns).complete_store(state_keys(r), r.success, s.session_id)
         return m.OkReply(r.rid)
 
     def _on_prepare_load(self, s: Session, r: m.PrepareLoad) -> m.Reply:
@@ -220,7 +222,12 @@ class Service:
         return self.transfers.submit(s, r, slots, ids, r.skip, False)
 
     def _on_step(self, s: Session, r: m.StepBatch) -> m.Reply | None:
-        self.engines.apply(s, self._ns(s, r.ns), r)
+        index = self._ns(s, r.ns)
+        if r.ns not in s.writable and (r.claim_keys or r.commit_keys or r.fail_keys):
+            self.engines.refused_claims_total += len(r.claim_keys) // max(1, r.key_bytes)
+            r = msgspec.structs.replace(r, claim_keys=b"", claim_slots=b"", commit_keys=b"",
+                                        fail_keys=b"")  # fmt: skip
+        self.engines.apply(s, index, r)
         return m.OkReply(r.rid) if r.rid else None
 
     def _on_wrote(self, s: Session, r: m.Wrote) -> m.Reply | None:
@@ -357,6 +364,7 @@ class Service:
                 index.name,
             )
         s.namespaces.discard(ns_id)
+        s.writable.discard(ns_id)
         self.ledger.give(s.session_id, {"namespaces": 1})
         held = self.ns_sessions.get(ns_id)
         if held is not None:
@@ -372,6 +380,15 @@ class Service:
     def _users_of(self, ns_id: int) -> set[int]:
         """The uids of the connections that have the namespace open or joined."""
         return {self.sessions[sid].uid for sid in self.ns_sessions.get(ns_id, ())}
+
+    def _writable(self, s: Session, ns_id: int) -> NamespaceIndex:
+        index = self._ns(s, ns_id)
+        if ns_id not in s.writable:
+            raise self._deny(
+                s, f"store into namespace {index.name!r} (it may read it)",
+                "list it in the uids or gids of the namespace_access rule that matches",
+            )  # fmt: skip
+        return index
 
     def _ns(self, s: Session, ns_id: int) -> NamespaceIndex:
         if ns_id not in s.namespaces:
@@ -401,6 +418,8 @@ class Service:
             raise
         if index.ns_id not in s.namespaces:
             s.namespaces.add(index.ns_id)
+            if self.access.may_write(s.peer, name):
+                s.writable.add(index.ns_id)
             self.ns_sessions.setdefault(index.ns_id, set()).add(s.session_id)
             s.leases[index.ns_id] = new_token()
             if subscribe:

@@ -21,6 +21,7 @@ class Session:
     snapshots: dict[int, list[bytes]] = field(default_factory=dict)  # SyncKeys, one at most
     snapshot_bytes: int = 0  # what the snapshot is charged
     namespaces: set[int] = field(default_factory=set)
+    writable: set[int] = field(default_factory=set)  # the namespaces it may store into
     leases: dict[int, int] = field(default_factory=dict)  # ns -> this connection's token
     want_leases: dict[int, int] = field(default_factory=dict)  # ns -> slots to keep leased
     push_feeds: set[int] = field(default_factory=set)  # namespaces whose events are pushed

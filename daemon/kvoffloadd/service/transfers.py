@@ -57,6 +57,7 @@ from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
     NotLeasedError,
+    PermissionDeniedError,
     QuotaExceededError,
     TimedOutError,
 )
@@ -183,6 +184,10 @@ class Transfers:
         if not index.slots.is_valid(slots):
             raise_not_leased(index, slots)
         if isinstance(r, m.SubmitStore):
+            if w.ns_id not in s.writable:
+                raise PermissionDeniedError(
+                    f"uid {s.uid} may read namespace {index.name!r} but not store into it"
+                )
             index.check_store_slots(slots, s.session_id, r.lease)
         elif r.keys:
             keys = unpack_keys(r.keys, r.key_bytes)
@@ -286,6 +291,10 @@ class Transfers:
         """A push client-copy worker copied a store into its engine's leased slots."""
         w = self.worker(s, r.worker)
         index = self.namespaces[w.ns_id]
+        if w.ns_id not in s.writable:
+            raise PermissionDeniedError(
+                f"uid {s.uid} may read namespace {index.name!r} but not store into it"
+            )
         slots = unpack_ids(r.slots)
         if not index.slots.is_valid(slots):
             raise_not_leased(index, slots)
