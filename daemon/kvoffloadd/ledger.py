@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kvoffload.datapath.canonical import MAX_JOB_COPIES
 from kvoffload.protocol.errors import QuotaExceededError
@@ -286,10 +287,11 @@ class Ledger:
             if spec.limits.total < UNLIMITED
         )
 
-    def statistics(self) -> dict[str, dict[str, int]]:
+    def statistics(self) -> dict[str, dict[str, Any]]:
         return {
             name: {
                 "total": line.total,
+                "by_uid": {str(uid): n for uid, n in line._by_uid.items()},
                 "peak_total": line.peak_total,
                 "uids": line.uids(),
                 "refused_total": line.refused_total,

@@ -58,12 +58,39 @@ def check_desc(desc: CacheDesc) -> CacheGeometry:
     return CacheGeometry(desc.num_blocks, desc.page_bytes, desc.offset_bytes, stride)
 
 
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_long,
+    ]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+_LIBC = _libc()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_file(fd: int, nbytes: int, offset: int) -> int:
+    """Map ``nbytes`` of the file at ``offset`` shared, read-write; the address. Not
+    Python's ``mmap``: it keeps a duplicate of the descriptor for as long as it lives,
+    one descriptor per mapping the ledger would have to count."""
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
+    address = _LIBC.mmap(None, nbytes, prot, flags, fd, offset)
+    if address in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(address)
+
+
 @dataclass
 class FileMapping:
     """One mapping of the pages caches over one file claim, shared by those caches."""
 
-    mm: mmap.mmap
     address: int  # where file offset ``lo`` is mapped
+    nbytes: int
     lo: int
     fd: int = -1  # the daemon's duplicate of the file's descriptor (memfd_io only)
     users: int = 0
@@ -73,10 +100,6 @@ class FileMapping:
         """Where file offset 0 would be: a cache's rows are at base + their offsets."""
         return self.address - self.lo
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.mm)
-
     def release(self) -> None:
         self.users -= 1
         if self.users > 0:
@@ -85,8 +108,9 @@ class FileMapping:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = -1
-        with contextlib.suppress(BufferError):
-            self.mm.close()
+        if self.address:
+            _LIBC.munmap(self.address, self.nbytes)
+            self.address = 0
 
 
 @dataclass
@@ -233,11 +257,7 @@ def run_import(plan: ImportPlan) -> list[MappedCache | DescriptorCache]:
                     "hole): the daemon does not allocate an engine's memory; pre-fault it "
                     "(kvoffload.shared_kv_cache does)"
                 )
-            mm = mmap.mmap(g.fd, g.hi - g.lo, offset=g.lo)
-            anchor = ctypes.c_char.from_buffer(mm)  # the address only; released at once
-            address = ctypes.addressof(anchor)
-            del anchor
-            fm = FileMapping(mm, address, g.lo)
+            fm = FileMapping(map_file(g.fd, g.hi - g.lo, g.lo), g.hi - g.lo, g.lo)
             made.append(fm)
             if plan.kind == MEMFD_IO:
                 fm.fd = os.dup(g.fd)

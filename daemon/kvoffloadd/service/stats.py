@@ -230,6 +230,8 @@ def stats_for(svc: Service, peer: Peer) -> dict[str, Any]:
     if not svc.access.may_administer(peer):
         mine = svc.access.may_open
         stats["namespaces"] = {k: v for k, v in stats["namespaces"].items() if mine(peer, k)}
+        lines = stats["ledger"]["lines"]  # who holds what is for admins
+        stats["ledger"]["lines"] = {n: {**v, "by_uid": {}} for n, v in lines.items()}
     return stats
 
 
