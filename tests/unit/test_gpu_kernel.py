@@ -22,6 +22,7 @@ from test_gpu_path import BLOCKS, PAGES, Rig, attach, gpu_caches, make_rig, open
 from kvoffload.cuda.export import StoreFence, export_cuda_caches
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffloadbench.inproc import handle_now
 from kvoffloadd.copies.calibrate import calibrate
 from kvoffloadd.copies.choice import (
     WARPS_PER_CTA,
@@ -280,7 +281,7 @@ def test_canonical_fragments_scatter_through_the_kernel() -> None:
         attach_msg = m.AttachWorker(
             2, r.ns, 0, export.descs, export.device_uuid, fence.handle, canonical=[canon]
         )
-        wa = rig.svc.handle(s, attach_msg)
+        wa = handle_now(rig.svc, s, attach_msg)
         assert isinstance(wa, m.WorkerAttached)
         assert rig.svc.gpu is not None and rig.svc.gpu.paths[0].done.wait(10)
         slots = prepare(rig, r.ns, [b"a", b"b"])

@@ -24,6 +24,7 @@ from kvoffload.datapath.copyplan import split_at_boundaries
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.copies.gpu import GpuRuntime
@@ -193,8 +194,10 @@ def gpu_caches(fake: FakeCuda, seed: int | None) -> list[FakeCudaTensor]:
 def attach(rig: Rig, ns: int, caches: list[FakeCudaTensor]) -> tuple[int, StoreFence]:
     export = export_cuda_caches(caches, rig.fake)
     fence = StoreFence(rig.fake, 0)
-    r = rig.svc.handle(
-        rig.session(), m.AttachWorker(2, ns, 0, export.descs, export.device_uuid, fence.handle)
+    r = handle_now(
+        rig.svc,
+        rig.session(),
+        m.AttachWorker(2, ns, 0, export.descs, export.device_uuid, fence.handle),
     )
     assert isinstance(r, m.WorkerAttached)
     return r.worker, fence
@@ -266,17 +269,17 @@ def test_import_is_validated_and_never_leaks_handles(rig: Rig) -> None:
     fence = StoreFence(rig.fake, 0).handle
     s = rig.session()
     with pytest.raises(InvalidArgumentError, match="not visible to kvoffloadd"):
-        rig.svc.handle(s, m.AttachWorker(2, ns, 0, export.descs, b"\x22" * 16, fence))
+        handle_now(rig.svc, s, m.AttachWorker(2, ns, 0, export.descs, b"\x22" * 16, fence))
     with pytest.raises(InvalidArgumentError, match="do not tile"):
-        rig.svc.handle(s, m.AttachWorker(2, ns, 0, export.descs[:1], UUID, fence))
+        handle_now(rig.svc, s, m.AttachWorker(2, ns, 0, export.descs[:1], UUID, fence))
     with pytest.raises(InvalidArgumentError, match="store event"):
-        rig.svc.handle(s, m.AttachWorker(2, ns, 0, export.descs, UUID, b""))
+        handle_now(rig.svc, s, m.AttachWorker(2, ns, 0, export.descs, UUID, b""))
     too_big = [
         export.descs[0],
         m.CacheDesc("cuda", BLOCKS + 1, 8192, -1, 0, 8192, export.descs[1].ipc_handle),
     ]
     with pytest.raises(InvalidArgumentError, match="CUDA allocation holds"):
-        rig.svc.handle(s, m.AttachWorker(2, ns, 0, too_big, UUID, fence))
+        handle_now(rig.svc, s, m.AttachWorker(2, ns, 0, too_big, UUID, fence))
     assert sum(rig.fake.open_refs.values()) == 0 and rig.svc.gpu.open_handles == 0  # type: ignore[union-attr]
 
 
@@ -326,7 +329,7 @@ def test_a_daemon_without_gpus_refuses_cuda_workers_clearly() -> None:
         assert isinstance(r, m.NamespaceOpened)
         descs = [m.CacheDesc("cuda", 4, p, -1, 0, p, b"\0" * 64) for p in PAGES]
         with pytest.raises(InvalidArgumentError, match=r"libcuda\.so\.1 missing"):
-            svc.handle(s, m.AttachWorker(2, r.ns, 0, descs, UUID, b"\0" * 64))
+            handle_now(svc, s, m.AttachWorker(2, r.ns, 0, descs, UUID, b"\0" * 64))
     finally:
         copier.close()
         region.close()

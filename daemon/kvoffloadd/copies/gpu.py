@@ -13,7 +13,9 @@ Rules:
   its own stream, an issuing thread and a completion thread (``lanes``). Each device's
   copy paths (the gather kernel for small runs, DMA for the rest) are calibrated on it
   when its first worker attaches (``calibrate``); until then its lanes copy with DMA.
-- Only the loop thread calls ``attach``/``submit``; lane threads touch no metadata.
+- A copier thread imports (``attach``: IPC opens map memory, never on the loop); the
+  table of open imports is shared with the loop, which closes them, under a lock. Only
+  the loop thread calls ``submit`` and ``device_paths``; lane threads touch no metadata.
   A transfer comes as a ``JobPlan``: its issuing thread builds the runs and cuts them
   at pinning-chunk boundaries, off the loop.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,6 +97,8 @@ class GpuRuntime:
         self._boundary_bytes = max(1, pinner.chunk_bytes)
         self.ordinals = {api.device_uuid(i): i for i in range(api.device_count())}
         self._imports: dict[tuple[int, bytes], _Import] = {}
+        # imports run on a copier thread (nothing maps on the loop), closes on the loop
+        self._imports_lock = threading.Lock()
         self._lanes: dict[tuple[int, bool], CopyLane] = {}
         self.paths: dict[int, DevicePaths] = {}
 
@@ -118,22 +123,25 @@ class GpuRuntime:
 
     def _open(self, ordinal: int, handle: bytes) -> _Import:
         key = (ordinal, handle)
-        imp = self._imports.get(key)
-        if imp is None:
-            try:
-                ptr = self.api.ipc_open_mem_handle(handle)
-                _base, size = self.api.address_range(ptr)
-            except CudaError as exc:
-                raise InvalidArgumentError(f"cannot import the CUDA IPC handle: {exc}") from exc
-            imp = self._imports[key] = _Import(ptr, size, 0)
-        imp.refs += 1
-        return imp
+        with self._imports_lock:
+            imp = self._imports.get(key)
+            if imp is None:
+                try:
+                    ptr = self.api.ipc_open_mem_handle(handle)
+                    _base, size = self.api.address_range(ptr)
+                except CudaError as exc:
+                    raise InvalidArgumentError(f"cannot import the CUDA IPC handle: {exc}") from exc
+                imp = self._imports[key] = _Import(ptr, size, 0)
+            imp.refs += 1
+            return imp
 
     def _close(self, ordinal: int, handle: bytes) -> None:
         key = (ordinal, handle)
-        imp = self._imports[key]
-        imp.refs -= 1
-        if imp.refs == 0:
+        with self._imports_lock:
+            imp = self._imports[key]
+            imp.refs -= 1
+            if imp.refs:
+                return
             del self._imports[key]
             self.api.set_device(ordinal)
             try:
@@ -144,7 +152,8 @@ class GpuRuntime:
     def attach(
         self, descs: list[CacheDesc], uuid: bytes, store_event: bytes
     ) -> tuple[int, list[ImportedCache], int]:
-        """Import one worker's caches: (ordinal, caches, imported store event).
+        """Import one worker's caches: (ordinal, caches, imported store event). Runs on
+        a copier thread (``device_paths`` is the loop's, when the import lands).
 
         The caller checked that the caches' pages fit the layout."""
         if any(d.kind != "cuda" or len(d.ipc_handle) != IPC_HANDLE_BYTES for d in descs):
@@ -177,7 +186,6 @@ class GpuRuntime:
             for c in caches:
                 c.close()
             raise
-        self.device_paths(ordinal)  # calibrated by the time copies come, mostly
         return ordinal, caches, event
 
     def release_event(self, ordinal: int, event: int) -> None:

@@ -9,9 +9,11 @@ Rules:
   its uid and everyone (``kvoffloadd.ledger``) before anything is unpacked, mapped or
   imported (caches over one file count one mapping: the loop groups them by file
   first), and given back when the worker is unmapped.
-- CPU caches are mapped by a copier thread (``kvoffloadd.copies.imports``): the reply
-  is deferred until the import lands, and a refusal then is an ``ErrorReply`` for that
-  request only. The engine's descriptors are closed by the import, whatever happens.
+- Caches are imported by a copier thread, CPU ones mapped (``kvoffloadd.copies.imports``),
+  CUDA ones opened by IPC handle (``kvoffloadd.copies.gpu``): nothing maps on the loop.
+  The reply is deferred until the import lands, and a refusal then is an
+  ``ErrorReply`` for that request only. The engine's descriptors are closed by the
+  import, whatever happens.
 - A registration is validated in full first (namespace open on this connection, rank,
   pages tiling the layout, canonical fragments inside their pages, client-copy trust)
   and a refused one holds nothing.
@@ -26,6 +28,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvoffload.datapath.copyplan import Placement, place_caches
@@ -118,12 +121,19 @@ class Attacher:
             close_fds(fds)
             self.ledger.give(s.session_id, charges)
             raise
-        if plan is None:
+        if r.client_copy:
             close_fds(fds)
-            return self._attach_now(s, r, placements, charges)
+            return self._client_copy(s, r, placements, charges)
         token = next(self._tokens)
         self._pending[token] = _Pending(s.session_id, r, placements, charges)
-        self.copier.run_task(token, lambda: _imported_or_refused(plan))
+        if plan is not None:
+            self.copier.run_task(token, lambda: _imported_or_refused(lambda: run_import(plan)))
+        else:
+            close_fds(fds)
+            gpu = self.gpu
+            assert gpu is not None
+            task = partial(gpu.attach, r.caches, r.device_uuid, r.store_event)
+            self.copier.run_task(token, lambda: _imported_or_refused(task))
         return None
 
     def is_import(self, token: int) -> bool:
@@ -134,15 +144,24 @@ class Attacher:
         p = self._pending.pop(c.token)
         s = self.sessions.get(p.session_id)
         result: Any = c.result
-        if s is None or not isinstance(result, list):
-            for cache in result if isinstance(result, list) else ():
-                cache.close()
+        if s is None or isinstance(result, str) or result is None:
+            if isinstance(result, (list, tuple)):
+                _close_import(self.gpu, result)
             self.ledger.give(p.session_id, p.charges)
             if s is None:
                 return []
             why = result if isinstance(result, str) else "the caches could not be imported"
             return [(s.session_id, m.ErrorReply(p.r.rid, ErrorCode.INVALID_ARGUMENT, why))]
-        w = self._worker(s, p.r, p.placements, result, p.charges)
+        if isinstance(result, tuple):  # CUDA caches: (ordinal, caches, store event)
+            ordinal, caches, event = result
+            gpu = self.gpu
+            assert gpu is not None
+            gpu.device_paths(ordinal)  # calibrated by the time copies come, mostly
+            w = self._worker(s, p.r, p.placements, caches, p.charges)
+            w.device, w.store_event = ordinal, event
+            w.release = partial(gpu.release_event, ordinal, event)
+        else:
+            w = self._worker(s, p.r, p.placements, result, p.charges)
         return [(s.session_id, m.WorkerAttached(p.r.rid, w.worker_id, self._region_for(s, p.r)))]
 
     # ------------------------------------------------------------ helpers
@@ -172,25 +191,12 @@ class Attacher:
             raise InvalidArgumentError(f"rank {r.rank} is not in 0..{layout.world_size - 1}")
         return place_caches(layout, pages)
 
-    def _attach_now(
+    def _client_copy(
         self, s: Session, r: m.AttachWorker, placements: list[Placement], charges: dict[str, int]
     ) -> m.Reply:
-        caches: list[ImportedCache]
-        if r.client_copy:
-            caches = [ClientCache(check_desc(d)) for d in r.caches]
-            w = self._worker(s, r, placements, caches, charges)
-            w.client_copy = True
-            return m.WorkerAttached(r.rid, w.worker_id, self._region_for(s, r))
-        gpu = self.gpu
-        assert gpu is not None
-        try:
-            ordinal, caches, event = gpu.attach(r.caches, r.device_uuid, r.store_event)
-        except BaseException:
-            self.ledger.give(s.session_id, charges)
-            raise
+        caches: list[ImportedCache] = [ClientCache(check_desc(d)) for d in r.caches]
         w = self._worker(s, r, placements, caches, charges)
-        w.device, w.store_event = ordinal, event
-        w.release = lambda: gpu.release_event(ordinal, event)
+        w.client_copy = True
         return m.WorkerAttached(r.rid, w.worker_id, self._region_for(s, r))
 
     def _worker(
@@ -220,13 +226,24 @@ def _metadata(r: m.AttachWorker) -> int:
     return FRAGMENT_BYTES * frags + CACHE_METADATA_BYTES * len(r.caches)
 
 
-def _imported_or_refused(plan: Any) -> list[ImportedCache] | str:
-    """``run_import`` on a copier thread; a refusal comes back as its message."""
+def _imported_or_refused(run: Callable[[], Any]) -> Any:
+    """An import, on a copier thread; a refusal comes back as its message."""
     try:
-        caches: list[ImportedCache] = list(run_import(plan))
-        return caches
+        return run()
     except KVOffloadError as exc:
         return str(exc.args[0])
     except OSError as exc:
         log.info("a worker's caches could not be mapped: %s", exc)
         return f"the caches could not be mapped: {exc.strerror}"
+
+
+def _close_import(gpu: GpuRuntime | None, result: Any) -> None:
+    """Undo an import nobody will use (its connection left meanwhile)."""
+    if isinstance(result, tuple):
+        ordinal, caches, event = result
+        if gpu is not None:
+            gpu.release_event(ordinal, event)
+    else:
+        caches = result
+    for cache in caches:
+        cache.close()
