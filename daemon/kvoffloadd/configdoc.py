@@ -35,6 +35,7 @@ import msgspec
 
 from kvoffloadd import access, config
 from kvoffloadd import main as daemon_main
+from kvoffloadd.ledger import DERIVED, LINES, UNLIMITED
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -331,10 +332,59 @@ def example(current: str) -> str:
     return current.split(MARKER, 1)[0] + example_keys()
 
 
+SECURITY = "docs/security.md"
+LEDGER_BEGIN = "<!-- the ledger's lines: make docs writes them from kvoffloadd.ledger -->"
+LEDGER_END = "<!-- end of the ledger's lines -->"
+
+
+def _amount(n: int, unit: str) -> str:
+    if n >= UNLIMITED:
+        return "no limit"
+    if unit != "bytes":
+        return f"{n:,}"
+    for suffix, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {suffix}"
+    return f"{n:,} B"
+
+
+def ledger_table() -> str:
+    """docs/security.md's table of every ledger line, its default limits and meaning."""
+    rows = [
+        "| line | what a peer makes the daemon hold | per connection | per uid | in total "
+        "| heap per unit | released |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for spec in LINES:
+        lim = spec.limits
+        limits = DERIVED.get(spec.name) or tuple(
+            _amount(n, spec.unit) for n in (lim.per_connection, lim.per_uid, lim.total)
+        )
+        heap = f"{spec.heap_bytes_each:,} B" if spec.heap_bytes_each else "none"
+        rows.append(
+            f"| `{spec.name}` | {_cell(spec.meaning)} | {' | '.join(map(_cell, limits))} "
+            f"| {heap} | {_cell(spec.released)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def security(current: str) -> str:
+    """docs/security.md with the ledger's table between its markers."""
+    if LEDGER_BEGIN not in current or LEDGER_END not in current:
+        raise ConfigDocError(f"{SECURITY}: the ledger table's markers are missing")
+    head, rest = current.split(LEDGER_BEGIN, 1)
+    tail = rest.split(LEDGER_END, 1)[1]
+    return f"{head}{LEDGER_BEGIN}\n{ledger_table()}{LEDGER_END}{tail}"
+
+
 def outputs(root: Path) -> dict[Path, str]:
     """Each generated file under ``root`` with the text it should have."""
-    ex = root / EXAMPLE
-    return {root / REFERENCE: reference(), ex: example(ex.read_text())}
+    ex, sec = root / EXAMPLE, root / SECURITY
+    return {
+        root / REFERENCE: reference(),
+        ex: example(ex.read_text()),
+        sec: security(sec.read_text()),
+    }
 
 
 def _text(path: Path) -> str | None:

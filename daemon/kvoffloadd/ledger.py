@@ -115,6 +115,16 @@ LINES: tuple[LineSpec, ...] = (
 )
 # fmt: on
 SPECS: dict[str, LineSpec] = {spec.name: spec for spec in LINES}
+# Limits the service derives from the machine (service.Service._derived_limits), in words.
+DERIVED: dict[str, tuple[str, str, str]] = {
+    "connections": (
+        "1",
+        "a quarter of max_clients (at least 64)",
+        "max_clients, within the descriptor limit",
+    ),
+    "descriptors": ("256", "a quarter of the descriptor budget", "what the fd limit leaves"),
+    "leased_bytes": ("1/8 of the region", "1/8 of the region", "1/4 of the region"),
+}
 
 
 class Line:
