@@ -397,6 +397,8 @@ class Server:
                 ]
                 victim = max(pool, key=lambda x: line.held(x.session.session_id))
             held = line.held(victim.session.session_id)
+            if not held:
+                return  # what is over is held by connections already gone
             self._cut_off(victim, f"holds {held} {line.what} (over the {scope} limit)")
 
     def _cut_off(self, c: _Client, why: str) -> None:
@@ -523,9 +525,16 @@ class Server:
     def _drop(self, c: _Client, why: str) -> None:
         if self.clients.pop(c.session.session_id, None) is None:
             return
-        self.turns.drop(c.session.session_id)
+        cid = c.session.session_id
+        self.turns.drop(cid)
         self.budgets.released_bytes += c.held_in + c.held_out
-        c.held_in = c.held_out = c.held_fds = 0  # the ledger forgets them with the session
+        # What goes with the socket goes from the ledger now; the rest when released.
+        self._charge(self._buffered, cid, -(c.held_in + c.held_out))
+        self._charge(self._descriptors, cid, -c.held_fds)
+        self.ledger["connections"].give(cid, 1)
+        close_fds(c.session.fds)  # descriptors it parked that no message claimed
+        c.session.fds = []
+        c.held_in = c.held_out = c.held_fds = 0
         c.parts.clear()
         for _, fds in c.fd_marks:
             close_fds(fds)
