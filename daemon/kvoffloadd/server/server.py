@@ -75,6 +75,7 @@ DRAIN_TIMEOUT_S = 30.0
 LINGER_S = 5.0  # how long a client closed for a protocol error has to read its replies
 REAPER = 0  # the turn queue's id for releasing what connections that left held
 LEAVING_BYTES = 64 << 10  # a leaver's release, as bytes of work: a heavy unit
+RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release drops
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 
 
@@ -312,12 +313,11 @@ class Server:
             return
         c.conn.receive_data(self._rview[:nbytes])
         if self._account(c):
-            self.turns.wake(c.session.session_id, c.conn.buffered_bytes)
+            self.turns.wake(c.session.session_id, c.conn.buffered_bytes, c.session.uid)
 
     def _serve(self, end_s: float) -> None:
         """Serve queued connections one unit at a time, fairly, until ``end_s``."""
         turns, clients = self.turns, self.clients
-        turns.new_turn()
         while (cid := turns.next()) is not None:
             c = clients.get(cid)
             t0 = time.perf_counter()
@@ -550,8 +550,10 @@ class Server:
         self.turns.wake(REAPER, LEAVING_BYTES)
 
     def _reap(self) -> int:
-        """Release what one connection that left held; the work left (bytes)."""
-        self.service.close_session(self._leaving.popleft())
+        """Release a slice of what the first connection that left held; the work left
+        (bytes)."""
+        if self.service.close_session(self._leaving[0], RELEASE_SLICE):
+            self._leaving.popleft()
         return LEAVING_BYTES if self._leaving else 0
 
 
