@@ -87,7 +87,9 @@ def render_stats(svc: Service) -> dict[str, Any]:
             "extents_total": g.num_extents,
             "extents_free": pool.num_free,
             "prefaulted_bytes": svc.region.prefaulted_bytes,
+            **svc.region.statistics(),
         },
+        "numa_nodes": svc.region.node_statistics(),
         "blocks": {
             "namespaces": len(namespaces),
             "used_blocks": used_blocks,
@@ -182,11 +184,7 @@ def gpu_stats(svc: Service) -> dict[str, Any]:
         "devices": gpu.describe(),
         "batched_copies": gpu.api.has_batch,
         "open_ipc_handles": gpu.open_handles,
-        "pinned_bytes": gpu.pinner.pinned_bytes,
-        "pin_target_bytes": gpu.pinner.total_bytes,
-        "pin_chunks": len(gpu.pinner.chunks),
-        "pin_seconds": round(gpu.pinner.seconds, 3),
-        "pin_error": gpu.pinner.error,
+        **gpu.pinner.statistics(),
         "batched_jobs_total": batched,
         "looped_jobs_total": looped,
     }

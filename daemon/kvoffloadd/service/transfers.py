@@ -205,6 +205,7 @@ class Transfers:
                 )
             gpu = self.gpu
             ordinal, caches, event = gpu.attach(r.caches, r.device_uuid, r.store_event)
+            self.region.placement.gpu_worker(r.ns, r.device_uuid)  # NUMA: its GPU's node
             w = AttachedWorker(wid, s.session_id, r.ns, r.rank, caches, placements, ordinal, event)
             w.release = lambda: gpu.release_event(ordinal, event)
         else:
