@@ -183,7 +183,7 @@ def describe_setup(setup: RegionSetup) -> None:
         for p, n, t in zip(plan.parts, plan.part_bytes, plan.threads)
     )
     log.info(
-        "region in %s (%s, huge_pages %s%s): %d chunks of %d MiB; numa %s (%s)",
+        "region in %s (%s, huge_pages %s%s): %d chunks of at most %d MiB; numa %s (%s)",
         b.directory,
         b.fstype,
         b.huge_pages,

@@ -49,7 +49,7 @@ def address(mm: mmap.mmap) -> int:
 
 
 def resident(mm: mmap.mmap) -> int:
-    return kernel.resident_pages(address(mm), len(mm), mmap.PAGESIZE) * mmap.PAGESIZE
+    return kernel.resident_bytes(address(mm), len(mm))
 
 
 def one_part_plan(node: int | None = None, threads: int = 2, mbind: bool = False) -> RegionPlan:
@@ -157,6 +157,9 @@ def test_pages_land_on_the_node_the_plan_names(shm: mmap.mmap) -> None:
 
 
 def test_a_kept_region_is_found_resident_and_only_mapped(shm: mmap.mmap) -> None:
+    """Scenario: a warm restart. Every chunk is ready for copies before the mapping
+    pass touched a page; pinning follows the mapping pass, which the populate threads
+    run, rather than faulting every page in on its own thread."""
     populate_write(address(shm), 64 * MIB)
     plan = one_part_plan()
     states = ChunkStates(len(plan.chunks))
@@ -166,15 +169,21 @@ def test_a_kept_region_is_found_resident_and_only_mapped(shm: mmap.mmap) -> None
         gate.wait(DEADLINE_S)
         populate_write(addr, n)
 
+    fake = FakeCuda()
+    pinner = RegionPinner(fake, address(shm), plan.chunks, wait_chunk=states.wait_mapped)
     pop = Populator(address(shm), plan, states, recovered=True, touch=slow_touch)
     pop.start()
-    # every chunk is ready before the mapping pass touched a page
+    pinner.start()
     for c in range(len(plan.chunks)):
         assert states.wait_populated(c, DEADLINE_S) is True
+        assert states.is_ready(c)
     assert pop.populated_bytes == 0 and pop.resident_at_start_bytes == 64 * MIB
+    assert states.wait_mapped(0, 0.05) is None and fake.registered == []
     gate.set()
     pop.wait()
+    assert pinner.done.wait(DEADLINE_S) and pinner.fully_pinned
     assert pop.populated_bytes == 64 * MIB
+    pinner.close()
 
 
 def test_a_failure_stops_population_and_releases_waiters(shm: mmap.mmap) -> None:
@@ -231,7 +240,7 @@ def test_pinning_follows_population_chunk_by_chunk(shm: mmap.mmap) -> None:
         fake,
         base,
         plan.chunks,
-        wait_chunk=states.wait_populated,
+        wait_chunk=states.wait_mapped,
         on_pinned=states.mark_pinned,
         on_stopped=states.stop_pinning,
     )
@@ -260,7 +269,7 @@ def test_a_pinner_closed_while_waiting_for_population_stops(shm: mmap.mmap) -> N
     plan = one_part_plan(threads=1)
     states = ChunkStates(len(plan.chunks))
     fake = FakeCuda()
-    pinner = RegionPinner(fake, address(shm), plan.chunks, wait_chunk=states.wait_populated)
+    pinner = RegionPinner(fake, address(shm), plan.chunks, wait_chunk=states.wait_mapped)
     pinner.start()  # nothing is being populated: it waits on chunk 0
     pinner.close()
     assert pinner.done.is_set() and pinner.pinned_bytes == 0 and fake.registered == []

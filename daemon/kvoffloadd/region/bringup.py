@@ -17,8 +17,15 @@ from typing import Any
 
 from kvoffloadd.region import segment
 from kvoffloadd.region.backing import Backing, resolve_backing, shmem_enabled
-from kvoffloadd.region.hostfs import read_text
-from kvoffloadd.region.limits import Limit, Need, human, refusal, region_limits
+from kvoffloadd.region.hostfs import cgroup_dirs, read_text
+from kvoffloadd.region.limits import (
+    UNLIMITED_BYTES,
+    Limit,
+    Need,
+    human,
+    refusal,
+    region_limits,
+)
 from kvoffloadd.region.placement import RegionPlan, chunk_size, plan_parts, plan_region
 from kvoffloadd.region.regionstate import BeforeMap
 from kvoffloadd.region.segment import Geometry, RegionError, SegmentFile
@@ -97,6 +104,7 @@ def node_report(
     return {
         "fits": why is None,
         "refusal": why or "",
+        "memory_cgroup": _memory_cgroup(root),
         "region": {
             "region_bytes": g.region_bytes,
             "resident_bytes": resident_bytes,
@@ -134,6 +142,17 @@ def node_report(
         ],
         "gpus_without_node": [gpu.bus_id for gpu in topo.gpus if gpu.node < 0],
     }
+
+
+def _memory_cgroup(root: str) -> dict[str, Any]:
+    """This process's memory cgroup, limited or not (the report names it either way)."""
+    dirs = cgroup_dirs("memory", root)
+    if dirs is None:
+        return {"version": 0, "name": "", "limited": False}
+    files = ("memory.max",) if dirs.version == 2 else ("memory.limit_in_bytes",)
+    text = (read_text("/", os.path.join(dirs.paths[0], files[0])) or "max").strip()
+    limited = text != "max" and int(text) < UNLIMITED_BYTES
+    return {"version": dirs.version, "name": dirs.names[0], "limited": limited}
 
 
 def _limit(lim: Limit) -> dict[str, Any]:

@@ -130,3 +130,26 @@ def _walk(root: str, m: Mount, cgroup_path: str) -> tuple[list[str], list[str]]:
             return paths, names
         at = os.path.dirname(at.rstrip("/"))
         name = os.path.dirname(name.rstrip("/")) or "/"
+
+
+HUGE_SMAPS_FIELDS = ("ShmemPmdMapped", "FilePmdMapped", "Shared_Hugetlb", "Private_Hugetlb")
+
+
+def huge_mapped_bytes(address: int, root: str = "/") -> int:
+    """Bytes of this process's mapping at ``address`` mapped by huge pages (THP or
+    hugetlbfs), from /proc/self/smaps."""
+    inside = False
+    total = 0
+    for line in (read_text(root, "/proc/self/smaps") or "").splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, _, hi = head.partition("-")
+            try:
+                inside = int(lo, 16) <= address < int(hi, 16)
+            except ValueError:
+                inside = False
+        elif inside:
+            key, _, rest = line.partition(":")
+            if key in HUGE_SMAPS_FIELDS:
+                total += int(rest.split()[0]) << 10
+    return total

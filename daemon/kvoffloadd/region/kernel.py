@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import mmap
 import os
 import platform
 
@@ -48,14 +49,16 @@ def madvise(address: int, nbytes: int, advice: int) -> None:
         _raise("madvise")
 
 
-def resident_pages(address: int, nbytes: int, page_bytes: int) -> int:
-    """How many pages of the range are in memory (``mincore``: for a shared file,
-    whether the page is in its page cache, mapped here or not)."""
-    pages = -(-nbytes // page_bytes)
+def resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of the range that are in memory (``mincore``: for a shared file, whether
+    a page is in its page cache, mapped here or not). The kernel answers per base page
+    (4 KiB) whatever backs the range, huge pages too."""
+    page = mmap.PAGESIZE
+    pages = -(-nbytes // page)
     vec = (ctypes.c_ubyte * pages)()
     if libc.mincore(address, nbytes, vec) != 0:
         _raise("mincore")
-    return sum(1 for v in bytes(vec) if v & 1)
+    return bytes(vec).count(1) * page  # bit 0: resident; the rest is reserved (0)
 
 
 def _numbers() -> tuple[int, int, int] | None:

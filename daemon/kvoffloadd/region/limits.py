@@ -171,8 +171,8 @@ def filesystem_limit(need: Need, root: str = "/") -> list[Limit]:
     total = st.f_blocks * st.f_frsize
     d = need.backing.directory
     fix = (
-        f"enlarge it (mount -o remount,size={{need}} {d}; Docker: --shm-size; Kubernetes: "
-        "the volume's sizeLimit)"
+        f"enlarge it to at least {{need}} (mount -o remount,size={{need_g}} {d}; Docker: "
+        "--shm-size; Kubernetes: the volume's sizeLimit)"
         if not need.backing.is_hugetlb
         else f"remount {d} with a larger size= (at least {{need}})"
     )
@@ -278,7 +278,8 @@ def refusal(limits: list[Limit], need: Need) -> str | None:
         short = lim.needed_bytes - lim.available_bytes
         pages = -(-short // need.backing.page_bytes)
         total_pages = -(-lim.limit_bytes // need.backing.page_bytes) + pages
-        fix = lim.fix.format(need=human(lim.limit_bytes + short), pages=total_pages)
+        target = lim.limit_bytes + short
+        fix = lim.fix.format(need=human(target), need_g=f"{-(-target // GIB)}G", pages=total_pages)
         fits = max(0, lim.region_share_bytes - short + need.resident_bytes)
         lower = (
             f"; or lower region_size to at most {human(fits)}"

@@ -153,19 +153,31 @@ def plan_region(
 
 
 class ChunkStates:
-    """Per chunk: populated (populate threads) and pinned (the pinner, in order)."""
+    """Per chunk: populated (its pages exist), mapped (this process's page tables
+    reach them: what pinning waits for) and pinned (by the pinner, in order).
+
+    A new region's chunk is populated and mapped by the same pass; a kept region's
+    resident chunks are populated at once, and mapped by the pass that follows."""
 
     def __init__(self, num_chunks: int) -> None:
         self.populated = bytearray(num_chunks)
+        self.mapped = bytearray(num_chunks)
         self.pinned = 0  # chunks registered: a prefix
         self.pinning = False  # a pinner runs and readiness waits for it
         self.all_ready = num_chunks == 0
         self._cv = threading.Condition()
         self._stopped = False
 
-    def mark_populated(self, chunk: int) -> None:
+    def mark_resident(self, chunk: int) -> None:
+        """A kept region's chunk: its pages are there, not yet mapped here."""
         with self._cv:
             self.populated[chunk] = 1
+            self._settle()
+            self._cv.notify_all()
+
+    def mark_populated(self, chunk: int) -> None:
+        with self._cv:
+            self.populated[chunk] = self.mapped[chunk] = 1
             self._settle()
             self._cv.notify_all()
 
@@ -195,9 +207,16 @@ class ChunkStates:
     def wait_populated(self, chunk: int, timeout_s: float | None = None) -> bool | None:
         """Block until ``chunk`` is populated (True), populating ended without it
         (False), or ``timeout_s`` passed (None)."""
+        return self._wait(self.populated, chunk, timeout_s)
+
+    def wait_mapped(self, chunk: int, timeout_s: float | None = None) -> bool | None:
+        """As ``wait_populated``, until the chunk is populated and mapped here."""
+        return self._wait(self.mapped, chunk, timeout_s)
+
+    def _wait(self, flags: bytearray, chunk: int, timeout_s: float | None) -> bool | None:
         with self._cv:
-            self._cv.wait_for(lambda: self.populated[chunk] or self._stopped, timeout_s)
-            if self.populated[chunk]:
+            self._cv.wait_for(lambda: flags[chunk] or self._stopped, timeout_s)
+            if flags[chunk]:
                 return True
             return False if self._stopped else None
 

@@ -16,8 +16,9 @@ Rules:
   so the GIL is free while the kernel works; older kernels get a write-touch of every
   page (numpy, which releases the GIL too).
 - A kept region (warm restart) is populated already: the coordinator first marks every
-  chunk whose pages are all resident (``mincore``) as populated, then the same pass
-  only maps them (no allocation, no zeroing).
+  chunk whose pages are all resident (``mincore``) as populated (ready for copies at
+  once), then the same pass only maps them (no allocation, no zeroing); pinning waits
+  for that mapping, which runs on every thread, not on its own one.
 - Progress (bytes, rates, per part) is logged every ``PROGRESS_LOG_S`` and once at the
   end; after the end, a sample of each chunk's pages is asked where it lies
   (``move_pages``), which the stats report as the share on the intended node.
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvoffloadd.region import kernel
+from kvoffloadd.region.hostfs import huge_mapped_bytes
 from kvoffloadd.region.placement import ChunkStates, RegionPlan
 
 log = logging.getLogger(__name__)
@@ -89,9 +91,11 @@ class Populator:
         huge_advise: bool = False,
         touch: Touch = populate_write,
         tail: tuple[int, int] | None = None,
+        resident: Callable[[int, int], int] = kernel.resident_bytes,
     ) -> None:
         """``base_address``: where the data area is mapped; ``tail``: (address, bytes)
-        of more to populate after the data (the slot tables)."""
+        of more to populate after the data (the slot tables); ``resident(address,
+        bytes)``: how much of a range a kept region holds already."""
         self.base = base_address
         self.plan = plan
         self.states = states
@@ -100,12 +104,15 @@ class Populator:
         self.huge_advise = huge_advise
         self.touch = touch
         self.tail = tail
+        self.resident = resident
         self.error = ""
         self.placement = "none"  # "mbind", "threads" (affinity), "none"
         self.started_s = 0.0
         self.finished_s = 0.0
         self.first_chunk_s = 0.0
         self.resident_at_start_bytes = 0
+        self.huge_page_bytes = 0  # of the data area, mapped by huge pages (at the end)
+        self.done = False  # all of it populated, checked and reported
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._remaining = [0] * len(plan.chunks)
@@ -172,19 +179,22 @@ class Populator:
                 self._touch_safely(*self.tail)
             if not self._stop.is_set():
                 self._sample_placement()
+                self.huge_page_bytes = huge_mapped_bytes(self.base)
                 self._log_done()
+                self.done = not self.error
         finally:
             self.states.release_waiters()
 
     def _mark_resident(self) -> None:
         for c, (off, n) in enumerate(self.plan.chunks):
             try:
-                resident = kernel.resident_pages(self.base + off, n, self.page_bytes)
+                resident = self.resident(self.base + off, n)
             except OSError:
                 return
-            if resident * self.page_bytes >= n:
+            if resident >= n:
                 self.resident_at_start_bytes += n
-                self._set_populated(c)
+                self.states.mark_resident(c)
+                self._first_chunk(c)
 
     def _advise_huge(self) -> None:
         total = sum(n for _, n in self.plan.chunks)
@@ -288,9 +298,12 @@ class Populator:
             self._set_populated(chunk)
 
     def _set_populated(self, chunk: int) -> None:
+        self._first_chunk(chunk)
+        self.states.mark_populated(chunk)
+
+    def _first_chunk(self, chunk: int) -> None:
         if not self.first_chunk_s and chunk == 0:
             self.first_chunk_s = time.monotonic() - (self.started_s or time.monotonic())
-        self.states.mark_populated(chunk)
 
     # ------------------------------------------------------------ reports
 
@@ -362,7 +375,8 @@ class Populator:
             return
         what = "mapped (kept region, resident)" if self.recovered else "populated"
         log.info(
-            "region %s: %.1f GiB in %.2f s, %.2f GiB/s (%s; placement %s, numa %s)",
+            "region %s: %.1f GiB in %.2f s, %.2f GiB/s (%s; placement %s, numa %s; "
+            "%.1f GiB in huge pages)",
             what,
             self.populated_bytes / GIB,
             self.finished_s - self.started_s,
@@ -370,4 +384,5 @@ class Populator:
             self._describe_parts(),
             self.placement,
             self.plan.numa,
+            self.huge_page_bytes / GIB,
         )

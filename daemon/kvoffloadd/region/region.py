@@ -60,7 +60,7 @@ from kvoffload.datapath.regionfmt import (
     namespace_crc,
     ready_crc,
 )
-from kvoffloadd.region import segment
+from kvoffloadd.region import kernel, segment
 from kvoffloadd.region.allocator import ExtentPool, SlotJournal, SlotPool
 from kvoffloadd.region.pinning import RegionPinner
 from kvoffloadd.region.placement import (
@@ -171,6 +171,9 @@ class SharedOffloadRegion:
         """Populate the data area in the background (then the tables), as planned."""
         g = self.geometry
         base = int(self.buffer.ctypes.data)
+        # mincore sees a tmpfs file's pages wherever they are mapped, hugetlbfs pages
+        # only where this process maps them: a whole file needs no asking
+        whole = segment.allocated_bytes(self._shm) >= g.region_bytes
         self.populator = Populator(
             base + g.data_offset,
             self.plan,
@@ -179,6 +182,7 @@ class SharedOffloadRegion:
             recovered=self.recovered if recovered is None else recovered,
             huge_advise=huge_advise,
             tail=(base, g.data_offset),
+            resident=(lambda address, n: n) if whole else kernel.resident_bytes,
         )
         self.populator.start()
 
@@ -199,11 +203,12 @@ class SharedOffloadRegion:
             self.populator.wait()
 
     def wait_chunk(self, chunk: int, timeout_s: float | None = None) -> bool | None:
-        """Until ``chunk`` is populated (True); False if it will not be; None: timeout.
-        Without population, every chunk counts as populated (pinning faults it in)."""
+        """Until ``chunk`` is populated and mapped (True); False if it will not be;
+        None: timeout. Without population, every chunk counts as populated (pinning
+        faults it in)."""
         if self.populator is None:
             return True
-        return self.chunk_states.wait_populated(chunk, timeout_s)
+        return self.chunk_states.wait_mapped(chunk, timeout_s)
 
     def make_pinner(self, api: CudaApi) -> RegionPinner:
         """A pinner of the data area in the plan's chunks, following population."""
@@ -231,6 +236,7 @@ class SharedOffloadRegion:
         ready = self.chunk_states.ready_bytes(plan.chunks)
         return {
             "populated_bytes": self.prefaulted_bytes,
+            "populate_done": pop.done if pop else False,
             "ready_bytes": ready,
             "page_bytes": self.geometry.page_bytes,
             "populate_chunk_bytes": plan.chunk_bytes,
@@ -240,6 +246,7 @@ class SharedOffloadRegion:
             "populate_first_chunk_s": round(pop.first_chunk_s, 3) if pop else 0.0,
             "populate_error": pop.error if pop else "",
             "resident_at_start_bytes": pop.resident_at_start_bytes if pop else 0,
+            "huge_page_bytes": pop.huge_page_bytes if pop else 0,
             "numa": plan.numa,
             "numa_placement": pop.placement if pop else "none",
             "numa_fallback_extents_total": self.pool.fallback_extents_total,

@@ -26,6 +26,7 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvoffload.datapath.regionfmt import (
     DATA_ALIGN_BYTES,
@@ -135,6 +136,11 @@ def header_fields(g: Geometry) -> tuple[object, ...]:
     )
 
 
+class HasFd(Protocol):
+    @property
+    def fd(self) -> int: ...
+
+
 class SegmentFile:
     """A region file, opened; what the region uses of it (as of ``posix_ipc``'s
     SharedMemory, whose files in /dev/shm these are)."""
@@ -212,8 +218,9 @@ def create(name: str, g: Geometry, directory: str = SHM_DIR) -> SegmentFile:
     return shm
 
 
-def allocated_bytes(shm: SegmentFile) -> int:
-    """Bytes of the segment that hold pages (a kept region's are resident)."""
+def allocated_bytes(shm: SegmentFile | HasFd) -> int:
+    """Bytes of the segment that hold pages (a kept region's are resident): tmpfs and
+    hugetlbfs both count a file's pages in its blocks."""
     st = os.fstat(shm.fd)
     return min(st.st_size, st.st_blocks * 512)
 
