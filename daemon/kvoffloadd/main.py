@@ -132,7 +132,7 @@ def build(
         lock.release()
         raise
     describe_setup(setup)
-    if cfg.prefault:
+    if cfg.prefault and not region.recovered:
         region.start_populate(huge_advise=cfg.huge_pages == "thp")
     copier = CpuCopier(cfg.copy_threads)
     gpu, gpu_unavailable = start_gpu(cfg, region, copier.sink)
@@ -158,6 +158,10 @@ def build(
         lock.release()
         raise
     service = Service(cfg, region, copier, gpu, gpu_unavailable, tiering)
+    if cfg.prefault and region.recovered:
+        # a kept region is resident: mapping it again waits until its blocks are
+        # recovered (Service), so as not to slow the start on a machine of few CPUs
+        region.start_populate(huge_advise=cfg.huge_pages == "thp")
     server = Server(service, listener, notifier, metrics)
     return lock, state, region, copier, server
 

@@ -131,7 +131,7 @@ def pool_on(
     topo = read_topology(str(tmp_path))
     parts, mode = plan_parts(topo, "auto", ALL_CPUS)
     plan = plan_region(extents * 2 * MIB, 4 * MIB, parts, 2, mode)
-    states = ChunkStates(len(plan.chunks))
+    states = ChunkStates(len(plan.chunks), 2, extents)
     for c in range(len(plan.chunks)):
         states.mark_populated(c)
     placement = ExtentPlacement(plan, 2 * MIB, extents, states, topo)

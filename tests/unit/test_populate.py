@@ -12,8 +12,9 @@ import mmap
 import os
 import select
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from fake_cuda import FakeCuda
@@ -30,7 +31,7 @@ DEADLINE_S = 10.0
 @pytest.fixture
 def shm() -> Iterator[mmap.mmap]:
     """64 MiB of /dev/shm, mapped shared (what the region is)."""
-    path = f"/dev/shm/kvoffload-test-populate-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/kvo-test-populate-{uuid.uuid4().hex[:8]}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, 64 * MIB)
@@ -124,6 +125,41 @@ def test_pieces_are_taken_in_region_order(shm: mmap.mmap) -> None:
     pop.wait()
     # pieces of at most 64 MiB, cut at chunk boundaries, in order
     assert started == [address(shm), address(shm) + 32 * MIB]
+
+
+def test_extents_are_ready_before_their_whole_chunk(shm: mmap.mmap) -> None:
+    """Scenario: one 64 MiB chunk of four 16 MiB extents, populated piece by piece;
+    the third piece is slow: the first two extents are ready meanwhile."""
+    plan = plan_region(64 * MIB, 64 * MIB, [Part(None, 0, frozenset())], 1, "off")
+    states = ChunkStates(1, 4, 4)
+    base = address(shm)
+    gate = threading.Event()
+
+    def touch(addr: int, n: int) -> None:
+        if addr - base == 32 * MIB:
+            gate.wait(DEADLINE_S)
+        populate_write(addr, n)
+
+    pop = Populator(base, plan, states, touch=touch, unit_bytes=16 * MIB, piece_bytes=16 * MIB)
+    pop.start()
+    try:
+        assert wait_for(lambda: states.ready_units() == 2)
+        assert [states.is_unit_ready(u) for u in range(4)] == [True, True, False, False]
+        assert not states.populated[0]
+    finally:
+        gate.set()
+    pop.wait()
+    assert states.ready_units() == 4 and states.populated[0]
+
+
+def wait_for(predicate: Callable[[], bool]) -> bool:
+    """Poll with a deadline (the populate threads flip plain bytes, no condition)."""
+    end = time.monotonic() + DEADLINE_S
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def test_a_piece_on_a_kernel_without_populate_write_is_touched(shm: mmap.mmap) -> None:
@@ -250,7 +286,7 @@ def test_pinning_follows_population_chunk_by_chunk(shm: mmap.mmap) -> None:
     pinner.start()
     assert fake.pinned.acquire(timeout=DEADLINE_S) and fake.pinned.acquire(timeout=DEADLINE_S)
     assert not fake.pinned.acquire(timeout=0.05)  # chunk 2 is not populated: no pin yet
-    assert pinner.pinned_bytes == 32 * MIB and states.ready_bytes(plan.chunks) == 32 * MIB
+    assert pinner.pinned_bytes == 32 * MIB and states.ready_units() == 2
     assert not states.all_ready
     gate.set()
     assert pinner.done.wait(DEADLINE_S) and pinner.fully_pinned

@@ -16,8 +16,8 @@ Rules:
   without memory never get a part; without any GPU, every memory node weighs the same.
 - A namespace whose GPU workers all sit on one node takes its extents from that node's
   part (``ExtentPlacement.preferred_part``); any other namespace interleaves.
-- A chunk is ready once populated and, while a pinner runs, pinned; the extent pool
-  hands out ready extents first (allocator.py). Populate and pin threads write the
+- An extent is ready once populated and, while a pinner runs, its chunk pinned; the
+  extent pool hands out ready extents first (allocator.py). Populate and pin threads write the
   chunk states; the loop only reads them (single values, no lock needed there).
 """
 
@@ -154,30 +154,46 @@ def plan_region(
 
 class ChunkStates:
     """Per chunk: populated (its pages exist), mapped (this process's page tables
-    reach them: what pinning waits for) and pinned (by the pinner, in order).
+    reach them: what pinning waits for) and pinned (by the pinner, in order); per
+    unit (an extent: what the pool hands out), populated.
 
-    A new region's chunk is populated and mapped by the same pass; a kept region's
-    resident chunks are populated at once, and mapped by the pass that follows."""
+    A new region's chunk is populated and mapped by the same pass, unit by unit (so
+    the first extents are ready before their whole chunk is); a kept region's resident
+    chunks are populated at once, and mapped by the pass that follows."""
 
-    def __init__(self, num_chunks: int) -> None:
+    def __init__(self, num_chunks: int, units_per_chunk: int = 1, num_units: int = -1) -> None:
         self.populated = bytearray(num_chunks)
         self.mapped = bytearray(num_chunks)
+        self.units_per_chunk = units_per_chunk
+        self.units = bytearray(num_chunks * units_per_chunk if num_units < 0 else num_units)
         self.pinned = 0  # chunks registered: a prefix
         self.pinning = False  # a pinner runs and readiness waits for it
         self.all_ready = num_chunks == 0
         self._cv = threading.Condition()
         self._stopped = False
 
+    def mark_unit(self, unit: int) -> None:
+        """One unit of a chunk being populated is done (a single byte: no lock)."""
+        self.units[unit] = 1
+
+    def _units_of(self, chunk: int) -> range:
+        upc = self.units_per_chunk
+        return range(chunk * upc, min((chunk + 1) * upc, len(self.units)))
+
     def mark_resident(self, chunk: int) -> None:
         """A kept region's chunk: its pages are there, not yet mapped here."""
         with self._cv:
             self.populated[chunk] = 1
+            for u in self._units_of(chunk):
+                self.units[u] = 1
             self._settle()
             self._cv.notify_all()
 
     def mark_populated(self, chunk: int) -> None:
         with self._cv:
             self.populated[chunk] = self.mapped[chunk] = 1
+            for u in self._units_of(chunk):
+                self.units[u] = 1
             self._settle()
             self._cv.notify_all()
 
@@ -204,6 +220,11 @@ class ChunkStates:
             return False
         return not self.pinning or chunk < self.pinned
 
+    def is_unit_ready(self, unit: int) -> bool:
+        if not self.units[unit]:
+            return False
+        return not self.pinning or unit // self.units_per_chunk < self.pinned
+
     def wait_populated(self, chunk: int, timeout_s: float | None = None) -> bool | None:
         """Block until ``chunk`` is populated (True), populating ended without it
         (False), or ``timeout_s`` passed (None)."""
@@ -226,8 +247,15 @@ class ChunkStates:
             self._stopped = True
             self._cv.notify_all()
 
-    def ready_bytes(self, chunks: list[tuple[int, int]]) -> int:
-        return sum(n for i, (_, n) in enumerate(chunks) if self.is_ready(i))
+    def ready_units(self, units: range | list[int] | None = None) -> int:
+        """How many of ``units`` (default: all) are ready."""
+        if self.all_ready and units is None:
+            return len(self.units)
+        return sum(
+            1
+            for u in (units if units is not None else range(len(self.units)))
+            if self.is_unit_ready(u)
+        )
 
 
 class ExtentPlacement:
@@ -246,6 +274,7 @@ class ExtentPlacement:
         self.states = states
         self.num_parts = len(plan.parts)
         per_chunk = plan.chunk_bytes // extent_bytes
+        assert states.units_per_chunk == per_chunk, "one readiness unit per extent"
         self.chunk_of_extent = [e // per_chunk for e in range(num_extents)]
         self.part_of_extent = [plan.part_of_chunk[c] for c in self.chunk_of_extent]
         self._part_of_node = {p.node: i for i, p in enumerate(plan.parts) if p.node is not None}
@@ -257,7 +286,7 @@ class ExtentPlacement:
         return self.states.all_ready
 
     def is_ready(self, ext: int) -> bool:
-        return self.states.is_ready(self.chunk_of_extent[ext])
+        return self.states.is_unit_ready(ext)
 
     def preferred_part(self, owner: int) -> int | None:
         parts = self._owner_parts.get(owner)

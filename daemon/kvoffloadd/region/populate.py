@@ -92,10 +92,13 @@ class Populator:
         touch: Touch = populate_write,
         tail: tuple[int, int] | None = None,
         resident: Callable[[int, int], int] = kernel.resident_bytes,
+        unit_bytes: int = 0,
+        piece_bytes: int = PIECE_BYTES,
     ) -> None:
         """``base_address``: where the data area is mapped; ``tail``: (address, bytes)
         of more to populate after the data (the slot tables); ``resident(address,
-        bytes)``: how much of a range a kept region holds already."""
+        bytes)``: how much of a range a kept region holds already; ``unit_bytes``:
+        the readiness unit (an extent; 0: a chunk), marked as its pieces are done."""
         self.base = base_address
         self.plan = plan
         self.states = states
@@ -118,16 +121,22 @@ class Populator:
         self._remaining = [0] * len(plan.chunks)
         self._mbind_ok = plan.mbind
         self._parts: list[_Part] = []
-        piece = max(page_bytes, PIECE_BYTES // page_bytes * page_bytes)
+        piece = max(page_bytes, piece_bytes // page_bytes * page_bytes)
+        unit = unit_bytes or plan.chunk_bytes
+        self._unit_left = [0] * len(states.units)
         for p in range(len(plan.parts)):
             pieces = []
             for c, (off, n) in enumerate(plan.chunks):
                 if plan.part_of_chunk[c] != p:
                     continue
                 for o in range(off, off + n, piece):
-                    pieces.append((c, o, min(piece, off + n - o)))
+                    k = min(piece, off + n - o)
+                    pieces.append((c, o, k))
                     self._remaining[c] += 1
+                    for u in range(o // unit, -(-(o + k) // unit)):
+                        self._unit_left[u] += 1
             self._parts.append(_Part(pieces, sum(n for _, _, n in pieces)))
+        self._unit = unit
         self._thread = threading.Thread(target=self._run, name="kvoffload-populate", daemon=True)
 
     # ------------------------------------------------------------ control
@@ -246,7 +255,7 @@ class Populator:
                 self._place(p, off, n)
             if not self._touch_safely(self.base + off, n):
                 return
-            self._piece_done(p, chunk, n)
+            self._piece_done(p, chunk, off, n)
 
     def _place(self, part: int, off: int, n: int) -> None:
         node = self.plan.parts[part].node
@@ -285,8 +294,9 @@ class Populator:
             return False
         return True
 
-    def _piece_done(self, part: int, chunk: int, n: int) -> None:
+    def _piece_done(self, part: int, chunk: int, off: int, n: int) -> None:
         now = time.monotonic()
+        units = range(off // self._unit, -(-(off + n) // self._unit))
         with self._lock:
             q = self._parts[part]
             q.populated_bytes += n
@@ -294,6 +304,10 @@ class Populator:
             q.last_s = now
             self._remaining[chunk] -= 1
             done = self._remaining[chunk] == 0
+            for u in units:
+                self._unit_left[u] -= 1
+                if self._unit_left[u] == 0:
+                    self.states.mark_unit(u)
         if done:
             self._set_populated(chunk)
 
@@ -366,7 +380,7 @@ class Populator:
             "populating the region: %.1f of %.1f GiB, %.1f GiB ready (%s)",
             self.populated_bytes / GIB,
             total / GIB,
-            self.states.ready_bytes(self.plan.chunks) / GIB,
+            self.states.ready_units() * self._unit / GIB,
             self._describe_parts(),
         )
 

@@ -142,10 +142,16 @@ class SharedOffloadRegion:
         owners: list[int | None] = [
             None if o == FREE_OWNER else int(o) for o in self._extent_table[:, 0].tolist()
         ]
-        self.chunk_states = ChunkStates(len(self.plan.chunks))
+        self.chunk_states = ChunkStates(
+            len(self.plan.chunks), self.plan.chunk_bytes // g.extent_bytes, g.num_extents
+        )
         self.placement = ExtentPlacement(
             self.plan, g.extent_bytes, g.num_extents, self.chunk_states, topology
         )
+        self._extents_of_part = [
+            [e for e, q in enumerate(self.placement.part_of_extent) if q == p]
+            for p in range(len(self.plan.parts))
+        ]
         self.pool = ExtentPool(
             g.num_extents,
             g.extent_bytes,
@@ -182,6 +188,7 @@ class SharedOffloadRegion:
             recovered=self.recovered if recovered is None else recovered,
             huge_advise=huge_advise,
             tail=(base, g.data_offset),
+            unit_bytes=g.extent_bytes,
             resident=(lambda address, n: n) if whole else kernel.resident_bytes,
         )
         self.populator.start()
@@ -233,7 +240,7 @@ class SharedOffloadRegion:
         """The population fields of the ``region`` stats section."""
         pop = self.populator
         plan = self.plan
-        ready = self.chunk_states.ready_bytes(plan.chunks)
+        ready = self.chunk_states.ready_units() * self.geometry.extent_bytes
         return {
             "populated_bytes": self.prefaulted_bytes,
             "populate_done": pop.done if pop else False,
@@ -256,6 +263,7 @@ class SharedOffloadRegion:
     def node_statistics(self) -> dict[str, dict[str, Any]]:
         """Per NUMA part: its node's bytes, populated, pinned and ready, and rates."""
         plan, states = self.plan, self.chunk_states
+        ext_bytes = self.geometry.extent_bytes
         per_part = self.populator.part_statistics() if self.populator else None
         out: dict[str, dict[str, Any]] = {}
         for p, part in enumerate(plan.parts):
@@ -263,7 +271,7 @@ class SharedOffloadRegion:
             st: dict[str, Any] = {
                 "bytes": sum(plan.chunks[i][1] for i in mine),
                 "populated_bytes": 0,
-                "ready_bytes": sum(plan.chunks[i][1] for i in mine if states.is_ready(i)),
+                "ready_bytes": states.ready_units(self._extents_of_part[p]) * ext_bytes,
                 "pinned_bytes": sum(plan.chunks[i][1] for i in mine if i < states.pinned),
                 "gpus": part.gpus,
                 "free_extents": self.pool.free_in_part(p),
