@@ -67,6 +67,20 @@ def test_a_cgroup_v2_limit_below_region_and_headroom_is_refused(tmp_path: Path) 
     assert refusal(region_limits(need, str(tmp_path)), need) is None
 
 
+def test_a_limit_of_region_and_headroom_is_enough(tmp_path: Path) -> None:
+    """The daemon's own memory, in its cgroup's usage at the check, is what the
+    headroom is for: memory.max = region + headroom fits, one byte less does not."""
+    region, headroom, own = 4 * GIB, GIB, 200 * MIB
+    node_v2(tmp_path, str(region + headroom), own)
+    need = Need(region, 0, headroom, SHM, own_bytes=own)
+    assert refusal(region_limits(need, str(tmp_path)), need) is None
+    node_v2(tmp_path, str(region + headroom - 1), own)
+    assert refusal(region_limits(need, str(tmp_path)), need) is not None
+    counted_twice = Need(region, 0, headroom, SHM)
+    node_v2(tmp_path, str(region + headroom), own)
+    assert refusal(region_limits(counted_twice, str(tmp_path)), counted_twice) is not None
+
+
 def test_a_pod_limit_above_the_container_binds_too(tmp_path: Path) -> None:
     node_v2(tmp_path, "max", 0, pod_max=str(2 * GIB))
     need = Need(4 * GIB, 0, GIB, SHM)

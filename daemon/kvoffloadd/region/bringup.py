@@ -23,6 +23,7 @@ from kvoffloadd.region.limits import (
     Limit,
     Need,
     human,
+    own_resident_bytes,
     refusal,
     region_limits,
 )
@@ -64,10 +65,13 @@ def plan_setup(
     return RegionSetup(backing, g, topology, plan)
 
 
-def need_of(setup: RegionSetup, resident_bytes: int, headroom_bytes: int) -> Need:
+def need_of(
+    setup: RegionSetup, resident_bytes: int, headroom_bytes: int, own_bytes: int = 0
+) -> Need:
     plan = setup.plan
     nodes = {p.node: b for p, b in zip(plan.parts, plan.part_bytes) if p.node is not None}
-    return Need(setup.geometry.region_bytes, resident_bytes, headroom_bytes, setup.backing, nodes)
+    g = setup.geometry
+    return Need(g.region_bytes, resident_bytes, headroom_bytes, setup.backing, nodes, own_bytes)
 
 
 def fit_check(setup: RegionSetup, headroom_bytes: int, root: str = "/") -> BeforeMap:
@@ -75,7 +79,7 @@ def fit_check(setup: RegionSetup, headroom_bytes: int, root: str = "/") -> Befor
 
     def check(shm: SegmentFile, recovered: bool) -> None:
         resident = segment.allocated_bytes(shm) if recovered else 0
-        need = need_of(setup, resident, headroom_bytes)
+        need = need_of(setup, resident, headroom_bytes, own_resident_bytes(root))
         why = refusal(region_limits(need, root), need)
         if why is not None:
             raise RegionError(why)

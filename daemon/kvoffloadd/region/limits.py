@@ -9,9 +9,10 @@ Kubernetes, a crash loop. So at start:
 
 - the memory cgroup (v1 and v2), at every level that has a limit, must hold what the
   region still needs (its pages not already resident, a kept region's are) plus the
-  daemon's own ``memory_headroom``; with hugetlbfs only the headroom, huge pages
-  being charged to the hugetlb controller instead (unless cgroup v2 is mounted with
-  ``memory_hugetlb_accounting``);
+  daemon's own ``memory_headroom`` (which covers what the daemon uses already: a
+  limit of ``region_size + memory_headroom`` is enough); with hugetlbfs only the
+  headroom, huge pages being charged to the hugetlb controller instead (unless cgroup
+  v2 is mounted with ``memory_hugetlb_accounting``);
 - the host's ``MemAvailable`` likewise (the OOM killer picks the largest process);
 - the region's tmpfs (``/dev/shm``) must have the free space, a hugetlbfs mount its
   ``size=`` and the huge page pool its free pages (``free - resv``, in total and on
@@ -53,6 +54,9 @@ class Need:
     headroom_bytes: int  # the daemon's own memory beyond the region
     backing: Backing
     node_bytes: dict[int, int] = field(default_factory=dict)  # NUMA node -> part bytes
+    # the daemon's own memory now, in its cgroup's usage already: the headroom covers it,
+    # so a limit of region_size + memory_headroom is enough
+    own_bytes: int = 0
 
     @property
     def new_bytes(self) -> int:
@@ -121,7 +125,7 @@ def memory_cgroup_limits(need: Need, root: str = "/") -> list[Limit]:
             Limit(
                 f"memory cgroup {name} ({files[0]})",
                 limit,
-                used,
+                max(0, used - need.own_bytes),
                 charged,
                 "raise the cgroup's memory limit to at least {need} (systemd: MemoryMax= "
                 "of kvoffloadd.service; Kubernetes: resources.limits.memory of the "
@@ -130,6 +134,14 @@ def memory_cgroup_limits(need: Need, root: str = "/") -> list[Limit]:
             )
         )
     return out
+
+
+def own_resident_bytes(root: str = "/") -> int:
+    """This process's resident memory (VmRSS)."""
+    for line in (read_text(root, "/proc/self/status") or "").splitlines():
+        if line.startswith("VmRSS:"):
+            return (_int(line.split(":", 1)[1]) or 0) << 10
+    return 0
 
 
 def meminfo(root: str = "/") -> dict[str, int]:
