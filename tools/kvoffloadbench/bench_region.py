@@ -29,6 +29,7 @@ import argparse
 import json
 import mmap
 import os
+import subprocess
 import threading
 import time
 import uuid
@@ -265,7 +266,20 @@ def run(sizes: list[str], daemon_path: str | None) -> dict[str, Any]:
         row.update(stores_and_warm_restart(size, env))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return {"machine": machine(), "daemon_path": daemon_path or "", "sizes": rows}
+    return {"machine": machine(), "daemon_commit": _commit(daemon_path), "sizes": rows}
+
+
+def _commit(path: str | None) -> str:
+    """The commit of the daemon that ran (this checkout's without --daemon-path)."""
+    try:
+        return subprocess.run(
+            ["git", "-C", path or ".", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _s(x: float | None) -> str:
