@@ -132,8 +132,10 @@ def build(
         lock.release()
         raise
     describe_setup(setup)
-    if cfg.prefault and not region.recovered:
-        region.start_populate(huge_advise=cfg.huge_pages == "thp")
+    if cfg.prefault:
+        region.prepare_populate(huge_advise=cfg.huge_pages == "thp")
+        if not region.recovered:
+            region.start_populate()
     copier = CpuCopier(cfg.copy_threads)
     gpu, gpu_unavailable = start_gpu(cfg, region, copier.sink)
     if gpu is None:
@@ -160,8 +162,9 @@ def build(
     service = Service(cfg, region, copier, gpu, gpu_unavailable, tiering)
     if cfg.prefault and region.recovered:
         # a kept region is resident: mapping it again waits until its blocks are
-        # recovered (Service), so as not to slow the start on a machine of few CPUs
-        region.start_populate(huge_advise=cfg.huge_pages == "thp")
+        # recovered (Service), so as not to slow the start on a machine of few CPUs;
+        # a pinner started meanwhile waits for the mapping
+        region.start_populate()
     server = Server(service, listener, notifier, metrics)
     return lock, state, region, copier, server
 

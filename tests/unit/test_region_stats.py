@@ -120,3 +120,24 @@ def test_stats_and_metrics_report_each_node(svc: Service) -> None:
     ):
         assert name in families, name
     assert np.isclose(families["kvoffload_region_populated_bytes"].samples[0].value, data)
+
+
+def test_without_population_every_extent_counts_as_ready() -> None:
+    """prefault = false: nothing populates, so nothing is waited for; a planned
+    population (a kept region's, started once its blocks are recovered) holds the
+    pinner back from the start, so it never faults the region in on its own."""
+    g = Geometry.plan(16 * MIB, 2 * MIB, 16384)
+    region = SharedOffloadRegion(f"/kvoffload-s{uuid.uuid4().hex[:8]}", g)
+    try:
+        st = region.statistics()
+        assert st["ready_bytes"] == g.data_bytes and st["populated_bytes"] == 0
+        assert region.wait_chunk(0, 0) is True
+        region.prepare_populate()
+        assert region.statistics()["ready_bytes"] == 0
+        assert region.wait_chunk(0, 0) is None  # a pinner keeps waiting
+        region.start_populate()
+        assert region.wait_chunk(0, 10) is True
+        region.wait_prefault()
+        assert region.statistics()["ready_bytes"] == g.data_bytes
+    finally:
+        region.close()

@@ -172,6 +172,22 @@ class ChunkStates:
         self._cv = threading.Condition()
         self._stopped = False
 
+    def assume_populated(self) -> None:
+        """Nothing populates the region: every chunk counts as populated and mapped."""
+        with self._cv:
+            for flags in (self.populated, self.mapped, self.units):
+                flags[:] = b"\x01" * len(flags)
+            self._settle()
+            self._cv.notify_all()
+
+    def reset(self) -> None:
+        """A population is planned: nothing is populated until it says so."""
+        with self._cv:
+            for flags in (self.populated, self.mapped, self.units):
+                flags[:] = bytes(len(flags))
+            self._stopped = False
+            self._settle()
+
     def mark_unit(self, unit: int) -> None:
         """One unit of a chunk being populated is done (a single byte: no lock)."""
         self.units[unit] = 1

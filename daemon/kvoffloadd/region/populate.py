@@ -142,6 +142,8 @@ class Populator:
     # ------------------------------------------------------------ control
 
     def start(self) -> None:
+        if self._thread.ident is not None:
+            return
         self.started_s = time.monotonic()
         self._thread.start()
 

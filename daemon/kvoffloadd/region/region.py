@@ -145,6 +145,7 @@ class SharedOffloadRegion:
         self.chunk_states = ChunkStates(
             len(self.plan.chunks), self.plan.chunk_bytes // g.extent_bytes, g.num_extents
         )
+        self.chunk_states.assume_populated()  # until a population is planned
         self.placement = ExtentPlacement(
             self.plan, g.extent_bytes, g.num_extents, self.chunk_states, topology
         )
@@ -173,24 +174,34 @@ class SharedOffloadRegion:
     def data_address(self) -> int:
         return int(self.buffer.ctypes.data) + self.geometry.data_offset
 
-    def start_populate(self, *, recovered: bool | None = None, huge_advise: bool = False) -> None:
-        """Populate the data area in the background (then the tables), as planned."""
+    def prepare_populate(self, *, huge_advise: bool = False) -> Populator:
+        """Plan population (started by ``start_populate``): until then no chunk counts
+        as populated, and a pinner waits for each. Without it every chunk counts as
+        populated (``prefault = false``: pages are faulted as copies reach them)."""
         g = self.geometry
         base = int(self.buffer.ctypes.data)
         # mincore sees a tmpfs file's pages wherever they are mapped, hugetlbfs pages
         # only where this process maps them: a whole file needs no asking
         whole = segment.allocated_bytes(self._shm) >= g.region_bytes
+        self.chunk_states.reset()
         self.populator = Populator(
             base + g.data_offset,
             self.plan,
             self.chunk_states,
             page_bytes=g.page_bytes,
-            recovered=self.recovered if recovered is None else recovered,
+            recovered=self.recovered,
             huge_advise=huge_advise,
             tail=(base, g.data_offset),
             unit_bytes=g.extent_bytes,
             resident=(lambda address, n: n) if whole else kernel.resident_bytes,
         )
+        return self.populator
+
+    def start_populate(self, *, huge_advise: bool = False) -> None:
+        """Populate the data area in the background (then the tables), as planned."""
+        if self.populator is None:
+            self.prepare_populate(huge_advise=huge_advise)
+        assert self.populator is not None
         self.populator.start()
 
     def start_prefault(self) -> None:
