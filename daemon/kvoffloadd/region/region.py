@@ -72,6 +72,7 @@ from kvoffloadd.region.placement import (
     plan_region,
 )
 from kvoffloadd.region.populate import Populator
+from kvoffloadd.region.progress import node_statistics, population_statistics
 from kvoffloadd.region.segment import Geometry, RegionError, default_extent_bytes, header_fields
 from kvoffloadd.region.topology import Topology
 from kvoffloadd.trust import UntrustedError
@@ -248,52 +249,16 @@ class SharedOffloadRegion:
         self.pinner.start()
 
     def statistics(self) -> dict[str, Any]:
-        """The population fields of the ``region`` stats section."""
-        pop = self.populator
-        plan = self.plan
-        ready = self.chunk_states.ready_units() * self.geometry.extent_bytes
-        return {
-            "populated_bytes": self.prefaulted_bytes,
-            "populate_done": pop.done if pop else False,
-            "ready_bytes": ready,
-            "page_bytes": self.geometry.page_bytes,
-            "populate_chunk_bytes": plan.chunk_bytes,
-            "populate_threads": sum(plan.threads) if pop is not None else 0,
-            "populate_seconds": round(pop.elapsed_s, 3) if pop else 0.0,
-            "populate_rate_bytes_per_s": round(pop.rate_bytes_per_s()) if pop else 0,
-            "populate_first_chunk_s": round(pop.first_chunk_s, 3) if pop else 0.0,
-            "populate_error": pop.error if pop else "",
-            "resident_at_start_bytes": pop.resident_at_start_bytes if pop else 0,
-            "huge_page_bytes": pop.huge_page_bytes if pop else 0,
-            "numa": plan.numa,
-            "numa_placement": pop.placement if pop else "none",
-            "numa_fallback_extents_total": self.pool.fallback_extents_total,
-            "unready_extents_total": self.pool.unready_extents_total,
-        }
+        """The population fields of the ``region`` stats section (progress.py)."""
+        return population_statistics(
+            self.plan, self.chunk_states, self.populator, self.pool, self.geometry
+        )
 
     def node_statistics(self) -> dict[str, dict[str, Any]]:
-        """Per NUMA part: its node's bytes, populated, pinned and ready, and rates."""
-        plan, states = self.plan, self.chunk_states
-        ext_bytes = self.geometry.extent_bytes
-        per_part = self.populator.part_statistics() if self.populator else None
-        out: dict[str, dict[str, Any]] = {}
-        for p, part in enumerate(plan.parts):
-            mine = [i for i, q in enumerate(plan.part_of_chunk) if q == p]
-            st: dict[str, Any] = {
-                "bytes": sum(plan.chunks[i][1] for i in mine),
-                "populated_bytes": 0,
-                "ready_bytes": states.ready_units(self._extents_of_part[p]) * ext_bytes,
-                "pinned_bytes": sum(plan.chunks[i][1] for i in mine if i < states.pinned),
-                "gpus": part.gpus,
-                "free_extents": self.pool.free_in_part(p),
-                "populate_threads": 0,
-                "populate_rate_bytes_per_s": 0,
-                "local_ratio": None,
-            }
-            if per_part is not None:
-                st.update(per_part[p])
-            out["all" if part.node is None else str(part.node)] = st
-        return out
+        """Per NUMA part: its node's bytes, populated, ready and pinned, and rates."""
+        return node_statistics(
+            self.plan, self.chunk_states, self.populator, self.pool, self._extents_of_part
+        )
 
     def open_fd(self) -> int:
         """A new descriptor of the region, for a trusted client-copy worker to map.
