@@ -211,3 +211,18 @@ def test_all_ready_is_the_fast_path(pinning: bool) -> None:
     states.mark_pinned(3)
     assert states.all_ready
     assert states.wait_populated(1, 0) is True
+
+
+def test_huge_page_geometry_aligns_the_data_and_keeps_the_old_plans() -> None:
+    from kvoffloadd.region.segment import Geometry, RegionError
+
+    g = Geometry.plan(2 * GIB, GIB, 16384, GIB)  # the tables take the first 1 GiB page
+    assert (g.num_extents, g.data_offset, g.region_bytes, g.page_bytes) == (1, GIB, 2 * GIB, GIB)
+    g = Geometry.plan(64 * GIB, GIB, 16384, GIB)
+    assert g.data_offset % GIB == 0 and g.region_bytes <= 64 * GIB and g.num_extents == 63
+    with pytest.raises(RegionError, match="multiple of the huge page size"):
+        Geometry.plan(8 * GIB, 256 * MIB, 16384, GIB)
+    # without huge pages (and with 2 MiB ones) the plan is what kept regions were made with
+    for page in (4096, 2 * MIB):
+        g = Geometry.plan(GIB, 16 * MIB, 16384, page)
+        assert (g.num_extents, g.data_offset, g.region_bytes) == (63, 8 * MIB, 1016 * MIB)

@@ -80,8 +80,17 @@ class Geometry:
             raise RegionError("min_slot_bytes is larger than extent_bytes")
         spe = extent_bytes // min_slot_bytes
         per_extent = extent_bytes + EXTENT_RECORD_BYTES + spe * SLOT_RECORD_BYTES
-        fixed = HEADER_BYTES + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES + 2 * align
-        num_extents = (region_bytes - fixed) // per_extent
+        fixed = HEADER_BYTES + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES
+        if align == DATA_ALIGN_BYTES:  # as every region without huge pages was planned
+            num_extents = (region_bytes - fixed - 2 * align) // per_extent
+        else:  # the most extents whose tables, rounded up to a huge page, still fit
+            num_extents = (region_bytes - fixed) // per_extent
+            meta = per_extent - extent_bytes
+            while num_extents > 0 and (
+                -(-(fixed + num_extents * meta) // align) * align + num_extents * extent_bytes
+                > region_bytes
+            ):
+                num_extents -= 1
         if num_extents < 1:
             raise RegionError(
                 f"a region of {region_bytes} bytes cannot hold one extent of {extent_bytes} bytes"
