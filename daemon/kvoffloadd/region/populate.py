@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import threading
 import time
@@ -190,7 +191,9 @@ class Populator:
                 self._touch_safely(*self.tail)
             if not self._stop.is_set():
                 self._sample_placement()
-                self.huge_page_bytes = huge_mapped_bytes(self.base)
+                if self.huge_advise or self.page_bytes > mmap.PAGESIZE:
+                    # smaps walks the whole mapping's page tables: only where it tells
+                    self.huge_page_bytes = huge_mapped_bytes(self.base)
                 self._log_done()
                 self.done = not self.error
         finally:
