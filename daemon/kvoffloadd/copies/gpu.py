@@ -49,7 +49,7 @@ from kvoffloadd.copies.copier import ChecksumCheck, CompletionSink
 from kvoffloadd.copies.imports import check_desc
 from kvoffloadd.copies.lanes import CopyLane, GpuJob
 from kvoffloadd.copies.workers import ImportedCache
-from kvoffloadd.region.pinning import RegionPinner, plan_chunks
+from kvoffloadd.region.pinning import RegionPinner
 from kvoffloadd.region.region import SharedOffloadRegion
 
 log = logging.getLogger(__name__)
@@ -275,15 +275,12 @@ def start_gpu(
     try:
         if api.device_count() == 0:
             return None, "no CUDA device is visible to the daemon"
-        g = region.geometry
-        base = int(region.buffer.ctypes.data) + g.data_offset
-        chunks = plan_chunks(g.num_extents * g.extent_bytes, g.extent_bytes)
-        pinner = RegionPinner(api, base, chunks, before=region.wait_prefault)
-        runtime = GpuRuntime(api, sink, base, pinner, cfg.gpu_kernel)
+        pinner = region.make_pinner(api)  # the region's chunks, each once populated
+        runtime = GpuRuntime(api, sink, region.data_address, pinner, cfg.gpu_kernel)
     except CudaError as exc:
         return None, f"CUDA is not usable: {exc}"
     if cfg.pin_region:
-        pinner.start()
+        region.start_pinning()
     else:
         pinner.done.set()
     log.info(

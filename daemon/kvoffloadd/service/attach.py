@@ -157,6 +157,7 @@ class Attacher:
             gpu = self.gpu
             assert gpu is not None
             gpu.device_paths(ordinal)  # calibrated by the time copies come, mostly
+            self.region.placement.gpu_worker(p.r.ns, p.r.device_uuid)  # NUMA: its node
             w = self._worker(s, p.r, p.placements, caches, p.charges)
             w.device, w.store_event = ordinal, event
             w.release = partial(gpu.release_event, ordinal, event)
