@@ -76,6 +76,8 @@ LINGER_S = 5.0  # how long a client closed for a protocol error has to read its 
 REAPER = 0  # the turn queue's id for releasing what connections that left held
 LEAVING_BYTES = 64 << 10  # a leaver's release, as bytes of work: a heavy unit
 RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release drops
+INLINE_BYTES = 4096  # a request this small, with nobody waiting, is served as it is read
+CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 
 
@@ -312,8 +314,18 @@ class Server:
             self._drop(c, "disconnected")
             return
         c.conn.receive_data(self._rview[:nbytes])
-        if self._account(c):
-            self.turns.wake(c.session.session_id, c.conn.buffered_bytes, c.session.uid)
+        if not self._account(c):
+            return
+        cid, pending = c.session.session_id, c.conn.buffered_bytes
+        if self.turns or pending > INLINE_BYTES or c.parts or cid in self.turns:
+            self.turns.wake(cid, pending, c.session.uid)
+            return
+        # Nobody waits and the request is small: serve it now (a ping's round trip
+        # pays for no queueing), charged to its uid like any unit.
+        t0 = time.perf_counter()
+        more = self._serve_one(c)
+        self.turns.served(cid, time.perf_counter() - t0, more if cid in self.clients else 0,
+                          c.session.uid)  # fmt: skip
 
     def _serve(self, end_s: float) -> None:
         """Serve queued connections one unit at a time, fairly, until ``end_s``."""
@@ -364,10 +376,13 @@ class Server:
         return _pending_bytes(c)
 
     def _account(self, c: _Client) -> bool:
-        """Charge the connection's buffered bytes and parked descriptors to the ledger;
-        cut off whoever is over a limit. Whether ``c`` is still connected."""
+        """Charge the connection's buffered bytes (rounded up to ``CHARGE_STEP_BYTES``,
+        so a small request changes nothing) and parked descriptors to the ledger; cut
+        off whoever is over a limit. Whether ``c`` is still connected."""
+        held_in, fds = _rounded(c.conn.buffered_bytes), len(c.session.fds)
+        if held_in == c.held_in and fds == c.held_fds:
+            return True
         cid = c.session.session_id
-        held_in, fds = c.conn.buffered_bytes, len(c.session.fds)
         self._charge(self._buffered, cid, held_in - c.held_in)
         self._charge(self._descriptors, cid, fds - c.held_fds)
         c.held_in, c.held_fds = held_in, fds
@@ -487,14 +502,15 @@ class Server:
             self._drop(c, "protocol error")
             return
         cid = c.session.session_id
-        self._charge(self._buffered, cid, len(c.outbuf) - c.held_out)
-        c.held_out = len(c.outbuf)
-        if len(c.outbuf) > MAX_OUTPUT_BYTES_PER_CLIENT:
-            self._cut_off(c, "not reading its replies")
-            return
-        self._enforce(self._buffered, c)
-        if cid not in self.clients:
-            return
+        if (held_out := _rounded(len(c.outbuf))) != c.held_out:
+            self._charge(self._buffered, cid, held_out - c.held_out)
+            c.held_out = held_out
+            if len(c.outbuf) > MAX_OUTPUT_BYTES_PER_CLIENT:
+                self._cut_off(c, "not reading its replies")
+                return
+            self._enforce(self._buffered, c)
+            if cid not in self.clients:
+                return
         paused = len(c.outbuf) > PAUSE_OUTPUT_BYTES or bool(c.closing_by_s)
         events = (0 if paused else selectors.EVENT_READ) | (
             selectors.EVENT_WRITE if c.outbuf else 0
@@ -555,6 +571,11 @@ class Server:
         if self.service.close_session(self._leaving[0], RELEASE_SLICE):
             self._leaving.popleft()
         return LEAVING_BYTES if self._leaving else 0
+
+
+def _rounded(nbytes: int) -> int:
+    """Bytes as the ledger is charged them: in steps of ``CHARGE_STEP_BYTES``, up."""
+    return -(-nbytes // CHARGE_STEP_BYTES) * CHARGE_STEP_BYTES
 
 
 def _pending_bytes(c: _Client) -> int:

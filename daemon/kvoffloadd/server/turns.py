@@ -93,9 +93,11 @@ class TurnQueue:
                 return conn
         return None
 
-    def served(self, conn: int, cost_s: float, more: int) -> None:
-        """``conn``'s unit took ``cost_s`` of the loop; ``more``: the bytes of work it
-        has left (0: none)."""
+    def served(self, conn: int, cost_s: float, more: int, uid: int | None = None) -> None:
+        """``conn`` (of ``uid``, if not woken before)'s unit took ``cost_s`` of the
+        loop; ``more``: the bytes of work it has left (0: none)."""
+        if uid is not None:
+            self._uid_of.setdefault(conn, uid)
         now = self._clock()
         self._usage[conn] = (self.usage_s(conn) + cost_s, now)
         uid = self._uid_of.get(conn, -1)
