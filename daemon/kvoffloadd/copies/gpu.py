@@ -49,6 +49,7 @@ from kvoffloadd.copies.copier import ChecksumCheck, CompletionSink
 from kvoffloadd.copies.imports import check_desc
 from kvoffloadd.copies.lanes import CopyLane, GpuJob
 from kvoffloadd.copies.workers import ImportedCache
+from kvoffloadd.loopthread import off_loop
 from kvoffloadd.region.pinning import RegionPinner
 from kvoffloadd.region.region import SharedOffloadRegion
 
@@ -126,6 +127,7 @@ class GpuRuntime:
         with self._imports_lock:
             imp = self._imports.get(key)
             if imp is None:
+                off_loop("importing a CUDA IPC handle")
                 try:
                     ptr = self.api.ipc_open_mem_handle(handle)
                     _base, size = self.api.address_range(ptr)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from kvoffload.datapath.copyplan import CacheGeometry
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
+from kvoffloadd.loopthread import off_loop
 
 MEMFD, MEMFD_IO = "memfd", "memfd_io"
 PAGE_BYTES = mmap.PAGESIZE
@@ -77,6 +78,7 @@ def map_file(fd: int, nbytes: int, offset: int) -> int:
     """Map ``nbytes`` of the file at ``offset`` shared, read-write; the address. Not
     Python's ``mmap``: it keeps a duplicate of the descriptor for as long as it lives,
     one descriptor per mapping the ledger would have to count."""
+    off_loop("mapping an engine's memory")
     prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
     address = _LIBC.mmap(None, nbytes, prot, flags, fd, offset)
     if address in (None, _MAP_FAILED):

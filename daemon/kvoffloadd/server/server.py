@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from kvoffload.protocol import NeedData, ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
+from kvoffloadd import loopthread
 from kvoffloadd.copies.workers import close_fds
 from kvoffloadd.ledger import Line
 from kvoffloadd.server.metrics import MetricsEndpoint
@@ -157,6 +158,7 @@ class Server:
     def serve_forever(self) -> None:
         self.catch_signals()
         next_cron = time.monotonic() + self._cron_period_s
+        loopthread.claim()
         try:
             while not self._stop:
                 timeout = 0.0 if self.turns else max(0.0, next_cron - time.monotonic())
@@ -178,6 +180,7 @@ class Server:
             log.critical("internal invariant broken; stats: %s", render_stats(self.service))
             raise
         finally:
+            loopthread.release()
             signal.set_wakeup_fd(-1)
             for c in list(self.clients.values()):
                 self._drop(c, "daemon stopping")
