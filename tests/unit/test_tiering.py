@@ -64,7 +64,7 @@ class FakeTier(SecondaryTier):
         return self.base_statistics(len(self.blocks), 0, True)
 
     def close(self) -> None:
-        pass
+        assert self.tier_threads.close(10.0)
 
 
 @pytest.fixture
