@@ -149,6 +149,7 @@ class SecondaryTier(ABC):
     """One secondary tier. ``name`` is its config name, ``kind`` its type."""
 
     kind = ""
+    promotion_jobs = 1  # jobs it runs at once (a disk tier: one, spread over tier_threads)
 
     def __init__(self, name: str, capacity_bytes: int, wake: Any, tier_threads: int = 1) -> None:
         self.name = name

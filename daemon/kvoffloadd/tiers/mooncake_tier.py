@@ -147,6 +147,7 @@ class MooncakeTier(RemoteTier):
             settings.tier_threads,
         )
         self.seals = SealCheck(mac, name, MAGIC)
+        self.promotion_jobs = settings.threads  # a job's transfer runs on one job thread
         self._cls = cls
         self.s = settings
         self.healthy = False  # until the poller has connected (and written the segment)

@@ -211,6 +211,7 @@ class RedisTier(RemoteTier):
         # the threads start once nothing can refuse the start
         super().__init__(name, url, capacity_bytes, wake, max_view_blocks, tier_threads)
         self._r = client
+        self.promotion_jobs = connections  # a job's blocks come on one connection
         self.seals = SealCheck(mac, name, MAGIC)
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._errors_raw = (*self._errors, RespError)  # the raw load connection's too
