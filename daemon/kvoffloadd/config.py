@@ -137,7 +137,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # example: "redis://127.0.0.1:6379/0"
     url: str = ""
     # I/O threads of a disk tier, connections of a redis tier, job threads of a mooncake
-    # tier (1..64)
+    # tier (1..64); promoted blocks are copied and verified on tier_threads
     threads: int = 4
     # disk: fsync each block file, so blocks survive power loss too (writes are slower)
     fsync: bool = False
@@ -403,6 +403,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # blocks per tier that may be pinned in the region while the tier copies them down;
     # more wait in a queue (and are skipped if the region evicts them first)
     tier_max_inflight_blocks: int = 256
+    # threads of each tier that copy promoted blocks into the region and verify their
+    # MACs, a promotion's blocks spread over them (a disk tier's read its files); 0: one
+    # per CPU the daemon may run on (its CPU affinity), at most 64
+    tier_threads: int = 0
     # a tier with a job running longer than this (a hung disk, a stuck server) is
     # stalled: its keys miss and it gets no new work until its late jobs finish
     tier_job_timeout_s: float = 30.0
@@ -459,6 +463,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return self.tier_secret_file
         state = os.environ.get("STATE_DIRECTORY", "").split(":")[0] or "/var/lib/kvoffload"
         return os.path.join(state, "tier-secret")
+
+    @property
+    def tier_thread_count(self) -> int:
+        """``tier_threads``, or the CPUs this process may run on (at most 64)."""
+        return self.tier_threads or min(len(os.sched_getaffinity(0)), 64)
 
     @property
     def region_name(self) -> str:
@@ -529,6 +538,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"tiers: names must be unique, got {names}")
         if not 0 < self.tier_job_timeout_s <= 3600:
             raise ConfigError(f"tier_job_timeout_s: {self.tier_job_timeout_s} is not in (0, 3600]")
+        if not 0 <= self.tier_threads <= 64:
+            raise ConfigError(
+                f"tier_threads: {self.tier_threads} is not in 0..64 (0: one per CPU the "
+                "daemon may run on)"
+            )
         if self.tier_max_inflight_blocks < 1:
             raise ConfigError(
                 f"tier_max_inflight_blocks: {self.tier_max_inflight_blocks} is below 1"

@@ -245,7 +245,7 @@ def build_tiering(cfg: DaemonConfig, region: SharedOffloadRegion) -> Tiering | N
     tiers: list[SecondaryTier] = []
     for tc in cfg.tiers:
         try:
-            tiers.append(build_tier(tc, wake, mac))
+            tiers.append(build_tier(tc, wake, mac, cfg.tier_thread_count))
         except TierError as exc:
             for t in tiers:
                 t.close()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def test_file_then_flags(tmp_path: Path) -> None:
         ('region_size = "big"', "region_size"),
         ('instance = "a/b"', "instance"),
         ("copy_threads = 'two'", "copy_threads"),
+        ("tier_threads = 65", "tier_threads: 65 is not in 0..64"),
+        ("tier_threads = -1", "tier_threads"),
         ("region_size = [", "not valid TOML"),
     ],
 )
@@ -54,6 +57,17 @@ def test_bad_values_name_the_key(tmp_path: Path, text: str, needle: str) -> None
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config("/nonexistent/kvoffloadd.toml", {})
+
+
+def test_tier_threads_default_to_the_cpus_the_daemon_may_run_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = load_config(None, {})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 6})  # a cpuset of three
+    assert cfg.tier_thread_count == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(192)))
+    assert cfg.tier_thread_count == 64
+    assert load_config(None, {"tier_threads": 5}).tier_thread_count == 5
 
 
 def test_region_name() -> None:

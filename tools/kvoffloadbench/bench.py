@@ -4,7 +4,7 @@ Everything is measured in one run on one machine: a plain memcpy baseline first,
 then the same bytes moved through a real kvoffloadd subprocess, so the ratios hold
 whatever the machine. Targets are DESIGN.md section 6.
 
-    python -m kvoffloadbench.bench [--quick] [--json FILE]
+    python -m kvoffloadbench.bench [--quick] [--json FILE] [--only tiers] [--tier-threads 1,2]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import kvoffload
 from kvoffload.engine.view import EngineView
 
 from .bench_gpu import cuda_available, report_gpu, run_gpu
-from .bench_tiers import run_tiers, tier_rows
+from .bench_tiers import TIER_THREADS, run_tiers, tier_rows
 from .echo_floor import echo_round_trip_us
 from .launch import BULK_STORES, DaemonProcess, wait_prefault
 
@@ -194,7 +194,9 @@ def index_bytes_per_block(n: int) -> float:
     return used / n
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(
+    quick: bool, only_tiers: bool = False, tier_threads: tuple[int, ...] = TIER_THREADS
+) -> dict[str, Any]:
     r: dict[str, Any] = {
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.python_version()}"
     }
@@ -202,6 +204,9 @@ def run(quick: bool) -> dict[str, Any]:
     nblocks = 64 if quick else 192
     repeats = 2 if quick else 4
     r["memcpy_gbps"] = memcpy_gbps(nblocks * big, repeats + 2)
+    if only_tiers:
+        r.update(run_tiers(quick, tier_threads))
+        return r
     with DaemonProcess(
         "1GiB", "--log-level", "warning", start_timeout_s=60, settings=BULK_STORES
     ) as d:
@@ -246,7 +251,7 @@ def run(quick: bool) -> dict[str, Any]:
         )
         client.close()
     r["index_bytes_per_block"] = index_bytes_per_block(50_000 if quick else 200_000)
-    r.update(run_tiers(quick))
+    r.update(run_tiers(quick, tier_threads))
     return r
 
 
@@ -256,6 +261,8 @@ def cpu_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("machine", r["machine"], ""),
         ("memcpy baseline (1 thread)", f"{base:.2f} GB/s", "1.00"),
     ]
+    if "store_2mib_gbps" not in r:  # --only tiers
+        return rows + tier_rows(r)
     for key, label, target in [
         ("store_2mib_gbps", "store, 2 MiB blocks", 0.8),
         ("load_2mib_gbps", "load, 2 MiB blocks", 0.8),
@@ -315,9 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the raw figures to this file")
     p.add_argument("--gpu-only", action="store_true", help="only the GPU data path")
     p.add_argument("--daemon-args", default="", help="extra kvoffloadd flags (GPU part)")
+    p.add_argument("--only", choices=["tiers"], help="only the secondary tiers (and memcpy)")
+    p.add_argument(
+        "--tier-threads",
+        default=",".join(map(str, TIER_THREADS)),
+        help="tier_threads values to measure promotion with (comma-separated)",
+    )
     args = p.parse_args(argv)
-    r = {} if args.gpu_only else run(args.quick)
-    if cuda_available():
+    threads = tuple(int(t) for t in args.tier_threads.split(","))
+    r = {} if args.gpu_only else run(args.quick, args.only == "tiers", threads)
+    if cuda_available() and not args.only:
         r["gpu"] = run_gpu(args.quick, args.daemon_args.split())
     elif args.gpu_only:
         print("no CUDA device: nothing to measure")
