@@ -15,8 +15,8 @@ Rules:
   after it (so a blocking client's ``complete_store`` after ``wait`` finds it
   written).
 - What a job holds is charged to its connection (jobs and the copies they expand
-  to, ledger.py) until it completes. A job expanding to more than
-  ``LOOP_PLAN_COPIES`` copies has its runs built by the copier, a piece at a time.
+  to, ledger.py) until it completes. The loop validates a job and hands over its plan:
+  copiers build its runs (a tiny CPU job is copied at once, on the loop).
 - A completion updates the index (written ranks, checksums, corrupt blocks), the
   counters and the worker's results, and answers the waits it ends. Push workers
   (engines that never wait for a reply) submit one-way and get their results pushed.
@@ -80,8 +80,6 @@ from kvoffloadd.service.session import Session
 
 log = logging.getLogger(__name__)
 
-
-LOOP_PLAN_COPIES = 8192  # a job expanding to more is planned by a copier thread
 
 SUM_JOB = -1  # a _Job's worker id when it only takes checksums of whole canonical slots
 
@@ -252,11 +250,7 @@ class Transfers:
                 self.config.copy_threads, self.copier.sink, self.region.open_fd(), self._region_addr
             )
             fdc.submit_planned(token, plan, caches, r.deadline_ns, check)  # type: ignore[arg-type]
-        elif plan.copies <= LOOP_PLAN_COPIES:
-            dst, src, nbytes = plan.addresses()
-            self.runs_planned += nbytes.size
-            self.copier.submit(token, dst, src, nbytes, check)
-        else:  # built by a copier thread, a piece at a time
+        else:  # built by the copier threads, a piece at a time
             self.copier.submit_planned(token, plan, check)
         return m.OkReply(r.rid) if r.rid else None
 
