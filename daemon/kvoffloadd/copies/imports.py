@@ -18,8 +18,9 @@ Rules:
   SGLang's shm host pool pre-fault theirs).
 - ``memfd_io`` files keep one duplicate descriptor per file, for system-call copies
   (``fdcopy``); their mapping is a system-call buffer only.
-- A mapping and its descriptor close when the last cache using them closes; the
-  engine's descriptors are closed by the import, whatever happens.
+- A mapping and its descriptor close when the last cache using them closes, on a
+  copier thread (unmapping what copies touched is page-table work); the engine's
+  descriptors are closed by the import, whatever happens.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class FileMapping:
                 os.close(self.fd)
             self.fd = -1
         if self.address:
+            off_loop("unmapping an engine's memory")
             _LIBC.munmap(self.address, self.nbytes)
             self.address = 0
 
