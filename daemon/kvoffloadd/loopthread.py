@@ -2,7 +2,8 @@
 
 DESIGN.md invariant 15: nothing that maps, faults or waits on a driver runs on the loop
 thread; another client's round trip would wait behind it. The calls that do such work
-(``copies.imports.map_file``, ``copies.gpu`` importing a CUDA IPC handle) start with
+(``copies.imports.map_file`` and the unmapping in ``FileMapping.release``, ``copies.gpu``
+importing a CUDA IPC handle) start with
 ``off_loop``, which raises ``AssertionError`` on the loop thread: a broken internal
 invariant, so the loop logs its stats and exits (systemd restarts it) and every test
 that drives such a call through the daemon fails, rather than the daemon stalling every

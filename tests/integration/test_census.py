@@ -402,7 +402,7 @@ def held_after_everyone_left(sock: str, deadline_s: float = 20.0) -> dict[str, o
                 left.pop("buffered_bytes", None)
             if (settled and not left) or time.monotonic() > end:
                 if left:  # who is still connected, to say whose they are
-                    left["clients"] = [(c.pid, c.uid, c.name) for c in admin.clients()]
+                    left["clients"] = [(c.client_id, c.pid, c.uid, c.name) for c in admin.clients()]
                 return left
             time.sleep(0.05)
 

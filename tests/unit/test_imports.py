@@ -95,6 +95,17 @@ def test_memory_the_engine_never_touched_is_refused_not_allocated() -> None:
     assert rss_shmem_bytes() - before < MIB
 
 
+def test_a_file_whose_size_is_not_whole_pages_is_imported_whole() -> None:
+    """vLLM sizes its KV buffer in bytes, not pages: the last page is part file, part
+    past its end, and that is no hole."""
+    nbytes = 120 * PAGE + 3 * 1024
+    fd = memfd(nbytes)
+    caches = run_import(plan_import([CacheDesc("memfd", 1, nbytes, 0)], [fd]))
+    assert [c.nbytes for c in caches] == [nbytes]
+    for c in caches:
+        c.close()
+
+
 def test_a_refused_plan_names_what_is_wrong() -> None:
     fd = memfd(MIB, sealed=False)
     with pytest.raises(InvalidArgumentError, match="sealed against shrinking"):

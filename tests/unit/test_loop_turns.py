@@ -10,7 +10,7 @@ import pytest
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_ids
-from kvoffloadd.server.turns import TurnQueue
+from kvoffloadd.server.turns import LEAD_S, TurnQueue
 from kvoffloadd.service.engines import split_batch
 from kvoffloadd.service.stats import LoopTurns
 
@@ -158,3 +158,34 @@ def test_a_large_engine_batch_is_applied_in_slices_in_field_order() -> None:
     assert split_batch(answered) == [answered]
     bad = msgspec.structs.replace(r, claim_slots=b"\0" * 8)
     assert split_batch(bad) == [bad]
+
+
+def test_a_newcomer_goes_first_for_a_short_lead_only_past_a_client_busy_for_long() -> None:
+    """A tenant's client has pinged without pause for ten seconds (half the loop's time:
+    a large usage); then a uid that had used nothing floods four connections with 1 ms
+    units. Starting from nothing it would be served alone until it had used as much
+    (about 200 ms); it starts ``LEAD_S`` behind instead, and then the two take turns."""
+    clock = Clock()
+    q = TurnQueue(clock)
+    ping, ping_s = 1000, 25e-6
+    for _ in range(200_000):
+        q.wake(ping, 20, TENANT)
+        assert q.next() == ping
+        clock.now += 2 * ping_s  # its round trip: half in the daemon
+        q.served(ping, ping_s, more=0)
+    assert q.usage_s(ping) > 0.3
+    for c in range(1, 5):  # woken while the tenant's next ping is on its way
+        q.wake(c, 1 << 20, ATTACKER)
+    q.wake(ping, 20)
+    woken, worst_s = clock.now, 0.0
+    for _ in range(5000):
+        c = q.next()
+        assert c is not None
+        cost_s = ping_s if c == ping else 0.001
+        clock.now += cost_s
+        q.served(c, cost_s, more=0 if c == ping else 1 << 20)
+        if c == ping:
+            worst_s = max(worst_s, clock.now - woken)
+            q.wake(ping, 20)
+            woken = clock.now
+    assert worst_s < LEAD_S + 0.005, f"the tenant waited {worst_s * 1e3:.0f} ms"

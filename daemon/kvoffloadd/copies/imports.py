@@ -18,8 +18,9 @@ Rules:
   SGLang's shm host pool pre-fault theirs).
 - ``memfd_io`` files keep one duplicate descriptor per file, for system-call copies
   (``fdcopy``); their mapping is a system-call buffer only.
-- A mapping and its descriptor close when the last cache using them closes; the
-  engine's descriptors are closed by the import, whatever happens.
+- A mapping and its descriptor close when the last cache using them closes, on a
+  copier thread (unmapping what copies touched is page-table work); the engine's
+  descriptors are closed by the import, whatever happens.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class FileMapping:
                 os.close(self.fd)
             self.fd = -1
         if self.address:
+            off_loop("unmapping an engine's memory")
             _LIBC.munmap(self.address, self.nbytes)
             self.address = 0
 
@@ -169,8 +171,9 @@ class FileGroup:
 
     fd: int
     lo: int
-    hi: int
+    hi: int  # page-aligned: may pass the end of a file whose size is not
     caches: tuple[int, ...]  # indices into the plan's caches
+    file_bytes: int  # the file's size: past it, no page is expected
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,8 @@ def plan_import(descs: list[CacheDesc], fds: list[int]) -> ImportPlan:
     for fd, members in files.values():
         lo = min(geometries[i].offset_bytes for i in members) // PAGE_BYTES * PAGE_BYTES
         end = max(geometries[i].end_bytes for i in members)
-        groups.append(FileGroup(fd, lo, -(-end // PAGE_BYTES) * PAGE_BYTES, tuple(members)))
+        hi = -(-end // PAGE_BYTES) * PAGE_BYTES
+        groups.append(FileGroup(fd, lo, hi, tuple(members), file_of[fd][1]))
     return ImportPlan(kind, geometries, groups, list(fds))
 
 
@@ -253,7 +257,7 @@ def run_import(plan: ImportPlan) -> list[MappedCache | DescriptorCache]:
         caches: list[MappedCache | DescriptorCache | None] = [None] * len(plan.geometries)
         for g in plan.groups:
             hole = _first_hole(g.fd, g.lo, g.hi)
-            if hole < g.hi:
+            if hole < min(g.hi, g.file_bytes):
                 raise InvalidArgumentError(
                     f"the cache memory at byte {hole} of its memfd was never touched (a "
                     "hole): the daemon does not allocate an engine's memory; pre-fault it "

@@ -16,9 +16,16 @@ floods the loop with, large requests or small (DESIGN.md invariant 15: opening m
 connections buys no more of the loop); uids that keep it busy share it equally, and so
 do the connections of one uid.
 
+A uid that comes (back) with work starts no further than ``LEAD_S`` behind the least
+usage of the uids active now (waiting, or served within ``ACTIVE_S``): a client that has
+been pinging without pause for seconds has a large usage, and a newcomer starting from
+nothing would otherwise be served alone until it had used as much, for as long as
+hundreds of milliseconds. So a newcomer goes first for ``LEAD_S`` at most, and then the
+two take turns.
+
 Rules:
 - Pure bookkeeping on the loop thread: O(log n) per unit, plus a look at each uid with
-  work waiting (a node has few).
+  work waiting, and at each uid seen when a uid comes with work (a node has few).
 - A connection is in the queue at most once; ``drop`` forgets it (closed).
 """
 
@@ -32,6 +39,8 @@ from collections.abc import Callable
 BASE_COST_S = 20e-6  # a request's estimated cost, plus per byte of it:
 COST_PER_BYTE_S = 20e-9  # (a 1 MiB engine batch: about 20 ms)
 HALF_LIFE_S = 0.5  # a connection's usage halves in this long
+LEAD_S = 0.01  # how far behind the active uids' least usage a uid coming with work starts
+ACTIVE_S = 0.05  # a uid served this recently is active (its client is between requests)
 
 
 def estimate_s(nbytes: int) -> float:
@@ -75,8 +84,26 @@ class TurnQueue:
             return
         self._queued.add(conn)
         key = self.usage_s(conn) + estimate_s(nbytes)
-        heap = self._waiting.setdefault(self._uid_of.get(conn, -1), [])
+        uid = self._uid_of.get(conn, -1)
+        if uid not in self._waiting:
+            self._start_near_the_active(uid)
+        heap = self._waiting.setdefault(uid, [])
         heapq.heappush(heap, (key, next(self._order), conn))
+
+    def _start_near_the_active(self, uid: int) -> None:
+        """``uid`` comes with work: raise its usage to ``LEAD_S`` below the least of the
+        other active uids', if it is lower."""
+        now = self._clock()
+        floor = min(
+            (
+                self._decayed(entry)
+                for other, entry in self._uid_usage.items()
+                if other != uid and (other in self._waiting or now - entry[1] < ACTIVE_S)
+            ),
+            default=0.0,
+        )
+        if floor - LEAD_S > self._decayed(self._uid_usage.get(uid)):
+            self._uid_usage[uid] = (floor - LEAD_S, now)
 
     def next(self) -> int | None:
         """The connection to serve now (taken out of the queue), or None: of the uids

@@ -25,7 +25,8 @@ Rules:
   engine may reuse its blocks) or whose worker went away is void: never committed. A
   load that names its keys reads each key wherever its block is now.
 - A detached worker (or one whose client died) keeps its mappings until its copies
-  have drained; only then are they closed and a pending detach answered (invariant 5).
+  have drained; only then are they closed, by a copier thread (unmapping is page-table
+  work: never on the loop), and its charges given back once they are (invariant 5).
 - Client-copy workers (trusted uids only, see access.py) get the region's descriptor.
   Blocking ones get, per submitted job, the copy runs the daemon validated and end the
   job with ``ClientCopyDone``; push ones plan their copies themselves from the region's
@@ -126,6 +127,7 @@ class Transfers:
         self.fd_copier: FdCopier | None = None  # started by the first memfd_io job
         self._jobs: dict[int, _Job] = {}
         self._tokens = itertools.count(1)
+        self._unmapping: dict[int, tuple[int, dict[str, int]]] = {}  # token -> its charges
         self.bytes_stored = self.bytes_loaded = 0
         self.jobs_failed = 0
         self.store_seconds = self.load_seconds = 0.0
@@ -135,7 +137,7 @@ class Transfers:
         self.sealer = Sealer(copier, self._tokens, namespaces, self._sum_whole)
         self.attacher = Attacher(
             ledger, copier, gpu, gpu_unavailable, access, region, namespaces, sessions,
-            self._tokens, self._add,
+            self._tokens, self._add, self._close_off_loop,
         )  # fmt: skip
 
     @property
@@ -340,6 +342,9 @@ class Transfers:
             if self.attacher.is_import(c.token):
                 replies.extend(self.attacher.imported(c))
                 continue
+            if (unmapped := self._unmapping.pop(c.token, None)) is not None:
+                self.ledger.give(*unmapped)  # a no-op once its connection left
+                continue
             if self.sealer.is_seal(c.token):
                 for held_job, held in self.sealer.sealed(c):
                     self._finish_job(held_job, held, replies, pushed)
@@ -482,10 +487,21 @@ class Transfers:
             self._unmap(w)
 
     def _unmap(self, w: AttachedWorker) -> None:
-        w.close()
-        self.ledger.give(w.session_id, w.charges)  # a no-op once its connection left
+        """Forget a worker whose copies drained; a copier thread unmaps its caches and
+        closes its imports (unmapping what copies touched costs page-table work in
+        proportion: never on the loop), and its charges go once that is done."""
         del self.workers[w.worker_id]
         self.sealer.remove(w.worker_id)
+        self._close_off_loop(w.session_id, w.charges, w.close)
+
+    def _close_off_loop(
+        self, session_id: int, charges: dict[str, int], close: Callable[[], None]
+    ) -> None:
+        """Run ``close`` (unmapping, closing imports) on a copier thread; ``charges`` go
+        back to the connection once it has run."""
+        token = next(self._tokens)
+        self._unmapping[token] = (session_id, charges)
+        self.copier.run_task(token, close)
 
 
 def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:

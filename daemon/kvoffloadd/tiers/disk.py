@@ -97,6 +97,7 @@ class DiskTier(SecondaryTier):
         self._writing: dict[Entry, int] = {}  # reserved bytes
         self._reading: Counter[Entry] = Counter()
         self._doomed: set[Entry] = set()  # unlink queued
+        self._dropped_while_scanning: set[Entry] = set()  # the scan may have listed them
         self._jobs: dict[int, tuple[bool, list[Entry]]] = {}
         self.scanned = False
         self._found = 0  # blocks the start-up scan found
@@ -209,14 +210,18 @@ class DiskTier(SecondaryTier):
             self.used_bytes -= self._lru.pop(e)
         if gone:
             self._doomed.update(gone)
+            if not self.scanned:
+                self._dropped_while_scanning.update(gone)
             self._pool.submit(self._unlink, gone)
 
     def _merge_scan(self, found: list[tuple[Entry, int]], last: bool) -> None:
         """Files from before this start become the oldest entries (``found`` is sorted
         oldest first, and comes before the pieces merged already); beyond the budget,
-        the oldest go."""
+        the oldest go. A file dropped since the scan began is not taken back: the scan
+        may have listed it before its unlink."""
+        dropped = self._dropped_while_scanning
         for e, size in reversed(found):
-            if e not in self._lru and e not in self._writing:
+            if e not in self._lru and e not in self._writing and e not in dropped:
                 self._lru[e] = size
                 self._lru.move_to_end(e, last=False)
                 self.used_bytes += size
@@ -233,6 +238,7 @@ class DiskTier(SecondaryTier):
         self._found += len(found)
         if last:
             self.scanned = True
+            dropped.clear()
             log.info("tier %s: %d blocks found under %s", self.name, self._found, self.path)
 
     def statistics(self) -> dict[str, Any]:
