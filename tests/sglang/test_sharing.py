@@ -17,10 +17,13 @@ from kvoffloadbench.launch import DaemonProcess
 from kvoffloadbench.sglang_proc import InstanceProcess
 
 PAGE = 4
+# What these scenarios share is under test, not how fast: a call's deadline (0.4 s by
+# default, tests/sglang/test_faults.py holds it) is given room for a loaded CI machine.
+DEADLINE_S = 10.0
 
 
 def spawn(daemon: DaemonProcess, allocator: str = "default", **kw: Any) -> InstanceProcess:
-    extra = {"socket_path": daemon.socket_path, "allocator": allocator}
+    extra = {"socket_path": daemon.socket_path, "allocator": allocator, "deadline_s": DEADLINE_S}
     extra.update(kw.pop("extra", {}))
     kw.setdefault("layout", "page_first")
     kw.setdefault("page_size", PAGE)
@@ -46,6 +49,7 @@ def test_second_instance_loads_the_first_ones_backups(daemon: DaemonProcess) -> 
         assert got == want
         # ... and back the other way
         done, want = b.store(2, 5)
+        assert done == 5 * PAGE
         assert a.load(2, 5) == (5 * PAGE, 5 * PAGE, want)
 
 
@@ -132,7 +136,7 @@ def test_backups_succeed_in_a_full_region_while_other_instances_mirror_it() -> N
         "32MiB", "--log-level", "warning", "--extent-size", "2MiB",
         settings={"max_writing_fraction": 1.0},
     ) as d:  # fmt: skip
-        extra = {"socket_path": d.socket_path}
+        extra = {"socket_path": d.socket_path, "deadline_s": DEADLINE_S}
         with spawn(d, page_size=16, pages=256) as other:
             inst = rig.Instance(rig.Model(), "page_first", 16, 256, extra)
             try:
