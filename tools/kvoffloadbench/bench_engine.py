@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from kvoffloadbench.engine_step import make_engine, measure_point, pct
+from kvoffloadbench.engine_step import measure_point, pct
 from kvoffloadbench.launch import DaemonProcess
 
 TARGET_P50 = 1.10
@@ -38,15 +38,16 @@ TARGET_P99 = 1.3
 
 
 def _scale_engine(sock: str, n: int, seconds: float, out: Any) -> None:
-    from kvoffloadbench.engine_step import counters
+    from kvoffloadbench.engine_step import Churn, counters
 
-    e = make_engine("kvoffload", n, False, sock, f"s{os.getpid()}", salt=os.getpid())
+    churn = Churn(n, False, sock, f"s{os.getpid()}", salt=os.getpid())
+    e = churn.engine
     views = e.manager.views
     trips0 = sum(counters(e)[:2])  # after warm-up
     fallbacks0 = sum(v.lease_fallbacks_total for v in views)
     times, t_end = [], time.monotonic() + seconds
     while time.monotonic() < t_end:
-        a, b = e.step()
+        a, b = churn.step()
         times.append((a + b) * 1e3)
     out.put(
         {
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench-engine", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="16,64,256", help="running requests per point ('': none)")
     p.add_argument("--block", type=int, default=200, help="steps of one configuration in a row")
-    p.add_argument("--passes", type=int, default=4, help="blocks of each configuration")
+    p.add_argument("--passes", type=int, default=6, help="blocks of each configuration")
     p.add_argument("--runs", type=int, default=1, help="runs of the every-step points")
     p.add_argument(
         "--no-prompt-only", action="store_true", help="skip the points storing prompts only"
@@ -167,8 +168,8 @@ def render_points(points: list[dict[str, Any]]) -> list[str]:
         "| stores | N | (1) none p50 / p99 ms | (2) vLLM CPU p50 / p99 ms | (3) kvoffload "
         f"p50 / p99 ms | (3)/(2) p50, target <= {TARGET_P50:.2f} | (3)/(2) p99, target <= "
         f"{TARGET_P99:.1f} | blocking round trips per step, scheduler + worker (target 0) "
-        "| one-way frames per step | daemon CPU per engine step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| one-way frames per step | daemon CPU per engine step | engine CPU p50, (3)/(2) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pt in points:
         mode = "prompt only" if pt["offload_prompt_only"] else "every step"
@@ -182,7 +183,8 @@ def render_points(points: list[dict[str, Any]]) -> list[str]:
             f"{pt['scheduler_round_trips_per_step']:.3f} + "
             f"{pt['worker_round_trips_per_step']:.3f} | "
             f"{pt['one_way_frames_per_step']:.2f} | "
-            f"{pt['daemon_cpu_us_per_engine_step']:.0f} us |"
+            f"{pt['daemon_cpu_us_per_engine_step']:.0f} us | "
+            f"{pt['kvoffload']['cpu_p50_ms'] / pt['vllm']['cpu_p50_ms']:.2f} |"
         )
     for pt in points:
         prof = pt.get("profile") or {}

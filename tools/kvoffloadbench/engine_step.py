@@ -9,18 +9,20 @@ worker). A second engine process runs the same workload with prompts of its own 
 the same namespace for the whole point, so both views follow both engines' stores.
 
 Timed per step: ``schedule()`` + ``update_from_output()``, the worker's part excluded
-(it stands where the forward pass runs). The three run in blocks of ``block`` steps,
-one block each per pass, the first of a pass rotating, so machine noise and drift hit
-all alike while what one engine's steps cause (the daemon waking on its writes, the
-second engine reading its stores) lands in its own block. Prompt lengths are spread
-over a block's 16 tokens, so with ``offload_prompt_only=False`` N/16 requests fill a
-block, a store, in nearly every step; with vLLM's default ``True`` only prompts store.
+(it stands where the forward pass runs), in wall time and in the engine thread's CPU
+time (wall time above CPU time is time the engine waited for a CPU). The three run in
+blocks of ``block`` steps, one block each per pass, the first of a pass rotating, so
+machine noise and drift hit all alike while what one engine's steps cause (the daemon
+waking on its writes, the second engine reading its stores) lands in its own block.
+Prompt lengths are spread over a block's 16 tokens, so with
+``offload_prompt_only=False`` N/16 requests fill a block, a store, in nearly every
+step; with vLLM's default ``True`` only prompts store.
 
 What the kvoffload engine's process spends in the client is split (``ClientTime``)
 into writes to the daemon (``send``), reads of its pushes (``recv``) and applying them
 (``apply``), for the scheduler's step and the worker's part, each in wall and thread
 CPU time: a write whose wall time exceeds its CPU time waited for a CPU the daemon,
-just woken by it, took. Steps that wrote or read are counted apart.
+just woken by it, took. Steps are counted by which part wrote or read in them.
 """
 
 from __future__ import annotations
@@ -46,24 +48,72 @@ def prompt(i: int, n: int, salt: int = 0) -> list[int]:
     return [(i * 131 + j * 7 + salt * 17) % 997 + 1 for j in range(length)]
 
 
-def make_engine(spec: str, n: int, prompt_only: bool, sock: str, eid: str, salt: int = 0) -> Any:
-    """An engine of N decoding requests, warmed up."""
-    from .engine_rig import Engine
+def make_engine(
+    spec: str,
+    n: int,
+    prompt_only: bool,
+    sock: str,
+    eid: str,
+    steps: int,
+    salt: int = 0,
+    max_tokens: list[int] | None = None,
+) -> Any:
+    """An engine of N decoding requests (request i of ``max_tokens[i]`` tokens at
+    most), warmed up, its KV cache big enough for each request to decode ``steps``
+    more tokens (no request is preempted for room)."""
+    from .engine_rig import MAX_MODEL_LEN, Engine
 
+    limits = max_tokens or [100_000] * n
+    longest = PROMPT_TOKENS + BLOCK_TOKENS + WARMUP_STEPS + min(steps, max(limits))
+    if longest > MAX_MODEL_LEN:
+        raise ValueError(
+            f"{steps} steps take requests to {longest} tokens, past the engine's "
+            f"max_model_len of {MAX_MODEL_LEN}: measure fewer steps (passes x block)"
+        )
     e = Engine(
         spec,
         socket_path=sock,
         engine_id=eid,
-        num_blocks=max(512, n * 48),
+        num_blocks=n * (-(-longest // BLOCK_TOKENS) + 1),
         max_num_seqs=n,
         offload_prompt_only=prompt_only,
         verify=False,
     )
     for i in range(n):
-        e.add(f"{eid}-{i}", prompt(i, n, salt), 100_000)
+        e.add(f"{eid}-{i}", prompt(i, n, salt), limits[i])
     for _ in range(WARMUP_STEPS):
         e.step()
     return e
+
+
+class Churn:
+    """An engine that runs for good: requests of ``REQUEST_TOKENS`` tokens at most
+    (their lengths spread, so some finish every few steps), each replaced by a new one
+    with a prompt of its own as it finishes; N requests decode in every step."""
+
+    REQUEST_TOKENS = 512
+
+    def __init__(self, n: int, prompt_only: bool, sock: str, eid: str, salt: int) -> None:
+        self.n, self.eid, self.salt = n, eid, salt
+        tokens = [self._tokens(i) for i in range(n)]
+        self.engine = make_engine(
+            "kvoffload", n, prompt_only, sock, eid, self.REQUEST_TOKENS, salt, tokens
+        )
+        self.slots = [f"{eid}-{i}" for i in range(n)]
+        self.made = n
+
+    def _tokens(self, i: int) -> int:
+        return self.REQUEST_TOKENS // 2 + i * self.REQUEST_TOKENS // (2 * self.n)
+
+    def step(self) -> tuple[float, float]:
+        e, live = self.engine, self.engine.scheduler.requests
+        for i, req_id in enumerate(self.slots):
+            if req_id not in live:
+                self.made += 1
+                self.slots[i] = f"{self.eid}-{self.made}"
+                e.add(self.slots[i], prompt(i, self.n, self.salt + self.made), self._tokens(i))
+        a, b = e.step()
+        return a, b
 
 
 def counters(e: Any) -> tuple[int, int, int]:
@@ -137,23 +187,25 @@ class ClientTime:
         return out
 
 
-def step(e: Any, clock: ClientTime | None) -> float:
-    """One step; its engine-side milliseconds (``schedule()`` + ``update_from_output()``)."""
-    if clock is None:
-        a, b = e.step()
-        return float(a + b) * 1e3
-    clock.part = "scheduler"
-    t0 = time.perf_counter()
+def step(e: Any, clock: ClientTime | None) -> tuple[float, float]:
+    """One step: its engine-side milliseconds (``schedule()`` +
+    ``update_from_output()``), in wall time and in the thread's CPU time."""
+    if clock is not None:
+        clock.part = "scheduler"
+    c0, t0 = time.thread_time(), time.perf_counter()
     out = e.scheduler.schedule()
-    t1 = time.perf_counter()
-    clock.part = "worker"
+    t1, c1 = time.perf_counter(), time.thread_time()
+    if clock is not None:
+        clock.part = "worker"
     result = e.execute(out)
-    clock.part = "scheduler"
-    t2 = time.perf_counter()
+    if clock is not None:
+        clock.part = "scheduler"
+    c2, t2 = time.thread_time(), time.perf_counter()
     e.scheduler.update_from_output(out, result)
-    t3 = time.perf_counter()
-    clock.part = ""
-    return (t1 - t0 + t3 - t2) * 1e3
+    t3, c3 = time.perf_counter(), time.thread_time()
+    if clock is not None:
+        clock.part = ""
+    return (t1 - t0 + t3 - t2) * 1e3, (c1 - c0 + c3 - c2) * 1e3
 
 
 def cpu_s(pid: int) -> float:
@@ -166,12 +218,12 @@ def cpu_s(pid: int) -> float:
 def second_engine(sock: str, n: int, prompt_only: bool, stop: Any, steps: Any) -> None:
     """The second engine sharing the namespace, stepping until told to stop. Its own
     prompts: both engines store (and both views follow both engines' stores)."""
-    e = make_engine("kvoffload", n, prompt_only, sock, f"bg{n}{int(prompt_only)}", salt=1)
+    bg = Churn(n, prompt_only, sock, f"bg{n}{int(prompt_only)}", salt=1)
     while not stop.is_set():
-        e.step()
+        bg.step()
         with steps.get_lock():
             steps.value += 1
-    e.shutdown()
+    bg.engine.shutdown()
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -196,13 +248,15 @@ def measure_point(
 def _measure(
     d: DaemonProcess, n: int, prompt_only: bool, passes: int, block: int, bg: Any, bg_steps: Any
 ) -> dict[str, Any]:
-    engines = {s: make_engine(s, n, prompt_only, d.socket_path, f"{s}{n}") for s in SPECS}
+    steps = passes * block
+    engines = {s: make_engine(s, n, prompt_only, d.socket_path, f"{s}{n}", steps) for s in SPECS}
     deadline = time.monotonic() + SECOND_ENGINE_START_S
     while bg_steps.value < WARMUP_STEPS:  # the second engine steps before we measure
         if not bg.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"the second engine did not start stepping (N={n})")
         time.sleep(0.1)
     times: dict[str, list[float]] = {s: [] for s in SPECS}
+    cpu: dict[str, list[float]] = {s: [] for s in SPECS}
     io_steps: list[str] = []
     stores = dict.fromkeys(SPECS, 0)
     kvo = engines["kvoffload"]
@@ -215,7 +269,9 @@ def _measure(
                 spec, e = order[(p + j) % len(order)]
                 for _ in range(block):
                     clock.io.clear()
-                    times[spec].append(step(e, clock if e is kvo else None))
+                    wall_ms, cpu_ms = step(e, clock if e is kvo else None)
+                    times[spec].append(wall_ms)
+                    cpu[spec].append(cpu_ms)
                     stores[spec] += bool(e.last_stores)
                     if e is kvo:
                         io_steps.append(" and ".join(sorted(clock.io)) or "neither")
@@ -225,7 +281,11 @@ def _measure(
     views = kvo.manager.views
     point: dict[str, Any] = {"n": n, "offload_prompt_only": prompt_only}
     for spec, xs in times.items():
-        point[spec] = {"p50_ms": statistics.median(xs), "p99_ms": pct(xs, 0.99)}
+        point[spec] = {
+            "p50_ms": statistics.median(xs),
+            "p99_ms": pct(xs, 0.99),
+            "cpu_p50_ms": statistics.median(cpu[spec]),
+        }
     point["ratio_p50"] = point["kvoffload"]["p50_ms"] / point["vllm"]["p50_ms"]
     point["ratio_p99"] = point["kvoffload"]["p99_ms"] / point["vllm"]["p99_ms"]
     point["steps_with_stores"] = stores["kvoffload"] / measured
