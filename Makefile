@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run docs test test-gpu gpu-wheels gpu-check ptx test-vllm test-sglang bench-sglang bench bench-engine bench-submit bench-canonical bench-report soak lint clean
+.PHONY: setup run docs test test-gpu gpu-wheels gpu-check ptx test-vllm test-sglang bench-sglang bench bench-engine bench-submit bench-canonical bench-report soak lint clean bench-region
 
 setup: $(STAMP)
 
@@ -113,6 +113,14 @@ bench-canonical: $(VLLM_STAMP)
 # The daemon loop's time per submitted block (validation, copy plan, busy marks).
 bench-submit: $(STAMP)
 	$(BIN)/python -m kvoffloadbench.bench_submit $(ARGS)
+
+# The region coming up at 1, 4 and 16 GiB: listen, first GiB ready, populated (and
+# pinned on a GPU machine), populate rate against the machine's raw first touch with the
+# same threads (same run), stores during and after population, warm restart; saved in
+# docs/bench-region.json (ARGS="--sizes 64GiB" for more, "--daemon-path DIR --label
+# before" for another checkout's daemon).
+bench-region: $(STAMP)
+	$(BIN)/python -m kvoffloadbench.bench_region $(ARGS)
 
 bench: $(STAMP)
 	@tools/ensure-redis-servers

@@ -3,7 +3,8 @@
 Layers, lowest first; a module imports only from its own layer or below
 (``tests/unit/test_layout.py`` checks every import, lazy and type-only ones too):
 
-1. ``trust``, ``ledger``: checks on what was on the node before us; what peers hold.
+1. ``trust``, ``ledger``, ``loopthread``: checks on what was on the node before us;
+   what peers hold; which thread is the loop's.
 2. ``region``: the shared-memory segment, its tables, extents and slots.
 3. ``index``: per-namespace metadata (blocks, policies, leases, graves, event feeds).
 4. ``config``, ``access``: the configuration and who may do what.

@@ -12,6 +12,7 @@ Rules:
 from __future__ import annotations
 
 import fnmatch
+import mmap
 import os
 import re
 import sys
@@ -136,7 +137,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # example: "redis://127.0.0.1:6379/0"
     url: str = ""
     # I/O threads of a disk tier, connections of a redis tier, job threads of a mooncake
-    # tier (1..64)
+    # tier (1..64); promoted blocks are copied and verified on tier_threads
     threads: int = 4
     # disk: fsync each block file, so blocks survive power loss too (writes are slower)
     fsync: bool = False
@@ -288,11 +289,30 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     buffer_budget: int | str = "256MiB"
     # pre-fault the region in the background after start-up
     prefault: bool = True
+    # threads that populate (pre-fault) the region; 0: one per CPU the daemon may use
+    # (its affinity and cgroup CPU quota), at most one per GiB of region
+    populate_threads: int = 0
+    # the unit in which the region is populated, page-locked, placed and made ready
+    populate_chunk_size: int | str = "2GiB"
+    # "auto": on a machine of several NUMA nodes, one part of the region per node with
+    # GPUs, sized by its GPUs and populated by threads bound to it; "off": no placement
+    numa: str = "auto"
+    # "off": 4 KiB pages in /dev/shm; "2M" or "1G": hugetlbfs huge pages (reserved
+    # with nr_hugepages); "thp": transparent huge pages of a tmpfs mounted with huge=
+    huge_pages: str = "off"
+    # directory of the region's file; empty: /dev/shm, or the first hugetlbfs mount of
+    # the huge page size
+    region_dir: str = ""
+    # memory the daemon needs beyond its region (heap, buffers), for the start check
+    memory_headroom: int | str = "1GiB"
+    # refuse to start when a cgroup memory limit, the host's memory, the region's
+    # filesystem or the free huge pages cannot hold the region (no OOM kill later)
+    check_memory_limits: bool = True
     # GPU copies for engines that register CUDA caches: "auto" uses the CUDA driver
     # (libcuda.so.1) and every GPU it sees when there are any; "off" refuses GPU workers
     gpu: str = "auto"
-    # page-lock the region for GPU DMA (cuMemHostRegister in chunks of at most 64 GiB,
-    # in the background after pre-faulting); unpinned parts are copied more slowly
+    # page-lock the region for GPU DMA (cuMemHostRegister, chunk by chunk as each is
+    # populated, in the background); unpinned parts are copied more slowly
     pin_region: bool = True
     # small GPU copy runs (pages of a few KiB, canonical fragments) through the gather
     # kernel the package ships as PTX: "auto" where a start-up calibration on each GPU
@@ -385,6 +405,10 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # blocks per tier that may be pinned in the region while the tier copies them down;
     # more wait in a queue (and are skipped if the region evicts them first)
     tier_max_inflight_blocks: int = 256
+    # threads of each tier that copy promoted blocks into the region and verify their
+    # MACs, a promotion's blocks spread over them (a disk tier's read its files); 0: one
+    # per CPU the daemon may run on (its CPU affinity), at most 64
+    tier_threads: int = 0
     # a tier with a job running longer than this (a hung disk, a stuck server) is
     # stalled: its keys miss and it gets no new work until its late jobs finish
     tier_job_timeout_s: float = 30.0
@@ -415,8 +439,25 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.extent_size in (0, "0"):
             from kvoffloadd.region.region import default_extent_bytes
 
-            return default_extent_bytes(self.region_bytes)
+            return max(default_extent_bytes(self.region_bytes), self.page_bytes)
         return parse_size(self.extent_size, "extent_size")
+
+    @property
+    def page_bytes(self) -> int:
+        """The region's page size: the huge page size with hugetlbfs."""
+        from kvoffloadd.region.backing import HUGE_PAGE_BYTES
+
+        return HUGE_PAGE_BYTES.get(self.huge_pages, mmap.PAGESIZE)
+
+    @property
+    def populate_chunk_bytes(self) -> int:
+        return parse_size(self.populate_chunk_size, "populate_chunk_size")
+
+    @property
+    def memory_headroom_bytes(self) -> int:
+        if self.memory_headroom in (0, "0"):
+            return 0
+        return parse_size(self.memory_headroom, "memory_headroom")
 
     @property
     def tier_secret_path(self) -> str:
@@ -424,6 +465,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return self.tier_secret_file
         state = os.environ.get("STATE_DIRECTORY", "").split(":")[0] or "/var/lib/kvoffload"
         return os.path.join(state, "tier-secret")
+
+    @property
+    def tier_thread_count(self) -> int:
+        """``tier_threads``, or the CPUs this process may run on (at most 64)."""
+        return self.tier_threads or min(len(os.sched_getaffinity(0)), 64)
 
     @property
     def region_name(self) -> str:
@@ -466,6 +512,7 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"gpu: {self.gpu!r} is not one of auto, off")
         if self.gpu_kernel not in ("auto", "always", "off"):
             raise ConfigError(f"gpu_kernel: {self.gpu_kernel!r} is not one of auto, always, off")
+        self._validate_region_placement()
         if self.max_frame_bytes < 4096:
             raise ConfigError(f"max_frame_bytes: {self.max_frame_bytes} is below 4096")
         if not 0 <= self.metrics_port <= 65535:
@@ -493,6 +540,11 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"tiers: names must be unique, got {names}")
         if not 0 < self.tier_job_timeout_s <= 3600:
             raise ConfigError(f"tier_job_timeout_s: {self.tier_job_timeout_s} is not in (0, 3600]")
+        if not 0 <= self.tier_threads <= 64:
+            raise ConfigError(
+                f"tier_threads: {self.tier_threads} is not in 0..64 (0: one per CPU the "
+                "daemon may run on)"
+            )
         if self.tier_max_inflight_blocks < 1:
             raise ConfigError(
                 f"tier_max_inflight_blocks: {self.tier_max_inflight_blocks} is below 1"
@@ -526,6 +578,31 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 out[name] = {"per_connection": n, "per_uid": 4 * n, "total": 16 * n}
         return out
 
+    def _validate_region_placement(self) -> None:
+        from kvoffloadd.region.backing import HUGE_PAGES
+
+        if not 0 <= self.populate_threads <= 1024:
+            raise ConfigError(f"populate_threads: {self.populate_threads} is not in 0..1024")
+        if not 2 << 20 <= self.populate_chunk_bytes <= 64 << 30:
+            raise ConfigError(
+                f"populate_chunk_size: {self.populate_chunk_size!r} is not between 2MiB and "
+                "64GiB (2GiB or less keeps other processes' CUDA calls from stalling on a pin)"
+            )
+        if self.numa not in ("auto", "off"):
+            raise ConfigError(f"numa: {self.numa!r} is not one of auto, off")
+        if self.huge_pages not in HUGE_PAGES:
+            raise ConfigError(
+                f"huge_pages: {self.huge_pages!r} is not one of {', '.join(HUGE_PAGES)}"
+            )
+        if self.region_dir and not os.path.isabs(self.region_dir):
+            raise ConfigError(f"region_dir: {self.region_dir!r} is not an absolute path")
+        self.memory_headroom_bytes  # noqa: B018 - parse for the error message
+        if self.extent_bytes % self.page_bytes:
+            raise ConfigError(
+                f"extent_size: {self.extent_size!r} is not a multiple of the {self.huge_pages} "
+                "huge page size"
+            )
+
     def quota_for(self, namespace: str) -> NamespaceQuota | None:
         for q in self.namespace_quotas:
             if fnmatch.fnmatchcase(namespace, q.pattern):
@@ -551,6 +628,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             region_size=self.region_bytes,
             extent_size=self.extent_bytes,
             min_slot_size=self.min_slot_bytes,
+            populate_chunk_size=self.populate_chunk_bytes,
+            memory_headroom=self.memory_headroom_bytes,
         )
         return out
 

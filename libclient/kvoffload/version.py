@@ -3,4 +3,4 @@ plug-ins ship as one distribution): its one place. ``pyproject.toml`` reads it f
 distribution's metadata; ``kvoffloadd --version`` and ``kvoffloadctl --version`` print
 it, and the daemon reports it at ``Hello`` and in its stats."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

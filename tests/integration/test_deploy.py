@@ -40,7 +40,9 @@ def quantity_bytes(q: str) -> int:
     return int(num) * units.get(unit or "", 1)
 
 
-@pytest.mark.parametrize("name", ["kvoffloadd.yaml", "vllm-example.yaml"])
+@pytest.mark.parametrize(
+    "name", ["kvoffloadd.yaml", "kvoffloadd-hugepages.yaml", "vllm-example.yaml"]
+)
 def test_manifests_validate_against_the_kubernetes_schemas(name: str) -> None:
     version = kubernetes_validate.latest_version()
     for doc in documents(name):
@@ -89,9 +91,53 @@ def test_the_daemonset_and_its_config_agree(tmp_path: Path) -> None:
         assert c[probe]["timeoutSeconds"] == PROBE_TIMEOUT_S
     live = c["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] >= 30
-    limit = quantity_bytes(c["resources"]["limits"]["memory"])
-    assert limit >= cfg.region_bytes + GIB  # the region's pages are charged to the pod
+    limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+    # the region's pages are charged to the pod: the daemon refuses to start in less
+    assert quantity_bytes(limits["memory"]) >= cfg.region_bytes + cfg.memory_headroom_bytes
+    assert requests["memory"] == limits["memory"]  # Guaranteed: nothing to reclaim
+    assert "cpu" not in limits  # a CPU quota would cap the populate threads
     assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]  # pinning
+
+
+def test_the_hugepages_variant_differs_only_in_the_region_pages(tmp_path: Path) -> None:
+    """kvoffloadd-hugepages.yaml: the same DaemonSet, its region in 2 MiB pages on the
+    node's hugetlbfs mount (kept across pod restarts), hugepages-2Mi sized from the
+    region, the memory limit from the headroom alone."""
+    plain, huge = documents("kvoffloadd.yaml"), documents("kvoffloadd-hugepages.yaml")
+    toml = tmp_path / "kvoffloadd.toml"
+    toml.write_text(kind(huge, "ConfigMap")["data"]["kvoffloadd.toml"])
+    cfg = load_config(str(toml), {})
+    assert cfg.huge_pages == "2M" and cfg.page_bytes == 2 << 20
+    pod = kind(huge, "DaemonSet")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+    assert limits["hugepages-2Mi"] == requests["hugepages-2Mi"]  # no overcommit
+    assert quantity_bytes(limits["hugepages-2Mi"]) >= cfg.region_bytes
+    assert quantity_bytes(limits["memory"]) >= cfg.memory_headroom_bytes
+    assert quantity_bytes(limits["memory"]) < cfg.region_bytes  # huge pages are not in it
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (region_vol,) = [n for n, path in mounts.items() if path == cfg.region_dir]
+    assert volumes[region_vol]["hostPath"] == {"path": cfg.region_dir, "type": "Directory"}
+    # everything else is kvoffloadd.yaml's
+    ds_plain, ds_huge = kind(plain, "DaemonSet"), kind(huge, "DaemonSet")
+    for ds in (ds_plain, ds_huge):
+        spec = ds["spec"]["template"]["spec"]
+        (cc,) = spec["containers"]
+        del cc["resources"]
+        cc["volumeMounts"] = [m for m in cc["volumeMounts"] if m["name"] != region_vol]
+        spec["volumes"] = [v for v in spec["volumes"] if v["name"] != region_vol]
+    assert ds_plain == ds_huge
+    cm_plain = load_config_text(tmp_path, kind(plain, "ConfigMap")["data"]["kvoffloadd.toml"])
+    for key in ("huge_pages", "region_dir"):
+        setattr(cfg, key, getattr(cm_plain, key))
+    assert cfg == cm_plain
+
+
+def load_config_text(tmp_path: Path, text: str):  # type: ignore[no-untyped-def]
+    f = tmp_path / "other.toml"
+    f.write_text(text)
+    return load_config(str(f), {})
 
 
 def test_the_vllm_example_reaches_the_daemon_of_its_node() -> None:

@@ -7,6 +7,7 @@ import itertools
 import os
 import pathlib
 import select
+import threading
 import time
 from collections.abc import Iterator
 
@@ -119,6 +120,27 @@ def test_disk_tier_rejects_a_block_of_another_size(tmp_path: pathlib.Path, wake:
         wait_for(tier, wake, lambda: not tier.lookup(NS, ks)[0])  # dropped after the check
         assert tier.counters.load_failures_total == 1
     finally:
+        tier.close()
+
+
+def test_a_start_up_scan_does_not_bring_back_a_block_dropped_while_it_ran(
+    tmp_path: pathlib.Path, wake: WakeFd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scan lists a file, a failed load drops it, then the scan's list is merged:
+    the block stays dropped (it came back and was found by every lookup before)."""
+    listed = threading.Event()
+    monkeypatch.setattr(DiskTier, "_scan", lambda self: listed.wait(10))
+    tier = DiskTier("disk", str(tmp_path), 1 << 20, wake, mac=MAC)
+    try:
+        ks = keys(b"s", 1)
+        assert run(tier, wake, True, ks, [block(1)]).ok == [True]
+        small = TierNamespace(NS.tier_id, NS.name, NS.fingerprint, BLOCK // 2)
+        assert run(tier, wake, False, ks, [b""], small).ok == [False]
+        assert not tier.lookup(NS, ks)[0] and not tier.scanned
+        tier._merge_scan([((NS.tier_id, ks[0]), file_bytes(ks[0], BLOCK))], last=True)
+        assert not tier.lookup(NS, ks)[0] and tier.scanned
+    finally:
+        listed.set()
         tier.close()
 
 

@@ -75,9 +75,21 @@ def figures() -> dict[str, Any]:
             "index_bytes_per_block": 239.0,
             "tier_blocks": 32,
             "tier_block_bytes": 2 << 20,
-            "disk_cascade_gbps": 1.0,
-            "disk_promote_gbps": 3.0,
+            "disk": [
+                {
+                    "threads": t,
+                    "cascade_gbps": 1.0,
+                    "promote_gbps": 1.5 * t,
+                    "copy_mac_gbps": 2.0 * t,
+                    "same_threads_ratio": 0.75,
+                    "one_block_ms": 2.0,
+                }
+                for t in (1, 2)
+            ],
             "redis_skipped": "redis-server is not installed",
+            "mooncake_cascade_gbps": 2.0,  # saved before tier_threads: one row
+            "mooncake_promote_gbps": 6.0,
+            "mooncake_one_block_ms": 1.5,
         },
     }
 
@@ -102,8 +114,10 @@ def test_report_renders_every_section_from_saved_figures(tmp_path: pathlib.Path)
     assert "| ping | 4 | 50.0 µs | 90.0 µs | 30,000 |" in md
     assert "| 4 GiB | 0.50 s | 6.00 s | 24 MiB |" in md
     assert "| 1,000,000 | 239 B | 27.0 µs | 60.0 µs |" in md
-    assert "| disk | 1.00 GB/s | 3.00 GB/s | 0.25 |" in md
+    assert "| disk | 1 | 1.00 GB/s | 1.50 GB/s | 0.75 (of 2.00 GB/s) | 0.12 | 2.00 ms |" in md
+    assert "| disk | 2 | 1.00 GB/s | 3.00 GB/s | 0.75 (of 4.00 GB/s) | 0.25 | 2.00 ms |" in md
+    assert "| mooncake |  | 2.00 GB/s | 6.00 GB/s |  | 0.50 | 1.50 ms |" in md
     assert "| load, 2 MiB blocks | 6.00 GB/s | 0.50 (target >= 0.8) |" in md
     assert "| ping p50 / p99 | 30.0 / 60.0 us | 1.50 x the floor; target p50 <= 30 |" in md
-    assert "| redis | not measured | redis-server is not installed |" in md
+    assert "| redis |  | not measured | redis-server is not installed |" in md
     assert "the GPU sweep did not run" in md and "seed 7" in md and "abc1234" in md

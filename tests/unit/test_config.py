@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def test_file_then_flags(tmp_path: Path) -> None:
         ('region_size = "big"', "region_size"),
         ('instance = "a/b"', "instance"),
         ("copy_threads = 'two'", "copy_threads"),
+        ("tier_threads = 65", "tier_threads: 65 is not in 0..64"),
+        ("tier_threads = -1", "tier_threads"),
         ("region_size = [", "not valid TOML"),
     ],
 )
@@ -54,6 +57,17 @@ def test_bad_values_name_the_key(tmp_path: Path, text: str, needle: str) -> None
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config("/nonexistent/kvoffloadd.toml", {})
+
+
+def test_tier_threads_default_to_the_cpus_the_daemon_may_run_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = load_config(None, {})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 6})  # a cpuset of three
+    assert cfg.tier_thread_count == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(192)))
+    assert cfg.tier_thread_count == 64
+    assert load_config(None, {"tier_threads": 5}).tier_thread_count == 5
 
 
 def test_region_name() -> None:
@@ -151,3 +165,34 @@ def test_the_documented_and_example_tier_configs_validate(tmp_path: Path) -> Non
     f.write_text("\n".join(line[2:] for line in block.splitlines()))
     (t,) = load_config(str(f), {}).tiers
     assert (t.type, t.master, t.protocol) == ("mooncake", "127.0.0.1:50051", "tcp")
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("populate_threads = -1", "populate_threads"),
+        ('populate_chunk_size = "1MiB"', "populate_chunk_size.*between 2MiB and 64GiB"),
+        ('populate_chunk_size = "128GiB"', "populate_chunk_size"),
+        ('numa = "interleave"', "numa: 'interleave' is not one of auto, off"),
+        ('huge_pages = "4M"', "huge_pages: '4M' is not one of off, 2M, 1G, thp"),
+        ('region_dir = "dev/hugepages"', "region_dir.*absolute"),
+        ('memory_headroom = "lots"', "memory_headroom"),
+        ('huge_pages = "1G"\nextent_size = "256MiB"', "extent_size.*1G huge page"),
+    ],
+)
+def test_bad_region_placement_names_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=needle):
+        load_config(str(f), {})
+
+
+def test_huge_pages_size_the_extents_and_the_chunks() -> None:
+    cfg = load_config(None, {"huge_pages": "1G", "region_size": "64GiB"})
+    assert cfg.page_bytes == 1 << 30 and cfg.extent_bytes == 1 << 30
+    assert load_config(None, {"huge_pages": "2M"}).page_bytes == 2 << 20
+    d = load_config(None, {})
+    assert (d.populate_threads, d.populate_chunk_bytes, d.numa) == (0, 2 << 30, "auto")
+    assert (d.huge_pages, d.region_dir, d.memory_headroom_bytes) == ("off", "", 1 << 30)
+    assert d.check_memory_limits
+    assert load_config(None, {"memory_headroom": 0}).memory_headroom_bytes == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -16,7 +18,7 @@ from kvoffload.datapath.copyplan import (
     merge_runs,
     place_caches,
 )
-from kvoffload.datapath.memruns import copy_runs
+from kvoffload.datapath.memruns import copy_groups, copy_runs
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 
@@ -185,3 +187,86 @@ def test_a_plan_built_in_pieces_copies_the_same_bytes(
         copy_runs(*piece)
     assert plans[0].copies == ids.size * (sum(pages) if canonical else 2)
     assert np.array_equal(region[0], region[1]) and region[0].any()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([1, 2]),
+    st.integers(1, 12),
+    st.sampled_from(["ascending", "descending", "scattered"]),
+    st.sampled_from(["ascending", "descending", "scattered"]),
+    st.booleans(),
+    st.integers(0, 1),
+    st.integers(1, 5),
+)
+def test_groups_copy_what_the_runs_copy(
+    f: int, num_slots: int, slot_order: str, id_order: str, store: bool, rank: int, split: int
+) -> None:
+    """A copier copies a plan as strided groups, a range of slots at a time: for slots
+    and engine blocks that step evenly or not, either way, the bytes are those of
+    the plan's runs."""
+    pages = [64, 32, 32]  # the second tensor's page tiled by two caches
+    layout = KVLayout(tensor_page_bytes=[64, 64], block_size_factor=f, world_size=2)
+    rng = np.random.default_rng(num_slots * 7 + f)
+
+    def ordered(n: int, how: str) -> np.ndarray:
+        a = np.arange(n, dtype=np.int64)
+        return {"ascending": a, "descending": a[::-1].copy(), "scattered": rng.permutation(a)}[how]
+
+    ids = ordered(num_slots * f, id_order) * 2  # every other engine block
+    slots = ordered(num_slots, slot_order) * 3 + 1
+    geoms = [CacheGeometry(2 * ids.size + 2, p, 8, p + 16) for p in pages]  # padded rows
+    at = place_caches(layout, pages)
+    region_bytes = (3 * num_slots + 2) * layout.block_bytes
+    regions = [rng.integers(0, 256, region_bytes, dtype=np.uint8) for _ in range(2)]
+    regions[1][:] = regions[0]
+    caches = [[rng.integers(0, 256, g.end_bytes, dtype=np.uint8) for g in geoms] for _ in range(2)]
+    for c0, c1 in zip(*caches):
+        c1[:] = c0
+    plans = [
+        JobPlan(
+            layout,
+            rank,
+            slots * layout.block_bytes,
+            ids,
+            0,
+            geoms,
+            at,
+            slots if store else None,
+            int(r.ctypes.data),
+            np.array([c.ctypes.data for c in cs], dtype=np.int64),
+        )
+        for r, cs in zip(regions, caches)
+    ]
+    copy_runs(*plans[0].addresses())
+    bounds = np.linspace(0, num_slots, split + 1).astype(int).tolist()
+    for a, b in itertools.pairwise(bounds):
+        copy_groups(plans[1].groups(a, b))
+    assert np.array_equal(regions[0], regions[1])
+    assert all(np.array_equal(c0, c1) for c0, c1 in zip(*caches))
+
+
+def test_evenly_stepping_transfers_are_one_group_per_cache() -> None:
+    """A store of 16 blocks from a cache per layer into contiguous slots: a group of
+    16 rows per cache, known without building a run; one cache whose pages continue
+    each other on both sides: one run."""
+    pages = [32] * 4
+    layout = KVLayout(tensor_page_bytes=pages)
+    ids = np.arange(16, dtype=np.int64)
+    slots = np.arange(5, 21, dtype=np.int64)
+
+    def plan(pages: list[int]) -> JobPlan:
+        layout = KVLayout(tensor_page_bytes=pages)
+        geoms = [CacheGeometry(16, p, 0, p) for p in pages]
+        bases = np.arange(len(pages), dtype=np.int64) << 20
+        at = place_caches(layout, pages)
+        return JobPlan(
+            layout, 0, slots * layout.block_bytes, ids, 0, geoms, at, slots, 1 << 30, bases
+        )
+
+    g = plan(pages).groups()
+    assert g.rows == [16] * 4 and g.nbytes == [32] * 4
+    assert g.dst_step == [layout.block_bytes] * 4 and g.src_step == [32] * 4
+    assert g.runs == 64 and g.total_bytes == 16 * layout.block_bytes
+    whole = plan([128]).groups()
+    assert (whole.rows, whole.nbytes) == ([1], [16 * 128])

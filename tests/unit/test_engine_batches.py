@@ -140,7 +140,7 @@ def test_a_gone_connection_frees_its_leases_and_fails_its_claims() -> None:
     slots = idx.lease(TA, 3)
     idx.claim(TA, A, ks(1), slots[:1])
     idx.mark_written(slots[:1], area=0)
-    assert idx.release_client(A, TA) == (1, 0)
+    assert idx.release_client(A, TA) == (1, 0, True)
     assert idx.slots.num_used == 0 and idx.leases.unclaimed(TA) == 0
     idx.commit(TA, A, ks(1), True)  # a late commit of a dead connection does nothing
     assert idx.lookup(ks(1)) == 0
@@ -242,7 +242,7 @@ def test_one_key_claimed_into_every_leased_slot_holds_each_and_frees_all() -> No
     more = idx.lease(TA, 8, A)
     assert idx.claim(TA, A, ks(1) * len(more), more) == 0
     assert idx.leases.shadow_count(TA) == len(more)
-    assert idx.release_client(A, TA) == (0, 0)
+    assert idx.release_client(A, TA) == (0, 0, True)
     assert idx.leases.shadow_count() == 0 and idx.slots.num_free == free0 - 1
     assert idx.statistics().writing_blocks == 0 and not idx.leases.token_of
 
@@ -269,7 +269,7 @@ def test_a_million_pins_of_one_key_go_in_one_step_and_past_the_cap_are_missed(
     calls = []
     unpin = type(idx)._unpin
     monkeypatch.setattr(type(idx), "_unpin", lambda self, *a: calls.append(1) or unpin(self, *a))
-    assert idx.release_client(A, TA) == (0, 1_000_000)
+    assert idx.release_client(A, TA) == (0, 1_000_000, True)
     assert len(calls) == 1 and ledger.held(A) == 0
     assert idx.statistics().pinned_blocks == 0
 
@@ -394,5 +394,17 @@ def test_a_leaving_client_fails_its_own_stores_without_walking_everyone_elses() 
     b = idx.prepare_store(ks(3, 4, 5), B)
     assert a is not None and b is not None
     idx._writers = _NoWalk(idx._writers)
-    assert idx.release_client(A) == (2, 0)
+    assert idx.release_client(A) == (2, 0, True)
     assert idx.writing_by(A) == 0 and idx.writing_by(B) == 3
+
+
+def test_a_leavers_release_goes_in_slices_of_a_bounded_size() -> None:
+    """A connection leaving with thousands of stores in flight is released a slice at a
+    time (the loop serves others between slices), and completely."""
+    idx = make_index(blocks=8192)
+    plan = idx.prepare_store([b"%07d" % i + b"k" for i in range(5000)], A)
+    assert plan is not None and idx.writing_by(A) == 5000
+    got = [idx.release_client(A, budget=2048) for _ in range(3)]
+    assert [done for *_, done in got] == [False, False, True]
+    assert sum(w for w, *_ in got) == 5000 and idx.writing_by(A) == 0
+    assert idx.slots.num_used == 0

@@ -9,6 +9,7 @@ to the CPU path.
 from __future__ import annotations
 
 import select
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -302,6 +303,9 @@ def test_shared_allocation_opened_once_and_closed_only_after_drain(rig: Rig) -> 
     rig.fake.release(gate)
     replies = rig.drain()
     assert (1, m.OkReply(9)) in replies
+    end = time.monotonic() + 10  # a copier thread closes the import, off the loop
+    while not rig.fake.closed and time.monotonic() < end:
+        rig.drain(0.1)
     assert rig.fake.closed == [base] and rig.fake.open_refs[base] == 0
 
 

@@ -107,7 +107,7 @@ def test_a_client_that_dies_drops_its_grave_pins() -> None:
     assert idx.prepare_load(ks(1), B) == [slots[0]]
     idx.take_feed(A), idx.take_feed(B)
     assert len(idx.graves) == 1  # pinned by B's load
-    assert idx.release_client(B) == (0, 1)
+    assert idx.release_client(B) == (0, 1, True)
     assert len(idx.graves) == 0
     with pytest.raises(NotLeasedError):
         idx.check_load_slots(np.array([slots[0]]))  # nobody may read it any more

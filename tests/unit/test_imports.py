@@ -6,12 +6,21 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import threading
 
 import pytest
 
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
-from kvoffloadd.copies.imports import DescriptorCache, MappedCache, plan_import, run_import
+from kvoffloadd import loopthread
+from kvoffloadd.copies.imports import (
+    DescriptorCache,
+    FileMapping,
+    MappedCache,
+    map_file,
+    plan_import,
+    run_import,
+)
 
 MIB = 1 << 20
 PAGE = mmap.PAGESIZE
@@ -86,6 +95,17 @@ def test_memory_the_engine_never_touched_is_refused_not_allocated() -> None:
     assert rss_shmem_bytes() - before < MIB
 
 
+def test_a_file_whose_size_is_not_whole_pages_is_imported_whole() -> None:
+    """vLLM sizes its KV buffer in bytes, not pages: the last page is part file, part
+    past its end, and that is no hole."""
+    nbytes = 120 * PAGE + 3 * 1024
+    fd = memfd(nbytes)
+    caches = run_import(plan_import([CacheDesc("memfd", 1, nbytes, 0)], [fd]))
+    assert [c.nbytes for c in caches] == [nbytes]
+    for c in caches:
+        c.close()
+
+
 def test_a_refused_plan_names_what_is_wrong() -> None:
     fd = memfd(MIB, sealed=False)
     with pytest.raises(InvalidArgumentError, match="sealed against shrinking"):
@@ -101,3 +121,22 @@ def test_a_refused_plan_names_what_is_wrong() -> None:
         plan_import([CacheDesc("memfd_io", 1, 4096, 0)], [r])
     for x in (fd, r, w):
         os.close(x)
+
+
+def test_nothing_maps_on_the_loop_thread() -> None:
+    """Invariant 15 by construction: the loop claims its thread, and a mapping made on it
+    is a broken invariant; the same mapping on another thread (a copier's) is made."""
+    fd = memfd(PAGE)
+    mapped: list[int] = []
+    loopthread.claim()
+    try:
+        with pytest.raises(AssertionError, match="loop thread"):
+            map_file(fd, PAGE, 0)
+        t = threading.Thread(target=lambda: mapped.append(map_file(fd, PAGE, 0)))
+        t.start()
+        t.join(timeout=10)
+    finally:
+        loopthread.release()
+        os.close(fd)
+    assert len(mapped) == 1
+    FileMapping(mapped[0], PAGE, 0, users=1).release()

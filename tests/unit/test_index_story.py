@@ -196,8 +196,8 @@ def test_owners_are_enforced_and_dead_client_released() -> None:
     idx.prepare_load(ks(1), client=2)
     with pytest.raises(NotLeasedError):
         idx.complete_load(ks(1), CLIENT)
-    assert idx.release_client(CLIENT) == (1, 0)
-    assert idx.release_client(2) == (0, 1)
+    assert idx.release_client(CLIENT) == (1, 0, True)
+    assert idx.release_client(2) == (0, 1, True)
     assert idx.lookup(ks(2)) == 0
     # everything is evictable again: four new keys fit after evicting 1
     plan = idx.prepare_store(ks(5, 6, 7, 8), CLIENT)

@@ -168,6 +168,7 @@ def make_tier(**settings: Any) -> Iterator[tuple[MooncakeTier, WakeFd, np.ndarra
     master, meta = (p.getsockname()[1] for p in ports)
     s = MooncakeSettings(f"127.0.0.1:{master}", f"http://127.0.0.1:{meta}/metadata")
     fields = {"refresh_s": 0.01, "timeout_s": 0.3, "threads": 2, "segment_bytes": SEGMENT_BYTES}
+    fields["tier_threads"] = 2  # promoted blocks copied and verified on two threads
     s = MooncakeSettings(**{**s.__dict__, **fields, **settings})
     t = MooncakeTier("mooncake", s, 0, wake, mac=MAC, client_class=FakeStore)
     region = np.zeros(16 * BLOCK, np.uint8)

@@ -14,7 +14,12 @@ from kvoffload.protocol.messages import KEY_ABSENT, KEY_PROMOTING, KEY_READY, KV
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.region.allocator import ExtentPool, SlotPool
 from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
-from kvoffloadd.tiers.tiering import TIER_CLIENT, Tiering
+from kvoffloadd.tiers.tiering import (
+    MAX_PROMOTION_JOB_BLOCKS,
+    TIER_CLIENT,
+    Tiering,
+    promotion_parts,
+)
 
 PAGE = 4096
 ENGINE = 7
@@ -64,7 +69,7 @@ class FakeTier(SecondaryTier):
         return self.base_statistics(len(self.blocks), 0, True)
 
     def close(self) -> None:
-        pass
+        assert self.tier_threads.close(10.0)
 
 
 @pytest.fixture
@@ -143,6 +148,39 @@ def test_a_miss_promotes_the_leading_run_in_one_job_and_answers_later(world: Any
         assert (buf[slot * PAGE : (slot + 1) * PAGE] == i).all()
     events = index.take_events(0)
     assert events[-1].keys == ks(1, 2, 3) and not events[-1].removed
+
+
+@pytest.mark.parametrize(
+    ("n", "jobs", "sizes"),
+    [
+        (128, 1, [128]),  # a disk tier: one job, spread over its promotion threads
+        (128, 4, [32, 32, 32, 32]),  # a job per Redis connection
+        (6, 4, [2, 2, 1, 1]),
+        (3, 4, [1, 1, 1]),
+        (1, 1, [1]),
+        (0, 4, []),
+        (MAX_PROMOTION_JOB_BLOCKS + 1, 1, [129, 128]),
+        (1000, 2, [250, 250, 250, 250]),
+    ],
+)
+def test_a_lookups_keys_go_to_a_tier_in_as_many_jobs_as_it_runs_at_once(
+    n: int, jobs: int, sizes: list[int]
+) -> None:
+    parts = promotion_parts(n, jobs)
+    assert [len(p) for p in parts] == sizes
+    assert [i for p in parts for i in p] == list(range(n))  # in order, each key once
+
+
+def test_a_tier_with_several_connections_gets_a_promotion_in_parallel_jobs(world: Any) -> None:
+    index, tiering, fast, slow, buf = world
+    write(index, buf, 1, 2, 3)
+    settle(tiering, fast, slow)
+    index.evict()
+    fast.promotion_jobs = 2
+    assert tiering.lookup(index, ks(1, 2, 3)) is None
+    assert fast.jobs_seen[-2:] == [(False, ks(1, 2)), (False, ks(3))]
+    settle(tiering, fast, slow)
+    assert tiering.lookup(index, ks(1, 2, 3)) == 3
 
 
 def test_a_failed_promotion_frees_its_slot_and_the_key_misses(world: Any) -> None:

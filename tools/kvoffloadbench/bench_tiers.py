@@ -1,30 +1,44 @@
-"""Secondary-tier throughput for ``make bench``: cascade down, promotion back up.
+"""Secondary-tier throughput for ``make bench``: cascade down, promotion back up, and how
+promotion scales with the tier's promotion threads (``tier_threads``).
 
-One daemon per tier kind (a disk directory under the temporary directory; a throwaway
-redis-server and a throwaway mooncake_master on loopback, when installed). Blocks are
+One daemon per tier kind and thread count (a disk directory under the temporary
+directory; a throwaway redis-server and a throwaway mooncake_master on loopback, when
+installed), started with ``tier_threads`` = 1, then 2 (``--tier-threads``). Blocks are
 stored into the region, the time until every one has cascaded is the cascade rate;
 then the region is emptied by an admin eviction and one lookup starts the promotion
-of all of them, and the time until a lookup hits them all is the promotion rate (the
-median of ``PROMOTION_ROUNDS`` such rounds: one round on 2 vCPUs shared with the
-server varies by 2x from run to run).
-Then single blocks are evicted and looked up again: the median time from the lookup
-that starts one block's promotion to the lookup that hits it is its latency. The disk
-figures are with the files in the page cache (just written), so they show kvoffload's
-overhead, not the drive's speed. Each daemon's region is pre-faulted before anything
-is measured, as in the rest of ``make bench``. Every block is sealed on its way down
-and its keyed MAC verified on its way up (tiers/blockauth.py); ``mac_rates`` gives the
-MAC's own cost on one thread: hashing a block, and copying it in pieces each hashed
-while in the cache (as the disk and Mooncake tiers promote).
+of all of them, and the time until they are all ready is the promotion rate: the
+median of ``PROMOTION_ROUNDS`` such rounds. The benchmark's lookups are kept out of
+the way of the promotion they time (``_until_promoted``): none in the first half of
+the time the copies alone would take, then one key every ``POLL_S``.
+Before each round and after the last, the machine's own copy+MAC rate with as many
+threads is measured in this process (``CopyMac``: the same bytes copied in the same
+``PIECE_BYTES`` pieces, each hashed with the same keyed BLAKE3 just after its copy,
+``BlockMac.copy_and_hash``), and each round is set against the mean of the two
+around it: the work a promotion has to do, on the threads it has, measured while the
+machine is as busy (2 vCPUs shared with other processes swing by 2x from minute to
+minute). Then single blocks are evicted and looked up again: the median time from
+the lookup that starts one block's promotion to the lookup that hits it is its
+latency. The disk figures are with the files in the page cache (just written, then
+flushed to the drive so its write-back does not run during the rounds), so they show
+kvoffload's overhead, not the drive's speed. Each daemon's region is pre-faulted
+before anything is measured, as in the rest of ``make bench``. ``mac_rates`` gives
+the MAC's own cost on one thread.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import pathlib
+import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 import kvoffload
 from kvoffloadd.tiers.base import TierNamespace
@@ -35,7 +49,11 @@ from .mooncake_master import MooncakeMaster
 from .redis_server import RedisServer
 
 MIB = 1 << 20
-PROMOTION_ROUNDS = 3  # whole promotions timed per tier; the median is reported
+PROMOTION_ROUNDS = 5  # whole promotions timed per daemon; the median is reported
+POLL_S = 0.002  # the benchmark's lookups while a promotion runs: a few ms apart
+TIER_THREADS = (1, 2)  # make bench's promotion threads per tier
+SAME_THREADS_TARGET = 0.8  # promotion / the machine's copy+MAC with the same threads
+MEMCPY_TARGETS = {"disk": 0.5, "redis": 0.1, "mooncake": 0.5}  # promotion / memcpy
 
 
 def _wait(predicate: Any, deadline_s: float = 120.0, poll_s: float = 0.0005) -> None:
@@ -46,15 +64,56 @@ def _wait(predicate: Any, deadline_s: float = 120.0, poll_s: float = 0.0005) -> 
         time.sleep(poll_s)
 
 
+class CopyMac:
+    """The machine's copy+MAC rate: blocks of ``src`` copied into ``dst`` and hashed,
+    as a promotion does it, on a given number of threads taking blocks in turn."""
+
+    def __init__(self, block_bytes: int, nblocks: int) -> None:
+        self.block_bytes = block_bytes
+        self.nblocks = nblocks
+        self.mac = BlockMac(bytes(32))
+        self.ns = TierNamespace.of("bench", "f" * 32, block_bytes)
+        self.src: npt.NDArray[np.uint8] = np.ones(nblocks * block_bytes, np.uint8)
+        self.dst: npt.NDArray[np.uint8] = np.ones(nblocks * block_bytes, np.uint8)  # faulted in
+
+    def gbps(self, threads: int) -> float:
+        view = memoryview(self.dst.data)
+        src, dst, n = self.src.ctypes.data, self.dst.ctypes.data, self.block_bytes
+        blocks = itertools.count()  # next() is atomic: each thread takes the next block
+        start = threading.Barrier(threads + 1)
+
+        def work() -> None:
+            start.wait()
+            while (i := next(blocks)) < self.nblocks:
+                at = i * n
+                self.mac.copy_and_hash(self.ns, b"k", view[at : at + n], dst + at, src + at)
+
+        pool = [threading.Thread(target=work) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for t in pool:
+            t.join()
+        seconds = time.perf_counter() - t0
+        view.release()
+        return self.nblocks * n / seconds / 1e9
+
+
 def tier_rates(
-    tier_toml: str, tier: str, block_bytes: int, nblocks: int
-) -> tuple[float, float, float]:
-    """(cascade GB/s, promotion GB/s, one block's promotion in ms) through one daemon
-    with one tier."""
+    tier_toml: str, tier: str, block_bytes: int, nblocks: int, tier_threads: int, base: CopyMac
+) -> dict[str, Any]:
+    """Cascade GB/s, promotion GB/s (median of the rounds), the machine's copy+MAC GB/s
+    on ``tier_threads`` threads (median, measured around each round), the median of the
+    rounds' ratios to it, and one block's promotion in ms, through one daemon with one
+    tier promoting on ``tier_threads`` threads."""
     with tempfile.TemporaryDirectory(prefix="kvoffload-bench-") as tmp:
         cfg = pathlib.Path(tmp) / "d.toml"
-        secret = f'tier_secret_file = "{tmp}/tier-secret"\n'  # blocks sealed, MACs checked
-        cfg.write_text(secret + tier_toml.replace("@TMP@", tmp))
+        head = (
+            f'tier_secret_file = "{tmp}/tier-secret"\n'  # blocks sealed, MACs checked
+            f"tier_threads = {tier_threads}\n"
+        )
+        cfg.write_text(head + tier_toml.replace("@TMP@", tmp).replace("@T@", str(tier_threads)))
         with DaemonProcess("1GiB", "--config", str(cfg), "--log-level", "warning") as d:
             client = kvoffload.connect(d.socket_path)
             # The region's pre-fault clears 1 GiB on one of the CPUs: measuring while it
@@ -78,15 +137,22 @@ def tier_rates(
 
             t0 = time.perf_counter()
             ns.complete_store(keys)
-            _wait(lambda: tier_stat("stores_total") >= nblocks, poll_s=0.002)
+            _wait(lambda: tier_stat("stores_total") >= nblocks, poll_s=POLL_S)
             cascade_s = time.perf_counter() - t0
+            assert tier_stat("tier_threads") == tier_threads
+            _flush(pathlib.Path(tmp))
+            copy_mac = [base.gbps(tier_threads)]  # before each round, and after the last
             promote_s = []
             for _ in range(PROMOTION_ROUNDS):
                 assert client.evict("bench") == nblocks
+                # no poll before half the time the copies and MACs alone would take
+                quiet_s = 0.5 * nblocks * block_bytes / (copy_mac[-1] * 1e9)
                 t0 = time.perf_counter()
                 assert ns.lookup(keys) is None, "the promotion did not start"
-                _wait(lambda: ns.lookup(keys) == nblocks, poll_s=0.002)
+                time.sleep(quiet_s)
+                _until_promoted(ns, keys)
                 promote_s.append(time.perf_counter() - t0)
+                copy_mac.append(base.gbps(tier_threads))
             assert tier_stat("promotion_failures_total") == 0
             one_ms = []
             for k in keys[:16]:
@@ -99,8 +165,40 @@ def tier_rates(
             client.close()
             assert d.stop() == 0
     total = nblocks * block_bytes
-    median_s = sorted(promote_s)[len(promote_s) // 2]
-    return total / cascade_s / 1e9, total / median_s / 1e9, sorted(one_ms)[len(one_ms) // 2]
+    promote = [total / t / 1e9 for t in promote_s]
+    # each round against the machine's rate just before and just after it
+    ratios = [p / ((a + b) / 2) for p, a, b in zip(promote, copy_mac, copy_mac[1:])]
+    return {
+        "threads": tier_threads,
+        "cascade_gbps": total / cascade_s / 1e9,
+        "promote_gbps": statistics.median(promote),
+        "copy_mac_gbps": statistics.median(copy_mac),
+        "same_threads_ratio": statistics.median(ratios),
+        "one_block_ms": statistics.median(one_ms),
+    }
+
+
+def _flush(tmp: pathlib.Path) -> None:
+    """Write back the disk tier's block files (the kernel would, during the rounds)."""
+    for path in tmp.glob("disk/*/*/*.kvb"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _until_promoted(ns: kvoffload.Namespace, keys: list[bytes]) -> None:
+    """Until every key is ready: the last key (its job is queued last) polled every
+    ``POLL_S``, then all of them. A lookup of all 128 keys costs the daemon's loop a
+    few hundred microseconds; every few ms, it took a tenth of a CPU from the
+    promotion it timed (on 2 vCPUs, its threads wait for a CPU as it is)."""
+    last = keys[-1:]
+    while True:
+        _wait(lambda: ns.lookup(last) == 1, poll_s=POLL_S)
+        if ns.lookup(keys) == len(keys):
+            return
+        time.sleep(POLL_S)
 
 
 def mac_rates(block_bytes: int, total_bytes: int, repeats: int = 5) -> tuple[float, float]:
@@ -125,19 +223,25 @@ def mac_rates(block_bytes: int, total_bytes: int, repeats: int = 5) -> tuple[flo
     return total_bytes / best_mac / 1e9, total_bytes / best_both / 1e9
 
 
-def run_tiers(quick: bool) -> dict[str, Any]:
+def run_tiers(quick: bool, tier_threads: Sequence[int] = TIER_THREADS) -> dict[str, Any]:
     block = 2 * MIB
     n = 32 if quick else 128
-    out: dict[str, Any] = {"tier_block_bytes": block, "tier_blocks": n}
+    out: dict[str, Any] = {
+        "tier_block_bytes": block,
+        "tier_blocks": n,
+        "tier_threads": list(tier_threads),
+    }
     out["mac_gbps"], out["copy_mac_gbps"] = mac_rates(block, n * block)
+    base = CopyMac(block, n)
     disk = '[[tiers]]\ntype = "disk"\npath = "@TMP@/disk"\ncapacity = "2GiB"\n'
-    _record(out, "disk", tier_rates(disk, "disk", block, n))
+    out["disk"] = [tier_rates(disk, "disk", block, n, t, base) for t in tier_threads]
     if why := RedisServer.available():
         out["redis_skipped"] = why
     else:
         with RedisServer() as server:
-            redis = f'[[tiers]]\ntype = "redis"\nurl = "{server.url}"\n'
-            _record(out, "redis", tier_rates(redis, "redis", block, n))
+            # a prefix per daemon: each writes its blocks anew
+            redis = f'[[tiers]]\ntype = "redis"\nurl = "{server.url}"\nprefix = "t@T@"\n'
+            out["redis"] = [tier_rates(redis, "redis", block, n, t, base) for t in tier_threads]
     if why := MooncakeMaster.available():
         out["mooncake_skipped"] = why
     else:
@@ -145,22 +249,21 @@ def run_tiers(quick: bool) -> dict[str, Any]:
             mooncake = (
                 f'[[tiers]]\ntype = "mooncake"\nmaster = "{m.master}"\n'
                 f'metadata_server = "{m.metadata_url}"\nadmin_url = "{m.admin_url}"\n'
-                f'segment_size = "{2 * n * block >> 20}MiB"\n'
+                f'segment_size = "{2 * n * block >> 20}MiB"\nprefix = "t@T@"\n'
             )
             # A master's first clients run slower (its allocator warms up): one warm-up
             # daemon first, as a long-running master in a deployment has served many.
-            tier_rates(
-                mooncake.replace('"mooncake"', '"mooncake"\nprefix = "warm"', 1),
-                "mooncake",
-                block,
-                8,
-            )
-            _record(out, "mooncake", tier_rates(mooncake, "mooncake", block, n))
+            warm = mooncake.replace('"t@T@"', '"warm"')
+            tier_rates(warm, "mooncake", block, 8, 1, CopyMac(block, 8))
+            out["mooncake"] = [
+                tier_rates(mooncake, "mooncake", block, n, t, base) for t in tier_threads
+            ]
+    for kind in MEMCPY_TARGETS:  # the flat figures of the most threads, for the report
+        if kind in out:
+            top = out[kind][-1]
+            for field in ("cascade_gbps", "promote_gbps", "one_block_ms"):
+                out[f"{kind}_{field}"] = top[field]
     return out
-
-
-def _record(out: dict[str, Any], kind: str, rates: tuple[float, float, float]) -> None:
-    out[f"{kind}_cascade_gbps"], out[f"{kind}_promote_gbps"], out[f"{kind}_one_block_ms"] = rates
 
 
 def tier_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -180,20 +283,32 @@ def tier_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
                 f"{both / base:.2f} of memcpy (a promotion's work per byte)",
             ),
         ]
-    for kind in ("disk", "redis", "mooncake"):
-        if f"{kind}_promote_gbps" not in r:
+    for kind, memcpy_target in MEMCPY_TARGETS.items():
+        if kind not in r:
             rows.append((f"{kind} tier", "not measured", r.get(f"{kind}_skipped", "")))
             continue
-        for what in ("cascade", "promote"):
-            v = r[f"{kind}_{what}_gbps"]
-            way = "cascade (region -> tier)" if what == "cascade" else "promotion (tier -> region)"
-            label = f"{kind} tier {way}"
-            target = {"disk": 0.5, "mooncake": 0.5, "redis": 0.1}[kind]
-            note = f"{v / base:.2f} of memcpy"
-            if what == "promote":
-                note += f" (target >= {target}, MACs verified)"
-            rows.append((label, f"{v:.2f} GB/s", note))
-        if f"{kind}_one_block_ms" in r:
-            ms = r[f"{kind}_one_block_ms"]
-            rows.append((f"{kind} tier, one block's promotion", f"{ms:.2f} ms", "lookup to hit"))
+        runs = r[kind]
+        cascade = runs[-1]["cascade_gbps"]
+        rows.append(
+            (
+                f"{kind} tier cascade (region -> tier)",
+                f"{cascade:.2f} GB/s",
+                f"{cascade / base:.2f} of memcpy",
+            )
+        )
+        for x in runs:
+            t, v, own = x["threads"], x["promote_gbps"], x["copy_mac_gbps"]
+            threads = f"{t} thread{'s' if t > 1 else ''}"
+            same = f"{x['same_threads_ratio']:.2f} of copy+MAC on {threads} ({own:.2f} GB/s)"
+            if kind == "redis":  # the server's own copies run on the same cores
+                same += f"; {v / base:.2f} of memcpy (target >= {memcpy_target})"
+            else:
+                same += (
+                    f" (target >= {SAME_THREADS_TARGET}); {v / base:.2f} of memcpy "
+                    f"(target >= {memcpy_target} with >= 4 free cores)"
+                )
+            label = f"{kind} tier promotion, tier_threads = {t}"
+            rows.append((label, f"{v:.2f} GB/s", same))
+        ms = runs[-1]["one_block_ms"]
+        rows.append((f"{kind} tier, one block's promotion", f"{ms:.2f} ms", "lookup to hit"))
     return rows

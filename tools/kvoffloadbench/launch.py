@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -59,9 +59,14 @@ class DaemonProcess:
         start_timeout_s: float = 20.0,
         settings: dict[str, Any] | None = None,
         command: Sequence[str] = (sys.executable, "-m", "kvoffloadd"),
+        preexec: Callable[[], None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``settings``: config keys with scalar or table values, written to a config
-        file; ``command``: how to start the daemon (another installation's ``kvoffloadd``)."""
+        file; ``command``: how to start the daemon (another installation's
+        ``kvoffloadd``); ``preexec``: run in the child before the daemon starts
+        (entering a cgroup); ``env``: the daemon's environment (default: this
+        process's)."""
         self.instance = instance or f"t{uuid.uuid4().hex[:10]}"
         self._tmp = tempfile.mkdtemp(prefix="kvoffload-")
         _made.append((os.getpid(), self._tmp))
@@ -82,12 +87,19 @@ class DaemonProcess:
             *extra_args,
         ]
         self.start_timeout_s = start_timeout_s
+        self.preexec = preexec
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.banner = ""
 
     def start(self) -> DaemonProcess:
         self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=None, start_new_session=True
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            start_new_session=True,
+            preexec_fn=self.preexec,
+            env=self.env,
         )
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()

@@ -1,10 +1,12 @@
 """``kvoffloadctl``: admin CLI for a running kvoffloadd (stats, clients, evict, top,
-config, ping).
+config, ping), and ``check``: whether this node is ready for the configured region
+(no daemon needed, check.py).
 
 Human tables on a terminal, ``--json`` for scripts. The global options (``--socket``,
 ``--json``, ``--timeout``) go before or after the subcommand, as with kubectl or
 systemctl. Exit status: 0 done, 1 the daemon is unreachable (one line on stderr), 2 a
-usage error, 3 the daemon refused the request (not an admin, bad arguments).
+usage error, 3 the daemon refused the request (not an admin, bad arguments), 4 the
+configured region does not fit this node (``check``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import msgspec
 
 import kvoffload
 from kvoffload.protocol.errors import DaemonUnavailableError, KVOffloadError
+from kvoffloadctl.check import EXIT_UNFIT, check
+from kvoffloadd.config import ConfigError, load_config
 
 
 def _human_bytes(n: float) -> str:
@@ -135,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
         prog="kvoffloadctl",
         description="Administer kvoffloadd.",
         parents=[common],
-        epilog="exit status: 0 done, 1 daemon unreachable, 2 usage error, 3 request refused",
+        epilog="exit status: 0 done, 1 daemon unreachable, 2 usage error, 3 request refused, "
+        f"{EXIT_UNFIT} the region does not fit (check)",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {kvoffload.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -154,6 +159,16 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
     command("config", "the daemon's effective configuration")
     command("ping", "round trip to the daemon")
+    chk = command(
+        "check",
+        "whether this node is ready for the configured region: limits, huge pages, "
+        "NUMA nodes and GPUs (no daemon needed)",
+    )
+    chk.add_argument(
+        "--config", help="the daemon's config file (default: /etc/kvoffload/kvoffloadd.toml)"
+    )
+    chk.add_argument("--region-size", dest="region_size", help="check this size instead")
+    chk.add_argument("--instance", help="the daemon's instance (whose kept region counts)")
     return p
 
 
@@ -167,6 +182,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.command == "check":
+        overrides = {"region_size": args.region_size, "instance": args.instance}
+        try:
+            cfg = load_config(args.config, overrides)
+        except ConfigError as exc:
+            print(f"kvoffloadctl: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        return check(cfg, args.json)
 
     try:
         client = kvoffload.connect(args.socket, timeout_s=args.timeout, name="kvoffloadctl")

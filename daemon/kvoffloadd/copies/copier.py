@@ -1,24 +1,22 @@
 """CPU copier: threads that execute copy runs and report completions to the loop.
 
 Rules:
-- The loop thread builds absolute (dst, src, nbytes) address arrays and hands them to
-  ``submit``; copier threads group them (``kvoffload.datapath.memruns``: runs that step alike
-  are one strided numpy copy, off the loop) and run the copies (the GIL is released
-  during each). They never touch daemon metadata.
-- A job of at most ``INLINE_BYTES`` (without checksums) is copied at once on the
+- The loop hands over a validated transfer as its ``JobPlan`` (``submit_planned``)
+  and spends nothing per copy on it: copier threads build its copies as strided groups
+  (``JobPlan.groups``: one per cache for evenly stepping slots and blocks), a piece of
+  whole slots at a time (``PIECE_COPIES``), and copy each group with one numpy call
+  that releases the GIL. They never touch daemon metadata.
+- A transfer of at most ``INLINE_BYTES`` (without checksums) is copied at once on the
   loop thread: two thread wake-ups would cost more than the copy. Its completion still
   goes through the sink, like every other.
-- A large job is split by bytes across the threads; it completes when every part has.
-  Runs longer than ``CHUNK_BYTES`` are cut first, so one huge run still spreads.
+- A larger one is split into ranges of whole slots, one per thread; it completes when
+  every part has. Jobs given as address arrays (``submit``) are split by bytes, runs
+  longer than ``CHUNK_BYTES`` cut first, so one huge run still spreads.
 - Completions go into a ``CompletionSink`` (a deque and an eventfd) shared with the GPU
   copy lanes; one eventfd write wakes the loop, which calls ``drain()``: completions
   are processed on the loop thread only.
 - Memory behind the addresses must stay mapped until the job's completion has been
   drained; the daemon guarantees it by counting in-flight jobs per mapping.
-- A large transfer comes as a ``JobPlan`` (``submit_planned``): a copier thread
-  builds its runs a piece of whole slots at a time (``PIECE_COPIES``) and copies each
-  piece before building the next, so neither the loop nor memory pays for the copies
-  it expands to.
 - ``run_task`` runs other work that must stay off the loop (checking what a canonical
   store covered) on the same threads; its result comes back in the completion.
 """
@@ -42,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.datapath.copyplan import JobPlan
-from kvoffload.datapath.memruns import copy_runs
+from kvoffload.datapath.memruns import copy_groups, copy_runs
 from kvoffloadd.copies.crc import crc32
 
 log = logging.getLogger(__name__)
@@ -69,10 +67,13 @@ class _Task:
 
 
 @dataclass(frozen=True)
-class _Planned:
-    token: int
+class _PlanPart:
+    """Slots ``first .. end`` of a planned job, for one copier thread."""
+
+    job: CopyJob
     plan: JobPlan
-    check: ChecksumCheck | None
+    first: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,14 @@ class CopyJob:
     check: ChecksumCheck | None = None
     failed: bool = False
     corrupt: list[int] = field(default_factory=list)
+    runs: int = 0  # runs its parts built (planned jobs)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, nbytes: int, runs: int) -> None:
+        """A part of a planned job copied ``nbytes`` in ``runs`` runs."""
+        with self.lock:
+            self.nbytes += nbytes
+            self.runs += runs
 
     def run_part(self, copy: Callable[[], bool]) -> Completion | None:
         """Run one part (a verified load checks its blocks first, and copies nothing
@@ -133,9 +141,10 @@ class CopyJob:
             self.parts_left -= 1
             if self.parts_left:
                 return None
-        return finished(
+        done = finished(
             self.token, not self.failed, self.nbytes, self.started_s, self.check, self.corrupt
         )
+        return replace(done, runs=self.runs) if self.runs else done
 
 
 class CopyThreads:
@@ -264,25 +273,35 @@ class CpuCopier(CopyThreads):
     PIECE_COPIES = 1 << 16  # copies one piece of a planned job builds at most
 
     def submit_planned(self, token: int, plan: JobPlan, check: ChecksumCheck | None) -> None:
-        """Copy a transfer whose runs a copier thread builds, piece by piece."""
-        self._queue.put(_Planned(token, plan, check))
+        """Copy a validated transfer whose copies the copier builds (off the loop)."""
+        if plan.most_bytes <= self.INLINE_BYTES and check is None:
+            t0 = time.perf_counter()
+            groups = plan.groups()
+            copy_groups(groups)
+            done = finished(token, True, groups.total_bytes, t0, None, [])
+            self.sink.post(replace(done, runs=groups.runs))
+            return
+        slots = int(plan.slot_offsets.size)
+        parts = min(len(self._threads), slots) if plan.most_bytes >= self.MIN_SPLIT_BYTES else 1
+        if check is not None and check.expected is not None:
+            parts = 1  # a verified load checks everything before it copies anything
+        parts = max(parts, 1)
+        job = CopyJob(token, 0, parts, time.perf_counter(), check)
+        for i in range(parts):
+            self._queue.put(_PlanPart(job, plan, i * slots // parts, (i + 1) * slots // parts))
 
-    def _planned(self, item: _Planned) -> None:
-        t0 = time.perf_counter()
-        ok, corrupt, nbytes, runs = True, [], 0, 0
-        try:
-            if item.check is not None and item.check.expected is not None:
-                corrupt = item.check.mismatches()
-            if not corrupt:
-                for dst, src, sizes in item.plan.pieces(self.PIECE_COPIES):
-                    copy_runs(dst, src, sizes)
-                    nbytes += int(sizes.sum())
-                    runs += sizes.size
-        except Exception:  # pragma: no cover - memmove of validated ranges
-            log.exception("copy job %d failed", item.token)
-            ok = False
-        done = finished(item.token, ok, nbytes, t0, item.check, corrupt)
-        self.sink.post(replace(done, runs=runs))
+    def _plan_part(self, part: _PlanPart) -> None:
+        plan = part.plan
+
+        def copy() -> bool:
+            for first, end in plan.piece_bounds(part.first, part.end, self.PIECE_COPIES):
+                groups = plan.groups(first, end)
+                copy_groups(groups)
+                part.job.count(groups.total_bytes, groups.runs)
+            return True
+
+        if (done := part.job.run_part(copy)) is not None:
+            self.sink.post(done)
 
     def run_task(self, token: int, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on a copier thread; its completion carries what it returned (a
@@ -301,8 +320,8 @@ class CpuCopier(CopyThreads):
     def _handle(self, item: Any) -> None:
         if isinstance(item, _Task):
             self._task(item)
-        elif isinstance(item, _Planned):
-            self._planned(item)
+        elif isinstance(item, _PlanPart):
+            self._plan_part(item)
         else:
             job, dst, src, sizes = item
 

@@ -25,8 +25,9 @@ Rules:
 - The mapping of the memfd is used as a system-call buffer only: no Python, numpy or
   memmove access ever reads or writes it (checksums cover region bytes only).
 - The loop thread validates the job exactly as for mapped caches and hands over its
-  ``JobPlan``; a copier thread builds the runs (``submit_planned``), whose cache
-  addresses are offsets into the memfd (``base_address`` 0).
+  ``JobPlan`` (``submit_planned``), split into ranges of whole slots, one per thread;
+  each thread builds its range's runs, whose cache addresses are offsets into the
+  memfd (``base_address`` 0), and reads them.
 - Loads keep to the job's ``deadline_ns``: no syscall starts after it (checked before
   each one, runs cut to ``CHUNK_BYTES``), so an engine that gave up on a load at its
   deadline does not get bytes in pages it has reused.
@@ -53,8 +54,6 @@ from kvoffloadd.copies.copier import (
     CopyJob,
     CopyThreads,
     chunk_runs,
-    finished,
-    split_by_bytes,
 )
 from kvoffloadd.copies.imports import DescriptorCache
 
@@ -69,26 +68,27 @@ def is_descriptor(cache: object) -> bool:
 
 
 @dataclass(frozen=True)
-class _Planned:
-    """A validated job whose runs a copier thread builds, then splits into parts."""
+class _PlanPart:
+    """Slots ``first .. end`` of a validated job, for one copier thread."""
 
-    token: int
+    job: CopyJob
     plan: JobPlan
     caches: list[DescriptorCache]
+    first: int
+    end: int
     deadline_ns: int
-    check: ChecksumCheck | None
 
 
 @dataclass(frozen=True)
 class _Part:
     """Runs of one job: read ``nbytes`` from ``fds`` at ``offsets`` into ``buffers``."""
 
-    job: CopyJob
     fds: I64
     offsets: I64
     buffers: I64
     nbytes: I64
     deadline_ns: int
+    runs: int = 0  # the runs they were cut from
 
 
 class FdCopier(CopyThreads):
@@ -103,37 +103,6 @@ class FdCopier(CopyThreads):
         self.region_address = region_address
         super().__init__(threads, "kvoffload-fdcopy")
 
-    def submit(
-        self,
-        token: int,
-        caches: list[DescriptorCache],
-        which: I64,
-        region: I64,
-        offsets: I64,
-        nbytes: I64,
-        is_store: bool,
-        deadline_ns: int,
-        check: ChecksumCheck | None,
-    ) -> None:
-        """Copy runs between region addresses and offsets into the caches' memfds."""
-        if is_store:  # the memfd's file into the region's memory
-            fds = np.array([c.fd for c in caches], dtype=np.int64)[which]
-            src, dst = offsets, region
-        else:  # the region's file into the daemon's mapping of the memfd
-            maps = np.array([c.map_address for c in caches], dtype=np.int64)
-            fds = np.full(nbytes.size, self.region_fd, dtype=np.int64)
-            src, dst = region - self.region_address, offsets + maps[which]
-        src, dst, nbytes, fds = _chunk(src, dst, nbytes, fds, self.CHUNK_BYTES)
-        total = int(nbytes.sum())
-        parts = len(self._threads) if total >= self.MIN_SPLIT_BYTES else 1
-        if check is not None and check.expected is not None:
-            parts = 1  # a verified load checks everything before it copies anything
-        ranges = split_by_bytes(nbytes, parts)
-        job = CopyJob(token, total, len(ranges), time.perf_counter(), check)
-        for a, b in ranges:
-            part = _Part(job, fds[a:b], src[a:b], dst[a:b], nbytes[a:b], deadline_ns)
-            self._queue.put(part)
-
     def submit_planned(
         self,
         token: int,
@@ -142,33 +111,45 @@ class FdCopier(CopyThreads):
         deadline_ns: int,
         check: ChecksumCheck | None,
     ) -> None:
-        """Copy a validated job whose runs a copier thread builds (off the loop)."""
-        self._queue.put(_Planned(token, plan, caches, deadline_ns, check))
+        """Copy a validated job: its slots in one range per thread (one range for a
+        small job, or a verified load, which checks everything before it copies)."""
+        slots = int(plan.slot_offsets.size)
+        parts = min(len(self._threads), slots) if plan.most_bytes >= self.MIN_SPLIT_BYTES else 1
+        if check is not None and check.expected is not None:
+            parts = 1
+        parts = max(parts, 1)
+        job = CopyJob(token, 0, parts, time.perf_counter(), check)
+        for i in range(parts):
+            first, end = i * slots // parts, (i + 1) * slots // parts
+            self._queue.put(_PlanPart(job, plan, caches, first, end, deadline_ns))
 
-    def _plan(self, item: _Planned) -> None:
-        try:
-            runs = item.plan.runs()
-        except Exception:  # pragma: no cover - planning of validated inputs
-            log.exception("descriptor copy of job %d could not be planned", item.token)
-            self.sink.post(finished(item.token, False, 0, time.perf_counter(), None, []))
-            return
-        region = runs.region + item.plan.region_base
-        self.submit(
-            item.token,
-            item.caches,
-            runs.which,
-            region,
-            runs.cache,
-            runs.nbytes,
-            item.plan.is_store,
-            item.deadline_ns,
-            item.check,
-        )
+    def _reads(self, item: _PlanPart) -> _Part:
+        """The reads of one range: from the memfd into the region's memory (stores), or
+        from the region's file into the daemon's mapping of the memfd (loads)."""
+        runs = item.plan.runs(item.first, item.end)
+        offsets, nbytes = runs.cache, runs.nbytes
+        if item.plan.is_store:
+            fds = np.array([c.fd for c in item.caches], dtype=np.int64)[runs.which]
+            src, dst = offsets, runs.region + item.plan.region_base
+        else:
+            maps = np.array([c.map_address for c in item.caches], dtype=np.int64)
+            fds = np.full(nbytes.size, self.region_fd, dtype=np.int64)
+            src, dst = (
+                runs.region + (item.plan.region_base - self.region_address),
+                offsets + maps[runs.which],
+            )
+        src, dst, nbytes, fds = _chunk(src, dst, nbytes, fds, self.CHUNK_BYTES)
+        return _Part(fds, src, dst, nbytes, item.deadline_ns, int(runs.nbytes.size))
 
-    def _handle(self, item: _Part | _Planned) -> None:
-        if isinstance(item, _Planned):
-            self._plan(item)
-        elif (done := item.job.run_part(lambda: copy_part(item))) is not None:
+    def _handle(self, item: _PlanPart) -> None:
+        def copy() -> bool:
+            part = self._reads(item)
+            ok = copy_part(part)
+            if ok:
+                item.job.count(int(part.nbytes.sum()), part.runs)
+            return ok
+
+        if (done := item.job.run_part(copy)) is not None:
             self.sink.post(done)
 
 

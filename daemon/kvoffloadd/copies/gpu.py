@@ -49,7 +49,8 @@ from kvoffloadd.copies.copier import ChecksumCheck, CompletionSink
 from kvoffloadd.copies.imports import check_desc
 from kvoffloadd.copies.lanes import CopyLane, GpuJob
 from kvoffloadd.copies.workers import ImportedCache
-from kvoffloadd.region.pinning import RegionPinner, plan_chunks
+from kvoffloadd.loopthread import off_loop
+from kvoffloadd.region.pinning import RegionPinner
 from kvoffloadd.region.region import SharedOffloadRegion
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class GpuRuntime:
         with self._imports_lock:
             imp = self._imports.get(key)
             if imp is None:
+                off_loop("importing a CUDA IPC handle")
                 try:
                     ptr = self.api.ipc_open_mem_handle(handle)
                     _base, size = self.api.address_range(ptr)
@@ -275,15 +277,12 @@ def start_gpu(
     try:
         if api.device_count() == 0:
             return None, "no CUDA device is visible to the daemon"
-        g = region.geometry
-        base = int(region.buffer.ctypes.data) + g.data_offset
-        chunks = plan_chunks(g.num_extents * g.extent_bytes, g.extent_bytes)
-        pinner = RegionPinner(api, base, chunks, before=region.wait_prefault)
-        runtime = GpuRuntime(api, sink, base, pinner, cfg.gpu_kernel)
+        pinner = region.make_pinner(api)  # the region's chunks, each once populated
+        runtime = GpuRuntime(api, sink, region.data_address, pinner, cfg.gpu_kernel)
     except CudaError as exc:
         return None, f"CUDA is not usable: {exc}"
     if cfg.pin_region:
-        pinner.start()
+        region.start_pinning()
     else:
         pinner.done.set()
     log.info(

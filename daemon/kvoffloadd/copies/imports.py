@@ -18,8 +18,9 @@ Rules:
   SGLang's shm host pool pre-fault theirs).
 - ``memfd_io`` files keep one duplicate descriptor per file, for system-call copies
   (``fdcopy``); their mapping is a system-call buffer only.
-- A mapping and its descriptor close when the last cache using them closes; the
-  engine's descriptors are closed by the import, whatever happens.
+- A mapping and its descriptor close when the last cache using them closes, on a
+  copier thread (unmapping what copies touched is page-table work); the engine's
+  descriptors are closed by the import, whatever happens.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from kvoffload.datapath.copyplan import CacheGeometry
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
+from kvoffloadd.loopthread import off_loop
 
 MEMFD, MEMFD_IO = "memfd", "memfd_io"
 PAGE_BYTES = mmap.PAGESIZE
@@ -77,6 +79,7 @@ def map_file(fd: int, nbytes: int, offset: int) -> int:
     """Map ``nbytes`` of the file at ``offset`` shared, read-write; the address. Not
     Python's ``mmap``: it keeps a duplicate of the descriptor for as long as it lives,
     one descriptor per mapping the ledger would have to count."""
+    off_loop("mapping an engine's memory")
     prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
     address = _LIBC.mmap(None, nbytes, prot, flags, fd, offset)
     if address in (None, _MAP_FAILED):
@@ -109,6 +112,7 @@ class FileMapping:
                 os.close(self.fd)
             self.fd = -1
         if self.address:
+            off_loop("unmapping an engine's memory")
             _LIBC.munmap(self.address, self.nbytes)
             self.address = 0
 
@@ -167,8 +171,9 @@ class FileGroup:
 
     fd: int
     lo: int
-    hi: int
+    hi: int  # page-aligned: may pass the end of a file whose size is not
     caches: tuple[int, ...]  # indices into the plan's caches
+    file_bytes: int  # the file's size: past it, no page is expected
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,8 @@ def plan_import(descs: list[CacheDesc], fds: list[int]) -> ImportPlan:
     for fd, members in files.values():
         lo = min(geometries[i].offset_bytes for i in members) // PAGE_BYTES * PAGE_BYTES
         end = max(geometries[i].end_bytes for i in members)
-        groups.append(FileGroup(fd, lo, -(-end // PAGE_BYTES) * PAGE_BYTES, tuple(members)))
+        hi = -(-end // PAGE_BYTES) * PAGE_BYTES
+        groups.append(FileGroup(fd, lo, hi, tuple(members), file_of[fd][1]))
     return ImportPlan(kind, geometries, groups, list(fds))
 
 
@@ -251,7 +257,7 @@ def run_import(plan: ImportPlan) -> list[MappedCache | DescriptorCache]:
         caches: list[MappedCache | DescriptorCache | None] = [None] * len(plan.geometries)
         for g in plan.groups:
             hole = _first_hole(g.fd, g.lo, g.hi)
-            if hole < g.hi:
+            if hole < min(g.hi, g.file_bytes):
                 raise InvalidArgumentError(
                     f"the cache memory at byte {hole} of its memfd was never touched (a "
                     "hole): the daemon does not allocate an engine's memory; pre-fault it "

@@ -491,13 +491,20 @@ class NamespaceIndex(StoreIndex):
 
     # ------------------------------------------------------------ owners, admin
 
-    def release_client(self, client: int, token: int = 0) -> tuple[int, int]:
-        """Fail the client's in-flight stores, free its leases and drop its pins;
-        returns (stores failed, pins dropped)."""
+    def release_client(
+        self, client: int, token: int = 0, budget: int = 1 << 62
+    ) -> tuple[int, int, bool]:
+        """Fail the client's in-flight stores, free its leases and drop its pins, at
+        most ``budget`` stores and pinned keys at a time; returns (stores failed, pins
+        dropped, whether all is released: call again until it is)."""
         # its own writes only (indexed by client): a leaver's cost never grows with
         # what other clients have in flight
-        writes = [(k, self._policy.get(k)) for k in self._writes_of.get(client, ())]
+        mine = self._writes_of.get(client, ())
+        writes = [(k, self._policy.get(k)) for k in itertools.islice(mine, budget)]
         self._finish_stores([(k, b) for k, b in writes if b is not None], success=False)
+        if client in self._writes_of:
+            return len(writes), 0, False
+        budget -= len(writes)
         if token:
             unclaimed = self.leases.release(token)
             held = self.leases.release_shadows(token) + unclaimed
@@ -506,14 +513,19 @@ class NamespaceIndex(StoreIndex):
             self._lease_client.pop(token, None)
             for slot in held:
                 self._free_slot(slot)
-        pins = self._pins.pop(client, Counter())
-        dropped = sum(pins.values())
-        for key, n in list(pins.items()):  # one step per key, however many pins
-            self._unpin(key, pins, n, client)
-        dropped += self.graves.release(client)
-        self.pin_ledger.give(client, dropped)
+        pins = self._pins.get(client, Counter())
+        dropped = 0
+        for key, n in list(itertools.islice(pins.items(), max(0, budget))):
+            self._unpin(key, pins, n, client)  # one step per key, however many pins
+            dropped += n
+        if pins:
+            self.pin_ledger.give(client, dropped)
+            return len(writes), dropped, False
+        self._pins.pop(client, None)
+        graves = self.graves.release(client)
+        self.pin_ledger.give(client, dropped + graves)
         self.free_graves()
-        return len(writes), dropped
+        return len(writes), dropped + graves, True
 
     def evict(
         self,

@@ -21,7 +21,9 @@ Rules:
 - Workers get a fresh open of the daemon's own descriptor, never of the name, and
   nobody opens the segment with a size: that would ftruncate it under everybody else
   (research/stack.md section 5).
-- Pre-faulting runs in a background thread, in chunks, so start-up does not wait.
+- Populating (pre-faulting) runs in background threads (populate.py), chunk by chunk
+  as placement.py plans them, so start-up does not wait; the extent pool hands out
+  ready chunks first and pinning (pinning.py) follows population chunk by chunk.
 - ``close()`` drops every view before closing the map, then unlinks the name unless
   asked to keep it for the next daemon.
 """
@@ -29,20 +31,17 @@ Rules:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import logging
 import mmap
 import os
 import struct
-import threading
-import time
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import posix_ipc
 
+from kvoffload.cuda.driver import CudaApi
 from kvoffload.datapath.regionfmt import (
     FREE_OWNER,
     HEADER,
@@ -61,17 +60,43 @@ from kvoffload.datapath.regionfmt import (
     namespace_crc,
     ready_crc,
 )
-from kvoffloadd.region import segment
+from kvoffloadd.region import kernel, segment
 from kvoffloadd.region.allocator import ExtentPool, SlotJournal, SlotPool
+from kvoffloadd.region.pinning import RegionPinner
+from kvoffloadd.region.placement import (
+    ChunkStates,
+    ExtentPlacement,
+    Part,
+    RegionPlan,
+    chunk_size,
+    plan_region,
+)
+from kvoffloadd.region.populate import Populator
+from kvoffloadd.region.progress import node_statistics, population_statistics
 from kvoffloadd.region.segment import Geometry, RegionError, default_extent_bytes, header_fields
+from kvoffloadd.region.topology import Topology
 from kvoffloadd.trust import UntrustedError
 
 __all__ = ["Geometry", "RegionError", "SharedOffloadRegion", "default_extent_bytes"]
 
 log = logging.getLogger(__name__)
 
-MADV_POPULATE_WRITE = 23
-PREFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 2 << 30
+
+
+class Segment(Protocol):
+    """An open region file (segment.SegmentFile, or posix_ipc's SharedMemory)."""
+
+    @property
+    def fd(self) -> int: ...
+    def close_fd(self) -> None: ...
+    def unlink(self) -> None: ...
+
+
+def single_plan(g: Geometry, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> RegionPlan:
+    """One part, one populate thread: no NUMA placement."""
+    chunk = chunk_size(chunk_bytes, g.extent_bytes, g.page_bytes)
+    return plan_region(g.data_bytes, chunk, [Part(None, 0, frozenset())], 1, "off")
 
 
 class SharedOffloadRegion:
@@ -84,12 +109,16 @@ class SharedOffloadRegion:
         *,
         recover: bool = True,
         discard: bool = False,
-        found: tuple[posix_ipc.SharedMemory, bool] | None = None,
+        found: tuple[Segment, bool] | None = None,
+        plan: RegionPlan | None = None,
+        topology: Topology | None = None,
     ) -> None:
         """Map the segment ``found`` (held, checked: regionstate.py) and whether it is
-        recovered; without it, adopt or create the segment under ``name``."""
+        recovered; without it, adopt or create the segment under ``name``. ``plan``:
+        how the data area is placed and populated (default: one part)."""
         self.name = name
         self.geometry = g = geometry
+        self.plan = plan or single_plan(g)
         self._shm, self.recovered = found or _open_by_name(name, g, recover, discard)
         try:
             self._mm = mmap.mmap(self._shm.fd, g.region_bytes)
@@ -114,63 +143,121 @@ class SharedOffloadRegion:
         owners: list[int | None] = [
             None if o == FREE_OWNER else int(o) for o in self._extent_table[:, 0].tolist()
         ]
+        self.chunk_states = ChunkStates(
+            len(self.plan.chunks), self.plan.chunk_bytes // g.extent_bytes, g.num_extents
+        )
+        self.chunk_states.assume_populated()  # until a population is planned
+        self.placement = ExtentPlacement(
+            self.plan, g.extent_bytes, g.num_extents, self.chunk_states, topology
+        )
+        self._extents_of_part = [
+            [e for e, q in enumerate(self.placement.part_of_extent) if q == p]
+            for p in range(len(self.plan.parts))
+        ]
         self.pool = ExtentPool(
-            g.num_extents, g.extent_bytes, g.data_offset, self.record_extent, owners
+            g.num_extents,
+            g.extent_bytes,
+            g.data_offset,
+            self.record_extent,
+            owners,
+            placement=self.placement,
         )
         self._seq = 0  # recovery resumes it (recovery.py)
-        self.prefaulted_bytes = 0
-        self._stop_prefault = threading.Event()
-        self._prefault_thread: threading.Thread | None = None
+        self.populator: Populator | None = None
+        self.pinner: RegionPinner | None = None
 
     # ------------------------------------------------------------ lifecycle
 
     def _write_header(self) -> None:
         self._mm[: HEADER.size] = HEADER.pack(*header_fields(self.geometry))
 
-    def start_prefault(self) -> None:
-        self._prefault_thread = threading.Thread(
-            target=self._prefault, name="kvoffload-prefault", daemon=True
+    @property
+    def data_address(self) -> int:
+        return int(self.buffer.ctypes.data) + self.geometry.data_offset
+
+    def prepare_populate(self, *, huge_advise: bool = False) -> Populator:
+        """Plan population (started by ``start_populate``): until then no chunk counts
+        as populated, and a pinner waits for each. Without it every chunk counts as
+        populated (``prefault = false``: pages are faulted as copies reach them)."""
+        g = self.geometry
+        base = int(self.buffer.ctypes.data)
+        # mincore sees a tmpfs file's pages wherever they are mapped, hugetlbfs pages
+        # only where this process maps them: a whole file needs no asking
+        whole = segment.allocated_bytes(self._shm) >= g.region_bytes
+        self.chunk_states.reset()
+        self.populator = Populator(
+            base + g.data_offset,
+            self.plan,
+            self.chunk_states,
+            page_bytes=g.page_bytes,
+            recovered=self.recovered,
+            huge_advise=huge_advise,
+            tail=(base, g.data_offset),
+            unit_bytes=g.extent_bytes,
+            resident=(lambda address, n: n) if whole else kernel.resident_bytes,
         )
-        self._prefault_thread.start()
+        return self.populator
+
+    def start_populate(self, *, huge_advise: bool = False) -> None:
+        """Populate the data area in the background (then the tables), as planned."""
+        if self.populator is None:
+            self.prepare_populate(huge_advise=huge_advise)
+        assert self.populator is not None
+        self.populator.start()
+
+    def start_prefault(self) -> None:
+        self.start_populate()
+
+    @property
+    def prefaulted_bytes(self) -> int:
+        return self.populator.populated_bytes if self.populator is not None else 0
 
     @property
     def prefaulting(self) -> bool:
-        return self._prefault_thread is not None and self._prefault_thread.is_alive()
+        return self.populator is not None and self.populator.running
 
     def wait_prefault(self) -> None:
-        """Block until the background pre-fault (if any) has finished or stopped."""
-        if self._prefault_thread is not None:
-            self._prefault_thread.join()
+        """Block until the background population (if any) has finished or stopped."""
+        if self.populator is not None:
+            self.populator.wait()
 
-    def _prefault(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        base = self.buffer.ctypes.data
-        start = self.geometry.data_offset
-        end = self.geometry.region_bytes
-        use_madvise = True
-        t0 = time.monotonic()
-        for off in range(start, end, PREFAULT_CHUNK_BYTES):
-            if self._stop_prefault.is_set():
-                return
-            n = min(PREFAULT_CHUNK_BYTES, end - off)
-            if use_madvise:
-                rc = libc.madvise(
-                    ctypes.c_void_p(base + off), ctypes.c_size_t(n), MADV_POPULATE_WRITE
-                )
-                if rc != 0:
-                    err = ctypes.get_errno()
-                    if err != errno.EINVAL:
-                        log.warning("prefault stopped: %s", os.strerror(err))
-                        return
-                    use_madvise = False  # kernels before 5.14: touch the pages instead
-            if not use_madvise:
-                view = self.buffer[off : off + n : mmap.PAGESIZE]
-                view += 0  # read-modify-write keeps whatever is there
-            self.prefaulted_bytes = off + n - start
-        log.info(
-            "prefaulted %d MiB in %.2f s",
-            self.prefaulted_bytes >> 20,
-            time.monotonic() - t0,
+    def wait_chunk(self, chunk: int, timeout_s: float | None = None) -> bool | None:
+        """Until ``chunk`` is populated and mapped (True); False if it will not be;
+        None: timeout. Without population, every chunk counts as populated (pinning
+        faults it in)."""
+        if self.populator is None:
+            return True
+        return self.chunk_states.wait_mapped(chunk, timeout_s)
+
+    def make_pinner(self, api: CudaApi) -> RegionPinner:
+        """A pinner of the data area in the plan's chunks, following population."""
+        states = self.chunk_states
+        self.pinner = RegionPinner(
+            api,
+            self.data_address,
+            self.plan.chunks,
+            wait_chunk=self.wait_chunk,
+            on_pinned=states.mark_pinned,
+            on_stopped=states.stop_pinning,
+        )
+        return self.pinner
+
+    def start_pinning(self) -> None:
+        """Pin in the background; until a chunk is pinned, it is not ready."""
+        assert self.pinner is not None
+        self.chunk_states.track_pinning()
+        self.pinner.start()
+
+    def statistics(self) -> dict[str, Any]:
+        """The population fields of the ``region`` stats section (progress.py)."""
+        return population_statistics(
+            self.plan, self.chunk_states, self.populator, self.pool, self.geometry
+        )
+
+    def node_statistics(self) -> dict[str, dict[str, Any]]:
+        """Per NUMA part: its node's bytes, populated, ready and pinned, and rates."""
+        return node_statistics(
+            self.plan, self.chunk_states, self.populator, self.pool, self._extents_of_part
         )
 
     def open_fd(self) -> int:
@@ -185,9 +272,8 @@ class SharedOffloadRegion:
         return os.open(f"/proc/self/fd/{self._shm.fd}", os.O_RDWR | os.O_CLOEXEC)
 
     def close(self, unlink: bool = True) -> None:
-        self._stop_prefault.set()
-        if self._prefault_thread is not None:
-            self._prefault_thread.join()
+        if self.populator is not None:
+            self.populator.stop()
         del self.buffer, self.slot_table, self._extent_table
         try:
             self._mm.close()
@@ -195,7 +281,7 @@ class SharedOffloadRegion:
             log.warning("region views still exist; the mapping goes with the process")
         self._shm.close_fd()
         if unlink:
-            with contextlib.suppress(posix_ipc.ExistentialError):
+            with contextlib.suppress(FileNotFoundError, posix_ipc.ExistentialError):
                 self._shm.unlink()
         else:
             log.info("kept region %s for the next daemon", self.name)
@@ -209,6 +295,7 @@ class SharedOffloadRegion:
             raise RegionError(f"more than {MAX_NAMESPACES} namespaces")
         if len(layout) > MAX_LAYOUT_BYTES:
             raise RegionError(f"namespace layout of {len(layout)} bytes does not fit its record")
+        self.placement.forget(ns_id)
         off = self.geometry.namespace_table + ns_id * NAMESPACE_RECORD_BYTES
         record = (
             name.encode()[:256].ljust(256, b"\0")
@@ -333,9 +420,7 @@ class _RegionJournal(SlotJournal):
         self._region.slot_table[self._record(slot)] = _EMPTY_RECORD
 
 
-def _open_by_name(
-    name: str, g: Geometry, recover: bool, discard: bool
-) -> tuple[posix_ipc.SharedMemory, bool]:
+def _open_by_name(name: str, g: Geometry, recover: bool, discard: bool) -> tuple[Segment, bool]:
     """Adopt the segment under ``name`` if it is ours and a region of ``g``, or create
     it; one that is not is refused, or dropped with ``discard`` (tests and tools: the
     daemon finds its region through its private state, regionstate.py)."""
@@ -352,8 +437,8 @@ def _open_by_name(
             raise RegionError(str(exc)) from None
         log.warning("discarding %s: %s", name, exc)
         try:
-            posix_ipc.unlink_shared_memory(name)
-        except posix_ipc.PermissionsError:
+            segment.drop(name)
+        except PermissionError:
             raise RegionError(f"{exc}; and this daemon may not remove it") from None
     if old is not None:
         segment.lock(old, name)  # a live daemon's region is never touched

@@ -7,8 +7,10 @@ fixed name would let any local user keep the service from starting. So:
 
 - A region's name is ``/kvoffload-<instance>@<16 random hex digits>``, drawn when the
   region is created ``O_CREAT|O_EXCL``; a name something already has is passed over
-  for another draw.
-- The name, and the geometry and format it was made with, are recorded in
+  for another draw. Its file is in /dev/shm, or in the directory of its backing
+  (a hugetlbfs mount for huge pages, backing.py).
+- The name, its directory and huge pages, and the geometry and format it was made
+  with, are recorded in
   ``<state_dir>/kvoffload-<instance>.region``: a file in a directory only the
   daemon's uid (or root) can write (``secure_dir``), opened ``O_NOFOLLOW``, checked on
   its descriptor (regular, ours, 0600) and ``flock``ed for the daemon's life, as the
@@ -41,12 +43,13 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import posix_ipc
-
 from kvoffload.datapath.regionfmt import FORMAT_VERSION, HEADER, MAGIC
 from kvoffloadd.region import segment
+from kvoffloadd.region.backing import Backing
+from kvoffloadd.region.placement import RegionPlan
 from kvoffloadd.region.region import SharedOffloadRegion
-from kvoffloadd.region.segment import Geometry, RegionError
+from kvoffloadd.region.segment import SHM_DIR, Geometry, RegionError, SegmentFile
+from kvoffloadd.region.topology import Topology
 from kvoffloadd.trust import FileLock, UntrustedError
 
 log = logging.getLogger(__name__)
@@ -62,13 +65,24 @@ class Recorded:
     extent_bytes: int
     min_slot_bytes: int
     format: int
+    # records of older daemons have neither: a region in /dev/shm without huge pages
+    huge_pages: str = "off"
+    directory: str = SHM_DIR
 
     @staticmethod
-    def of(name: str, g: Geometry) -> Recorded:
-        return Recorded(name, g.region_bytes, g.extent_bytes, g.min_slot_bytes, FORMAT_VERSION)
+    def of(name: str, g: Geometry, backing: Backing | None = None) -> Recorded:
+        return Recorded(
+            name,
+            g.region_bytes,
+            g.extent_bytes,
+            g.min_slot_bytes,
+            FORMAT_VERSION,
+            backing.huge_pages if backing else "off",
+            backing.directory if backing else SHM_DIR,
+        )
 
-    def made_like(self, g: Geometry) -> bool:
-        return self == Recorded.of(self.region, g)
+    def made_like(self, g: Geometry, backing: Backing | None = None) -> bool:
+        return self == Recorded.of(self.region, g, backing)
 
 
 class RegionState:
@@ -93,6 +107,10 @@ class RegionState:
             ints = (rec.region_bytes, rec.extent_bytes, rec.min_slot_bytes, rec.format)
             if not re.fullmatch(rf"{re.escape(self.legacy_name)}@[0-9a-f]{{16}}", rec.region):
                 raise ValueError(f"region {rec.region!r} is not a name this instance draws")
+            if not isinstance(rec.directory, str) or not os.path.isabs(rec.directory):
+                raise ValueError(f"directory {rec.directory!r} is not an absolute path")
+            if not isinstance(rec.huge_pages, str):
+                raise ValueError("huge_pages is not a string")
             if not all(type(v) is int for v in ints):
                 raise ValueError("a size is not an integer")
         except (ValueError, TypeError) as exc:
@@ -115,33 +133,67 @@ class RegionState:
         self._lock.release(unlink=forget)
 
 
-def open_region(state: RegionState, g: Geometry, *, discard: bool) -> SharedOffloadRegion:
-    """The daemon's region: the recorded one if it can be recovered, else a new one."""
+# called with the region's file before it is mapped: raises to refuse the start
+BeforeMap = Callable[[SegmentFile, bool], None]
+
+
+def open_region(
+    state: RegionState,
+    g: Geometry,
+    *,
+    discard: bool,
+    backing: Backing | None = None,
+    before_map: BeforeMap | None = None,
+    plan: RegionPlan | None = None,
+    topology: Topology | None = None,
+) -> SharedOffloadRegion:
+    """The daemon's region: the recorded one if it can be recovered, else a new one.
+    ``before_map(file, recovered)`` may refuse it (limits.py) before a page is taken:
+    a new file is removed then, a recovered one kept."""
     rec = state.recorded
+    directory = backing.directory if backing else SHM_DIR
     if rec is None:
         _remove_legacy(state.legacy_name)
     else:
-        shm = _adopt(rec, g, discard)
+        shm = _adopt(rec, g, discard, backing)
         if shm is not None:
-            return SharedOffloadRegion(rec.region, g, found=(shm, True))
+            if before_map is not None:
+                try:
+                    before_map(shm, True)
+                except BaseException:
+                    shm.close_fd()
+                    raise
+            return SharedOffloadRegion(
+                rec.region, g, found=(shm, True), plan=plan, topology=topology
+            )
     for _ in range(MAX_NAME_DRAWS):
         name = state.new_name()
-        state.record(Recorded.of(name, g))  # before the segment: no crash leaves one unnamed
+        # recorded before the segment is made: no crash leaves one unnamed
+        state.record(Recorded.of(name, g, backing))
         try:
-            shm = segment.create(name, g)
-        except posix_ipc.ExistentialError:
+            shm = segment.create(name, g, directory)
+        except FileExistsError:
             log.warning("%s exists already (not this daemon's): drawing another name", name)
             continue
-        return SharedOffloadRegion(name, g, found=(shm, False))
-    raise RegionError(f"{MAX_NAME_DRAWS} random region names were all taken in /dev/shm")
+        if before_map is not None:
+            try:
+                before_map(shm, False)
+            except BaseException:
+                shm.close_fd()
+                segment.drop(name, directory)
+                raise
+        return SharedOffloadRegion(name, g, found=(shm, False), plan=plan, topology=topology)
+    raise RegionError(f"{MAX_NAME_DRAWS} random region names were all taken in {directory}")
 
 
-def _adopt(rec: Recorded, g: Geometry, discard: bool) -> posix_ipc.SharedMemory | None:
+def _adopt(
+    rec: Recorded, g: Geometry, discard: bool, backing: Backing | None
+) -> SegmentFile | None:
     """The recorded segment, checked and held, if it can be recovered."""
     name = rec.region
     shm = None
     try:
-        shm = segment.find(name)
+        shm = segment.find(name, rec.directory)
         if shm is None:
             log.info("region %s is gone (a reboot?): a new one is made", name)
             return None
@@ -152,16 +204,19 @@ def _adopt(rec: Recorded, g: Geometry, discard: bool) -> posix_ipc.SharedMemory 
         log.error("%s; the region gets a new name", exc)
         return None
     segment.lock(shm, name)  # a live daemon's region is never touched
-    if not rec.made_like(g):
+    if not rec.made_like(g, backing):
         made = f"region_size={rec.region_bytes}, extent_size={rec.extent_bytes}, "
-        made += f"min_slot_size={rec.min_slot_bytes}, format {rec.format}"
+        made += f"min_slot_size={rec.min_slot_bytes}, format {rec.format}, "
+        made += f"huge_pages={rec.huge_pages} in {rec.directory}"
+        huge, where = (backing.huge_pages, backing.directory) if backing else ("off", SHM_DIR)
         if not discard:
             shm.close_fd()
             raise RegionError(
                 f"region {name} was made with {made}; this daemon has "
                 f"region_size={g.region_bytes}, extent_size={g.extent_bytes}, "
-                f"min_slot_size={g.min_slot_bytes}, format {FORMAT_VERSION}: start with "
-                "the old settings to keep its blocks, or with --discard-region to drop it"
+                f"min_slot_size={g.min_slot_bytes}, format {FORMAT_VERSION}, "
+                f"huge_pages={huge} in {where}: start with the old settings to keep "
+                "its blocks, or with --discard-region to drop it"
             )
         log.warning("discarding region %s, made with %s", name, made)
     elif (why := segment.problem(shm, g)) is not None:
@@ -169,7 +224,7 @@ def _adopt(rec: Recorded, g: Geometry, discard: bool) -> posix_ipc.SharedMemory 
     else:
         return shm
     shm.close_fd()
-    segment.drop(name)
+    segment.drop(name, rec.directory)
     return None
 
 

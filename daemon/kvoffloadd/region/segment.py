@@ -2,13 +2,15 @@
 creating and dropping it.
 
 Rules:
-- ``shm_open`` never follows a link (glibc opens ``/dev/shm/<name>`` with
-  ``O_NOFOLLOW``), and a found segment is checked on the descriptor that is then used:
-  a regular file of the daemon's uid with no group or other bits (``check_ours``).
+- A segment is a file in a memory filesystem: ``/dev/shm`` (tmpfs, as ``shm_open``
+  makes them) by default, a hugetlbfs mount for huge pages (backing.py). It is opened
+  ``O_NOFOLLOW`` (never through a link), and a found segment is checked on the
+  descriptor that is then used: a regular file of the daemon's uid with no group or
+  other bits (``check_ours``).
 - One daemon per segment: an exclusive ``flock`` on the segment itself (``lock``),
   taken before anything in it is read or changed.
-- A segment is created ``O_CREAT|O_EXCL``, mode 0600, at its full size; a found one is
-  opened with size 0, never resized.
+- A segment is created ``O_CREAT|O_EXCL``, mode 0600, at its full size (a multiple of
+  its page size); a found one is never resized.
 - ``problem`` says why a segment cannot be recovered as a region of a geometry (its
   size, its magic, its format version, its header fields), or ``None``: a segment
   cut short would fault (SIGBUS) at the first touch beyond its end.
@@ -24,8 +26,7 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
-
-import posix_ipc
+from typing import Protocol
 
 from kvoffload.datapath.regionfmt import (
     DATA_ALIGN_BYTES,
@@ -41,6 +42,7 @@ from kvoffload.datapath.regionfmt import (
 from kvoffloadd.trust import UntrustedError, check_private_file, lock_region
 
 HEADER_CHECKED_FIELDS = 14  # all but the owner's pid and the creation time
+SHM_DIR = "/dev/shm"
 
 
 class RegionError(RuntimeError):
@@ -58,17 +60,37 @@ class Geometry:
     namespace_table: int
     slot_table: int
     data_offset: int
+    page_bytes: int = mmap.PAGESIZE
 
     @staticmethod
-    def plan(region_bytes: int, extent_bytes: int, min_slot_bytes: int) -> Geometry:
+    def plan(
+        region_bytes: int, extent_bytes: int, min_slot_bytes: int, page_bytes: int = mmap.PAGESIZE
+    ) -> Geometry:
+        """The layout of a region of at most ``region_bytes``; with huge pages of
+        ``page_bytes``, the data area starts on one and extents are whole ones."""
         if extent_bytes % mmap.PAGESIZE or min_slot_bytes % mmap.PAGESIZE:
             raise RegionError("extent_bytes and min_slot_bytes must be multiples of the page size")
+        if extent_bytes % page_bytes:
+            raise RegionError(
+                f"extent_size {extent_bytes} is not a multiple of the huge page size "
+                f"{page_bytes}: set extent_size to a multiple of it"
+            )
+        align = max(DATA_ALIGN_BYTES, page_bytes)
         if min_slot_bytes > extent_bytes:
             raise RegionError("min_slot_bytes is larger than extent_bytes")
         spe = extent_bytes // min_slot_bytes
         per_extent = extent_bytes + EXTENT_RECORD_BYTES + spe * SLOT_RECORD_BYTES
-        fixed = HEADER_BYTES + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES + 2 * DATA_ALIGN_BYTES
-        num_extents = (region_bytes - fixed) // per_extent
+        fixed = HEADER_BYTES + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES
+        if align == DATA_ALIGN_BYTES:  # as every region without huge pages was planned
+            num_extents = (region_bytes - fixed - 2 * align) // per_extent
+        else:  # the most extents whose tables, rounded up to a huge page, still fit
+            num_extents = (region_bytes - fixed) // per_extent
+            meta = per_extent - extent_bytes
+            while num_extents > 0 and (
+                -(-(fixed + num_extents * meta) // align) * align + num_extents * extent_bytes
+                > region_bytes
+            ):
+                num_extents -= 1
         if num_extents < 1:
             raise RegionError(
                 f"a region of {region_bytes} bytes cannot hold one extent of {extent_bytes} bytes"
@@ -77,7 +99,7 @@ class Geometry:
         namespace_table = extent_table + num_extents * EXTENT_RECORD_BYTES
         slot_table = namespace_table + MAX_NAMESPACES * NAMESPACE_RECORD_BYTES
         meta_end = slot_table + num_extents * spe * SLOT_RECORD_BYTES
-        data_offset = -(-meta_end // DATA_ALIGN_BYTES) * DATA_ALIGN_BYTES
+        data_offset = -(-meta_end // align) * align
         return Geometry(
             region_bytes=data_offset + num_extents * extent_bytes,
             extent_bytes=extent_bytes,
@@ -88,7 +110,12 @@ class Geometry:
             namespace_table=namespace_table,
             slot_table=slot_table,
             data_offset=data_offset,
+            page_bytes=page_bytes,
         )
+
+    @property
+    def data_bytes(self) -> int:
+        return self.num_extents * self.extent_bytes
 
 
 def default_extent_bytes(region_bytes: int) -> int:
@@ -118,31 +145,64 @@ def header_fields(g: Geometry) -> tuple[object, ...]:
     )
 
 
-def find(name: str) -> posix_ipc.SharedMemory | None:
+class HasFd(Protocol):
+    @property
+    def fd(self) -> int: ...
+
+
+class SegmentFile:
+    """A region file, opened; what the region uses of it (as of ``posix_ipc``'s
+    SharedMemory, whose files in /dev/shm these are)."""
+
+    def __init__(self, directory: str, name: str, fd: int) -> None:
+        self.directory = directory
+        self.name = name
+        self.fd = fd
+
+    @property
+    def path(self) -> str:
+        return path_of(self.name, self.directory)
+
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def unlink(self) -> None:
+        os.unlink(self.path)
+
+
+def path_of(name: str, directory: str = SHM_DIR) -> str:
+    return os.path.join(directory, name.lstrip("/"))
+
+
+def find(name: str, directory: str = SHM_DIR) -> SegmentFile | None:
     """The segment under ``name``, not checked yet, or None; ``UntrustedError`` when
     something is there that cannot be ours (a link, another uid's private file)."""
+    path = path_of(name, directory)
     try:
-        return posix_ipc.SharedMemory(name)  # size 0: never resize what is found
-    except posix_ipc.ExistentialError:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
         return None
+    except PermissionError:
+        raise UntrustedError(f"{path} belongs to another uid") from None
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        raise UntrustedError(f"/dev/shm{name} is a symlink") from None
-    except posix_ipc.PermissionsError:
-        raise UntrustedError(f"/dev/shm{name} belongs to another uid") from None
+        raise UntrustedError(f"{path} is a symlink") from None
+    return SegmentFile(directory, name, fd)
 
 
 def check_ours(
-    shm: posix_ipc.SharedMemory,
+    shm: SegmentFile,
     name: str,
     remedy: str = "remove it, or start with --discard-region",
 ) -> None:
     """``UntrustedError`` unless the segment is a private file of the daemon's uid."""
-    check_private_file(shm.fd, f"/dev/shm{name}", remedy)
+    check_private_file(shm.fd, shm.path, remedy)
 
 
-def lock(shm: posix_ipc.SharedMemory, name: str) -> None:
+def lock(shm: SegmentFile, name: str) -> None:
     """Hold the segment for this daemon; ``RegionError`` if another one does."""
     try:
         lock_region(shm.fd, name)
@@ -151,16 +211,30 @@ def lock(shm: posix_ipc.SharedMemory, name: str) -> None:
         raise RegionError(str(exc)) from None
 
 
-def create(name: str, g: Geometry) -> posix_ipc.SharedMemory:
-    """A new segment of the geometry's size, held by this daemon;
-    ``posix_ipc.ExistentialError`` if anything (a file, a link) has the name."""
-    check_space(g.region_bytes)
-    shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=g.region_bytes)
-    lock_region(shm.fd, name)  # ours alone: O_CREX just made it
+def create(name: str, g: Geometry, directory: str = SHM_DIR) -> SegmentFile:
+    """A new segment of the geometry's size, held by this daemon; ``FileExistsError``
+    if anything (a file, a link) has the name."""
+    path = path_of(name, directory)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    shm = SegmentFile(directory, name, fd)
+    try:
+        lock_region(fd, name)  # ours alone: O_EXCL just made it
+        os.ftruncate(fd, g.region_bytes)
+    except BaseException:
+        shm.close_fd()
+        os.unlink(path)
+        raise
     return shm
 
 
-def problem(shm: posix_ipc.SharedMemory, g: Geometry) -> str | None:
+def allocated_bytes(shm: SegmentFile | HasFd) -> int:
+    """Bytes of the segment that hold pages (a kept region's are resident): tmpfs and
+    hugetlbfs both count a file's pages in its blocks."""
+    st = os.fstat(shm.fd)
+    return min(st.st_size, st.st_blocks * 512)
+
+
+def problem(shm: SegmentFile, g: Geometry) -> str | None:
     """Why the segment is not a region of geometry ``g`` in this format; None if it is."""
     size = os.fstat(shm.fd).st_size
     found: tuple[object, ...] = ()
@@ -180,19 +254,6 @@ def problem(shm: posix_ipc.SharedMemory, g: Geometry) -> str | None:
     return None
 
 
-def drop(name: str) -> None:
-    with contextlib.suppress(posix_ipc.ExistentialError):
-        posix_ipc.unlink_shared_memory(name)
-
-
-def check_space(nbytes: int) -> None:
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return
-    avail = st.f_bavail * st.f_frsize
-    if avail < nbytes:
-        raise RegionError(
-            f"/dev/shm has {avail} bytes free, the region needs {nbytes}; "
-            "lower region_size or enlarge /dev/shm"
-        )
+def drop(name: str, directory: str = SHM_DIR) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path_of(name, directory))

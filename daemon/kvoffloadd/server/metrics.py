@@ -146,6 +146,7 @@ class StatsCollector(Collector):
         yield GaugeMetricFamily(
             "kvoffload_clients", "Connected clients.", value=s["clients"]["connected"]
         )
+        yield from _population_metrics(s)
         yield from _tier_metrics(s["tiers"])
         errors = CounterMetricFamily("kvoffload_errors", "Error replies by code.", labels=["code"])
         for code in ErrorCode:  # every code from the first scrape, most at 0
@@ -204,6 +205,56 @@ def _tier_metrics(tiers: dict[str, Any]) -> Iterator[Metric]:
             for tier, st in per_tier.items():
                 fam.add_metric([tier, st["kind"]], float(st[field]))
             yield fam
+
+
+_NODE_GAUGES = (
+    ("bytes", "Bytes of the region placed on the NUMA node.", "region_node_bytes"),
+    ("populated_bytes", "Bytes of the node's part populated.", "region_node_populated_bytes"),
+    ("ready_bytes", "Bytes of the node's part ready to hand out.", "region_node_ready_bytes"),
+    ("pinned_bytes", "Bytes of the node's part page-locked.", "region_node_pinned_bytes"),
+    (
+        "populate_rate_bytes_per_s",
+        "The node's populate rate so far (final once populated).",
+        "region_node_populate_rate_bytes_per_second",
+    ),
+)
+
+
+def _population_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+    """Population, readiness and pinning: per node, and the pin chunks' timings."""
+    region = s["region"]
+    for field, doc in (
+        ("populated_bytes", "Bytes of the region populated (faulted in)."),
+        ("ready_bytes", "Bytes of the region ready: populated, and pinned while pinning."),
+    ):
+        yield GaugeMetricFamily(f"kvoffload_region_{field}", doc, value=region[field])
+    yield GaugeMetricFamily(
+        "kvoffload_region_populate_rate_bytes_per_second",
+        "Populate rate over all threads so far (final once populated).",
+        value=region["populate_rate_bytes_per_s"],
+    )
+    for field, doc, name in _NODE_GAUGES:
+        fam = GaugeMetricFamily(f"kvoffload_{name}", doc, labels=["node"])
+        for node, st in s["numa_nodes"].items():
+            fam.add_metric([node], float(st[field]))
+        yield fam
+    gpu = s["gpu"]
+    if not gpu.get("enabled"):
+        return
+    yield GaugeMetricFamily(
+        "kvoffload_region_pinned_bytes", "Bytes of the region page-locked.", gpu["pinned_bytes"]
+    )
+    for field, doc, name in (
+        ("pin_chunk_seconds_last", "The last chunk's registration.", "pin_chunk_last_seconds"),
+        ("pin_chunk_seconds_max", "The slowest chunk's registration.", "pin_chunk_max_seconds"),
+        ("pin_first_chunk_s", "From start to the first chunk pinned.", "pin_first_chunk_seconds"),
+    ):
+        yield GaugeMetricFamily(f"kvoffload_region_{name}", doc, value=gpu[field])
+    for field, doc, name in (
+        ("pin_wait_seconds_total", "Waiting for chunks to be populated.", "pin_wait_seconds"),
+        ("pin_register_seconds_total", "In registrations.", "pin_register_seconds"),
+    ):
+        yield CounterMetricFamily(f"kvoffload_region_{name}", doc, value=gpu[field])
 
 
 HEALTH_STALE_S = 5.0  # no publication for this long: the loop is stuck

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from kvoffload.protocol import NeedData, ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
+from kvoffloadd import loopthread
 from kvoffloadd.copies.workers import close_fds
 from kvoffloadd.ledger import Line
 from kvoffloadd.server.metrics import MetricsEndpoint
@@ -75,6 +76,9 @@ DRAIN_TIMEOUT_S = 30.0
 LINGER_S = 5.0  # how long a client closed for a protocol error has to read its replies
 REAPER = 0  # the turn queue's id for releasing what connections that left held
 LEAVING_BYTES = 64 << 10  # a leaver's release, as bytes of work: a heavy unit
+RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release drops
+INLINE_BYTES = 4096  # a request this small, with nobody waiting, is served as it is read
+CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 
 
@@ -154,6 +158,7 @@ class Server:
     def serve_forever(self) -> None:
         self.catch_signals()
         next_cron = time.monotonic() + self._cron_period_s
+        loopthread.claim()
         try:
             while not self._stop:
                 timeout = 0.0 if self.turns else max(0.0, next_cron - time.monotonic())
@@ -175,6 +180,7 @@ class Server:
             log.critical("internal invariant broken; stats: %s", render_stats(self.service))
             raise
         finally:
+            loopthread.release()
             signal.set_wakeup_fd(-1)
             for c in list(self.clients.values()):
                 self._drop(c, "daemon stopping")
@@ -311,13 +317,22 @@ class Server:
             self._drop(c, "disconnected")
             return
         c.conn.receive_data(self._rview[:nbytes])
-        if self._account(c):
-            self.turns.wake(c.session.session_id, c.conn.buffered_bytes)
+        if not self._account(c):
+            return
+        cid, pending = c.session.session_id, c.conn.buffered_bytes
+        if self.turns or pending > INLINE_BYTES or c.parts or cid in self.turns:
+            self.turns.wake(cid, pending, c.session.uid)
+            return
+        # Nobody waits and the request is small: serve it now (a ping's round trip
+        # pays for no queueing), charged to its uid like any unit.
+        t0 = time.perf_counter()
+        more = self._serve_one(c)
+        self.turns.served(cid, time.perf_counter() - t0, more if cid in self.clients else 0,
+                          c.session.uid)  # fmt: skip
 
     def _serve(self, end_s: float) -> None:
         """Serve queued connections one unit at a time, fairly, until ``end_s``."""
         turns, clients = self.turns, self.clients
-        turns.new_turn()
         while (cid := turns.next()) is not None:
             c = clients.get(cid)
             t0 = time.perf_counter()
@@ -364,10 +379,13 @@ class Server:
         return _pending_bytes(c)
 
     def _account(self, c: _Client) -> bool:
-        """Charge the connection's buffered bytes and parked descriptors to the ledger;
-        cut off whoever is over a limit. Whether ``c`` is still connected."""
+        """Charge the connection's buffered bytes (rounded up to ``CHARGE_STEP_BYTES``,
+        so a small request changes nothing) and parked descriptors to the ledger; cut
+        off whoever is over a limit. Whether ``c`` is still connected."""
+        held_in, fds = _rounded(c.conn.buffered_bytes), len(c.session.fds)
+        if held_in == c.held_in and fds == c.held_fds:
+            return True
         cid = c.session.session_id
-        held_in, fds = c.conn.buffered_bytes, len(c.session.fds)
         self._charge(self._buffered, cid, held_in - c.held_in)
         self._charge(self._descriptors, cid, fds - c.held_fds)
         c.held_in, c.held_fds = held_in, fds
@@ -487,14 +505,15 @@ class Server:
             self._drop(c, "protocol error")
             return
         cid = c.session.session_id
-        self._charge(self._buffered, cid, len(c.outbuf) - c.held_out)
-        c.held_out = len(c.outbuf)
-        if len(c.outbuf) > MAX_OUTPUT_BYTES_PER_CLIENT:
-            self._cut_off(c, "not reading its replies")
-            return
-        self._enforce(self._buffered, c)
-        if cid not in self.clients:
-            return
+        if (held_out := _rounded(len(c.outbuf))) != c.held_out:
+            self._charge(self._buffered, cid, held_out - c.held_out)
+            c.held_out = held_out
+            if len(c.outbuf) > MAX_OUTPUT_BYTES_PER_CLIENT:
+                self._cut_off(c, "not reading its replies")
+                return
+            self._enforce(self._buffered, c)
+            if cid not in self.clients:
+                return
         paused = len(c.outbuf) > PAUSE_OUTPUT_BYTES or bool(c.closing_by_s)
         events = (0 if paused else selectors.EVENT_READ) | (
             selectors.EVENT_WRITE if c.outbuf else 0
@@ -550,9 +569,16 @@ class Server:
         self.turns.wake(REAPER, LEAVING_BYTES)
 
     def _reap(self) -> int:
-        """Release what one connection that left held; the work left (bytes)."""
-        self.service.close_session(self._leaving.popleft())
+        """Release a slice of what the first connection that left held; the work left
+        (bytes)."""
+        if self.service.close_session(self._leaving[0], RELEASE_SLICE):
+            self._leaving.popleft()
         return LEAVING_BYTES if self._leaving else 0
+
+
+def _rounded(nbytes: int) -> int:
+    """Bytes as the ledger is charged them: in steps of ``CHARGE_STEP_BYTES``, up."""
+    return -(-nbytes // CHARGE_STEP_BYTES) * CHARGE_STEP_BYTES
 
 
 def _pending_bytes(c: _Client) -> int:

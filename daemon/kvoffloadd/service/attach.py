@@ -18,7 +18,7 @@ Rules:
   pages tiling the layout, canonical fragments inside their pages, client-copy trust)
   and a refused one holds nothing.
 - A connection that leaves while its import runs gets nothing: the caches are closed
-  when the import lands.
+  when the import lands, by a copier thread, like every unmapping.
 - Loop thread only, as part of the transfers (transfers.py).
 """
 
@@ -79,6 +79,7 @@ class Attacher:
         sessions: dict[int, Session],
         tokens: itertools.count[int],
         add: Callable[[Session, AttachedWorker], None],
+        close_off_loop: Callable[[int, dict[str, int], Callable[[], None]], None],
     ) -> None:
         self.ledger = ledger
         self.copier = copier
@@ -90,6 +91,7 @@ class Attacher:
         self.sessions = sessions
         self._tokens = tokens
         self._add = add
+        self._close_off_loop = close_off_loop
         self._worker_ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
 
@@ -145,9 +147,12 @@ class Attacher:
         s = self.sessions.get(p.session_id)
         result: Any = c.result
         if s is None or isinstance(result, str) or result is None:
-            if isinstance(result, (list, tuple)):
-                _close_import(self.gpu, result)
-            self.ledger.give(p.session_id, p.charges)
+            if isinstance(result, (list, tuple)):  # unmapped off the loop, then given back
+                self._close_off_loop(
+                    p.session_id, p.charges, partial(_close_import, self.gpu, result)
+                )
+            else:
+                self.ledger.give(p.session_id, p.charges)
             if s is None:
                 return []
             why = result if isinstance(result, str) else "the caches could not be imported"
@@ -157,6 +162,7 @@ class Attacher:
             gpu = self.gpu
             assert gpu is not None
             gpu.device_paths(ordinal)  # calibrated by the time copies come, mostly
+            self.region.placement.gpu_worker(p.r.ns, p.r.device_uuid)  # NUMA: its node
             w = self._worker(s, p.r, p.placements, caches, p.charges)
             w.device, w.store_event = ordinal, event
             w.release = partial(gpu.release_event, ordinal, event)

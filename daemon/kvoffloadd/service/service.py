@@ -349,11 +349,14 @@ class Service:
                 )
             )
 
-    def _leave_namespace(self, s: Session, ns_id: int) -> None:
-        """Release what ``s`` holds in one namespace and forget it there."""
+    def _leave_namespace(self, s: Session, ns_id: int, budget: int = 1 << 62) -> bool:
+        """Release what ``s`` holds in one namespace (at most ``budget`` stores and
+        pinned keys of it) and, once all is, forget it there; whether it is."""
         index = self.namespaces[ns_id]
         index.events.unsubscribe(s.session_id)
-        writes, pins = index.release_client(s.session_id, s.leases[ns_id])
+        writes, pins, done = index.release_client(s.session_id, s.leases[ns_id], budget)
+        if not done:
+            return False
         if writes or pins:
             log.info(
                 "client %d (pid %d) gone: failed %d stores, dropped %d pins in %s",
@@ -376,6 +379,7 @@ class Service:
         self.engines.stop_pushing(s, ns_id)
         if ns_id in s.snapshots:
             self.engines.drop_snapshot(s)
+        return True
 
     def _users_of(self, ns_id: int) -> set[int]:
         """The uids of the connections that have the namespace open or joined."""
@@ -475,10 +479,13 @@ class Service:
         self.ledger.join(session_id, uid)
         return s
 
-    def close_session(self, s: Session) -> None:
-        """Invariant 5: fail stores, drop pins, detach workers (unmapped after drain)."""
+    def close_session(self, s: Session, budget: int = 1 << 62) -> bool:
+        """Invariant 5: fail stores, drop pins, detach workers (unmapped after drain),
+        at most ``budget`` stores and pinned keys per namespace a call; whether all is
+        released (else call again: a leaver's release is loop work in slices)."""
         for ns_id in list(s.namespaces):
-            self._leave_namespace(s, ns_id)
+            if not self._leave_namespace(s, ns_id, budget):
+                return False
         for wid in list(s.workers):
             self.transfers.detach(self.workers[wid])
         close_fds(s.fds)  # descriptors no message claimed
@@ -486,6 +493,7 @@ class Service:
         del self.sessions[s.session_id]
         # Released above, or (copies, mappings) draining, charged to nobody from now.
         self.ledger.leave(s.session_id)
+        return True
 
     def _take_back_leases(self, index: NamespaceIndex, now_s: float) -> None:
         """Leases unused for ``lease_timeout_s`` go back; their engines are told, and

@@ -15,8 +15,8 @@ Rules:
   after it (so a blocking client's ``complete_store`` after ``wait`` finds it
   written).
 - What a job holds is charged to its connection (jobs and the copies they expand
-  to, ledger.py) until it completes. A job expanding to more than
-  ``LOOP_PLAN_COPIES`` copies has its runs built by the copier, a piece at a time.
+  to, ledger.py) until it completes. The loop validates a job and hands over its plan:
+  copiers build its runs (a tiny CPU job is copied at once, on the loop).
 - A completion updates the index (written ranks, checksums, corrupt blocks), the
   counters and the worker's results, and answers the waits it ends. Push workers
   (engines that never wait for a reply) submit one-way and get their results pushed.
@@ -25,7 +25,8 @@ Rules:
   engine may reuse its blocks) or whose worker went away is void: never committed. A
   load that names its keys reads each key wherever its block is now.
 - A detached worker (or one whose client died) keeps its mappings until its copies
-  have drained; only then are they closed and a pending detach answered (invariant 5).
+  have drained; only then are they closed, by a copier thread (unmapping is page-table
+  work: never on the loop), and its charges given back once they are (invariant 5).
 - Client-copy workers (trusted uids only, see access.py) get the region's descriptor.
   Blocking ones get, per submitted job, the copy runs the daemon validated and end the
   job with ``ClientCopyDone``; push ones plan their copies themselves from the region's
@@ -81,8 +82,6 @@ from kvoffloadd.service.session import Session
 log = logging.getLogger(__name__)
 
 
-LOOP_PLAN_COPIES = 8192  # a job expanding to more is planned by a copier thread
-
 SUM_JOB = -1  # a _Job's worker id when it only takes checksums of whole canonical slots
 
 
@@ -128,6 +127,7 @@ class Transfers:
         self.fd_copier: FdCopier | None = None  # started by the first memfd_io job
         self._jobs: dict[int, _Job] = {}
         self._tokens = itertools.count(1)
+        self._unmapping: dict[int, tuple[int, dict[str, int]]] = {}  # token -> its charges
         self.bytes_stored = self.bytes_loaded = 0
         self.jobs_failed = 0
         self.store_seconds = self.load_seconds = 0.0
@@ -137,7 +137,7 @@ class Transfers:
         self.sealer = Sealer(copier, self._tokens, namespaces, self._sum_whole)
         self.attacher = Attacher(
             ledger, copier, gpu, gpu_unavailable, access, region, namespaces, sessions,
-            self._tokens, self._add,
+            self._tokens, self._add, self._close_off_loop,
         )  # fmt: skip
 
     @property
@@ -252,11 +252,7 @@ class Transfers:
                 self.config.copy_threads, self.copier.sink, self.region.open_fd(), self._region_addr
             )
             fdc.submit_planned(token, plan, caches, r.deadline_ns, check)  # type: ignore[arg-type]
-        elif plan.copies <= LOOP_PLAN_COPIES:
-            dst, src, nbytes = plan.addresses()
-            self.runs_planned += nbytes.size
-            self.copier.submit(token, dst, src, nbytes, check)
-        else:  # built by a copier thread, a piece at a time
+        else:  # built by the copier threads, a piece at a time
             self.copier.submit_planned(token, plan, check)
         return m.OkReply(r.rid) if r.rid else None
 
@@ -345,6 +341,9 @@ class Transfers:
         for c in done:
             if self.attacher.is_import(c.token):
                 replies.extend(self.attacher.imported(c))
+                continue
+            if (unmapped := self._unmapping.pop(c.token, None)) is not None:
+                self.ledger.give(*unmapped)  # a no-op once its connection left
                 continue
             if self.sealer.is_seal(c.token):
                 for held_job, held in self.sealer.sealed(c):
@@ -488,10 +487,21 @@ class Transfers:
             self._unmap(w)
 
     def _unmap(self, w: AttachedWorker) -> None:
-        w.close()
-        self.ledger.give(w.session_id, w.charges)  # a no-op once its connection left
+        """Forget a worker whose copies drained; a copier thread unmaps its caches and
+        closes its imports (unmapping what copies touched costs page-table work in
+        proportion: never on the loop), and its charges go once that is done."""
         del self.workers[w.worker_id]
         self.sealer.remove(w.worker_id)
+        self._close_off_loop(w.session_id, w.charges, w.close)
+
+    def _close_off_loop(
+        self, session_id: int, charges: dict[str, int], close: Callable[[], None]
+    ) -> None:
+        """Run ``close`` (unmapping, closing imports) on a copier thread; ``charges`` go
+        back to the connection once it has run."""
+        token = next(self._tokens)
+        self._unmapping[token] = (session_id, charges)
+        self.copier.run_task(token, close)
 
 
 def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:

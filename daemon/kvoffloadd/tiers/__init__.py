@@ -5,7 +5,8 @@ promotion between the region and them (``tiering``).
 Rules:
 - Nothing a tier holds is trusted: every block carries a keyed MAC over its namespace,
   key, length and bytes, and fails closed (a miss) when it does not verify.
-- Tier I/O runs on each tier's own threads; ``tiering`` runs on the loop thread and
+- Tier I/O runs on each tier's own threads; promoted blocks are copied and verified on
+  each tier's promotion threads (``spread``); ``tiering`` runs on the loop thread and
   pins region blocks only for bounded, timed jobs.
 - A tier fault stays inside its key or its tier; the daemon serves on without it.
 """
@@ -41,9 +42,9 @@ __all__ = [
 ]
 
 
-def build_tier(cfg: TierConfig, wake: Any, mac: BlockMac) -> SecondaryTier:
-    """The tier a ``[[tiers]]`` entry describes, sealing its blocks with ``mac``;
-    ``TierError`` when it cannot start."""
+def build_tier(cfg: TierConfig, wake: Any, mac: BlockMac, tier_threads: int = 1) -> SecondaryTier:
+    """The tier a ``[[tiers]]`` entry describes, sealing its blocks with ``mac`` and
+    promoting them on ``tier_threads`` threads; ``TierError`` when it cannot start."""
     if not cfg.verify:
         log.warning(
             "tier %s: verify = false no longer turns checks off: every block's MAC is "
@@ -60,6 +61,7 @@ def build_tier(cfg: TierConfig, wake: Any, mac: BlockMac) -> SecondaryTier:
             wake,
             mac=mac,
             threads=cfg.threads,
+            tier_threads=tier_threads,
             fsync=cfg.fsync,
         )
     if cfg.type == "mooncake":
@@ -80,6 +82,7 @@ def build_tier(cfg: TierConfig, wake: Any, mac: BlockMac) -> SecondaryTier:
             refresh_s=cfg.refresh_s,
             full_sync_s=cfg.full_sync_s,
             threads=cfg.threads,
+            tier_threads=tier_threads,
             lease_ttl_s=cfg.lease_ttl_s,
             max_view_blocks=cfg.max_view_blocks,
         )
@@ -99,4 +102,5 @@ def build_tier(cfg: TierConfig, wake: Any, mac: BlockMac) -> SecondaryTier:
         refresh_s=cfg.refresh_s,
         full_sync_s=cfg.full_sync_s,
         max_view_blocks=cfg.max_view_blocks,
+        tier_threads=tier_threads,
     )

@@ -10,6 +10,8 @@ Rules:
   ``wake`` and is collected by ``get_finished``, which is also where a tier applies
   what its threads learned (scans, refreshes) to its view: its metadata changes on
   the loop thread only.
+- A load's blocks are copied into their slots and their MACs verified on the tier's
+  promotion threads (``tier_threads``, spread.py), apart from its I/O threads.
 - Results are per key: one bad block does not fail the others of its job. A tier
   never raises into the loop for an I/O problem; it reports failed keys and counts them.
 - A block is written once: storing a key the tier already holds succeeds without a write.
@@ -26,6 +28,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvoffloadd.tiers.spread import TierThreads
 
 
 @dataclass(frozen=True)
@@ -145,10 +149,12 @@ class SecondaryTier(ABC):
     """One secondary tier. ``name`` is its config name, ``kind`` its type."""
 
     kind = ""
+    promotion_jobs = 1  # jobs it runs at once (a disk tier: one, spread over tier_threads)
 
-    def __init__(self, name: str, capacity_bytes: int, wake: Any) -> None:
+    def __init__(self, name: str, capacity_bytes: int, wake: Any, tier_threads: int = 1) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes  # 0: bounded by the store itself
+        self.tier_threads = TierThreads(tier_threads, name)  # a promotion's blocks spread
         self.finished = Finished(wake)
         self.counters = TierCounters()
         self.healthy = True  # False: unreachable for now; lookups miss, cascades are skipped
@@ -188,6 +194,7 @@ class SecondaryTier(ABC):
             "kind": self.kind,
             "healthy": healthy,
             "capacity_bytes": self.capacity_bytes,
+            "tier_threads": self.tier_threads.count,
             "blocks": blocks,
             "used_bytes": used_bytes,
             "stores_total": c.stores_total,

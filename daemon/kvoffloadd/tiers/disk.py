@@ -9,6 +9,9 @@ Rules:
   file, which the next start deletes. A load checks the seal before reading the block,
   and its MAC over each piece just read into the slot; a file that fails is a miss and
   is deleted (another secret, an older format, a forgery, a torn write).
+- Loads run on the tier's promotion threads (``tier_threads``: a job's blocks spread
+  over them, each read and hashed by one thread); writes, unlinks and labels on its
+  I/O threads (``threads``).
 - The view (key -> file bytes, in LRU order) belongs to the loop thread. A thread scans
   the files found at start and the loop merges them as the oldest entries, by mtime, in
   pieces of ``VIEW_CHUNK`` (at most ``MAX_SCAN_FILES`` files); a block read for a
@@ -74,16 +77,19 @@ class DiskTier(SecondaryTier):
         *,
         mac: BlockMac,
         threads: int = 4,
+        tier_threads: int = 1,
         fsync: bool = False,
     ) -> None:
-        super().__init__(name, capacity_bytes, wake)
-        self.path = os.path.abspath(path)
+        path = os.path.abspath(path)
         try:
-            self._dir_fd = private_dir(self.path)
+            dir_fd = private_dir(path)
         except UntrustedError as exc:
             raise TierError(f"tier {name}: {exc}") from None
         except OSError as exc:
-            raise TierError(f"tier {name}: cannot create {self.path}: {exc.strerror}") from exc
+            raise TierError(f"tier {name}: cannot create {path}: {exc.strerror}") from exc
+        super().__init__(name, capacity_bytes, wake, tier_threads)  # the threads start
+        self.path = path
+        self._dir_fd = dir_fd
         self.seals = SealCheck(mac, name, MAGIC)
         self._fsync = fsync
         self._lru: OrderedDict[Entry, int] = OrderedDict()
@@ -91,6 +97,7 @@ class DiskTier(SecondaryTier):
         self._writing: dict[Entry, int] = {}  # reserved bytes
         self._reading: Counter[Entry] = Counter()
         self._doomed: set[Entry] = set()  # unlink queued
+        self._dropped_while_scanning: set[Entry] = set()  # the scan may have listed them
         self._jobs: dict[int, tuple[bool, list[Entry]]] = {}
         self.scanned = False
         self._found = 0  # blocks the start-up scan found
@@ -128,7 +135,16 @@ class DiskTier(SecondaryTier):
         entries = [(job.ns.tier_id, k) for k in job.keys]
         self._reading.update(entries)
         self._jobs[job.job_id] = (False, entries)
-        self._pool.submit(self._read, job, entries)
+
+        def read(i: int) -> bool:
+            return self._read(job.ns, entries[i], job.buffers[i])
+
+        def done(results: list[bool | None]) -> None:
+            ok = [r is True for r in results]
+            nbytes = sum(len(b) for b, good in zip(job.buffers, ok) if good)
+            self.finished.post("job", job.result(ok, nbytes))
+
+        self.tier_threads.spread(len(entries), job.ns.block_bytes, read, done)
 
     def get_finished(self) -> list[TierResult]:
         out = []
@@ -194,14 +210,18 @@ class DiskTier(SecondaryTier):
             self.used_bytes -= self._lru.pop(e)
         if gone:
             self._doomed.update(gone)
+            if not self.scanned:
+                self._dropped_while_scanning.update(gone)
             self._pool.submit(self._unlink, gone)
 
     def _merge_scan(self, found: list[tuple[Entry, int]], last: bool) -> None:
         """Files from before this start become the oldest entries (``found`` is sorted
         oldest first, and comes before the pieces merged already); beyond the budget,
-        the oldest go."""
+        the oldest go. A file dropped since the scan began is not taken back: the scan
+        may have listed it before its unlink."""
+        dropped = self._dropped_while_scanning
         for e, size in reversed(found):
-            if e not in self._lru and e not in self._writing:
+            if e not in self._lru and e not in self._writing and e not in dropped:
                 self._lru[e] = size
                 self._lru.move_to_end(e, last=False)
                 self.used_bytes += size
@@ -218,6 +238,7 @@ class DiskTier(SecondaryTier):
         self._found += len(found)
         if last:
             self.scanned = True
+            dropped.clear()
             log.info("tier %s: %d blocks found under %s", self.name, self._found, self.path)
 
     def statistics(self) -> dict[str, Any]:
@@ -232,12 +253,13 @@ class DiskTier(SecondaryTier):
         self._scanner.join(timeout=CLOSE_TIMEOUT_S)
         self._pool.shutdown(wait=False, cancel_futures=True)
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        stuck = not self.tier_threads.close(CLOSE_TIMEOUT_S)
         for t in list(getattr(self._pool, "_threads", ())):
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                log.error("tier %s: an I/O thread is stuck; stopping without it", self.name)
-                return  # the directory's descriptor stays open with it
-        if not self._scanner.is_alive():
+            stuck = stuck or t.is_alive()
+        if stuck:  # the directory's descriptor stays open with it
+            log.error("tier %s: a thread is stuck in I/O; stopping without it", self.name)
+        elif not self._scanner.is_alive():
             os.close(self._dir_fd)
 
     # ------------------------------------------------------------ worker threads
@@ -314,16 +336,13 @@ class DiskTier(SecondaryTier):
         finally:
             os.close(d)
 
-    def _read(self, job: TierJob, entries: list[Entry]) -> None:
-        ok = [False] * len(entries)
-        nbytes = 0
-        for i, e in enumerate(entries):
-            try:
-                ok[i] = self._read_one(job.ns, e, job.buffers[i])
-            except OSError as exc:
-                log.warning("tier %s: cannot read a block: %s", self.name, exc)
-            nbytes += len(job.buffers[i]) if ok[i] else 0
-        self.finished.post("job", job.result(ok, nbytes))
+    def _read(self, ns: TierNamespace, e: Entry, out: memoryview) -> bool:
+        """One block of a load, on a promotion thread."""
+        try:
+            return self._read_one(ns, e, out)
+        except OSError as exc:
+            log.warning("tier %s: cannot read a block: %s", self.name, exc)
+            return False
 
     def _read_one(self, ns: TierNamespace, e: Entry, out: memoryview) -> bool:
         # A planted FIFO or device must not block the reader, nor a link lead elsewhere:

@@ -9,9 +9,10 @@ Rules:
   span.
 - Mooncake's client copies a replica held in its own segment with one memcpy thread (its
   local path), and the tier then reads every block again for its MAC. For such
-  replicas the tier's job threads copy instead, each piece hashed just after its copy
-  while its bytes are still in the cache (``copy``, blockauth.BlockMac.copy_and_hash):
-  the bytes cross memory once, on as many threads as the tier has.
+  replicas the tier's promotion threads copy instead (``tier_threads``, the blocks of
+  a job spread over them by ``run``), each piece hashed just after its copy while its
+  bytes are still in the cache (``copy``, blockauth.BlockMac.copy_and_hash): the bytes
+  cross memory once, on as many threads as the tier has.
 - Where the replica lies comes from ``batch_get_replica_desc``: the master answers with
   each object's replicas and grants each object a read lease (the master's
   ``-default_kv_lease_ttl``, ``lease_ttl_s`` here). Until it runs out Mooncake neither
@@ -38,11 +39,12 @@ import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+T = TypeVar("T")
 WARM_CHUNK_BYTES = 4 << 20  # objects that write the lent segment once at start
 WARM_FRACTION = 0.85  # of the segment: below Mooncake's eviction watermark (0.9)
 
@@ -114,6 +116,11 @@ def _own_address(replicas: Any, endpoint: str, object_bytes: int, span: Span) ->
     return None
 
 
+def in_turn(n: int, work: Callable[[int], T]) -> list[T | None]:
+    """``work`` of ``0 .. n-1``, one after the other on this thread."""
+    return [work(i) for i in range(n)]
+
+
 def read_own_segment(
     client: Any,
     names: Sequence[str],
@@ -124,21 +131,36 @@ def read_own_segment(
     span: Span,
     lease_ttl_s: float,
     clock: Callable[[], float] = time.monotonic,
+    run: Callable[[int, Callable[[int], bytes]], list[bytes | None]] = in_turn,
 ) -> OwnSegmentRead:
     """Copy the objects among ``names`` that lie in ``client``'s own segment: block ``j``
-    by ``copy(j, source address)``, which answers its MAC, its header to ``headers[j]``."""
+    by ``copy(j, source address)``, which answers its MAC, its header to ``headers[j]``;
+    the copies run through ``run(count, work)`` (the tier's promotion threads). A copy
+    that raised leaves its block to Mooncake."""
     out = OwnSegmentRead()
     started_s = clock()
     answer = client.batch_get_replica_desc(list(names))
     endpoint = client.get_hostname()
     n = block_bytes
+    found: list[tuple[int, int]] = []  # (j, source address)
     for j, name in enumerate(names):
         src = _own_address(answer.get(name), endpoint, n + header_bytes, span)
         if src is None:
             out.rest.append(j)
-            continue
-        out.tags[j] = copy(j, src)
+        else:
+            found.append((j, src))
+
+    def copy_one(k: int) -> bytes:
+        j, src = found[k]
         ctypes.memmove(headers[j], src + n, header_bytes)
+        return copy(j, src)
+
+    for (j, _), tag in zip(found, run(len(found), copy_one)):
+        if tag is None:
+            out.rest.append(j)
+        else:
+            out.tags[j] = tag
+    out.rest.sort()
     out.answer = answer
     if out.tags and clock() - started_s > lease_ttl_s / 2:  # the lease may have run out
         return OwnSegmentRead(rest=list(range(len(names))), answer=answer)

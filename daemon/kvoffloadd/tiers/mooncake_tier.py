@@ -13,8 +13,9 @@ Rules:
 - The daemon mounts a segment of ``segment_size`` bytes into the cluster (its share of
   the store's memory; 0: it only reads and writes others' segments) and writes it once
   at start. Mooncake places, replicates, leases and evicts the blocks; the daemon never
-  removes one. Blocks that lie in this segment are promoted by the tier's threads
-  (``mooncake_local``), others by Mooncake's transfer engine.
+  removes one. Blocks that lie in this segment are copied into the region by the
+  tier's promotion threads (``tier_threads``, ``mooncake_local``), others by Mooncake's
+  transfer engine and then verified on the promotion threads.
 - View: a block the daemon wrote or read is in it; a lookup that misses queues the key
   for an existence check (``batch_is_exist``) by the poller, so a block another daemon
   wrote hits from the next probe on. Every ``full_sync_s`` the poller re-reads what the
@@ -56,6 +57,7 @@ from kvoffloadd.tiers.mooncake_local import (
     WARM_CHUNK_BYTES,
     OwnSegmentRead,
     Span,
+    in_turn,
     object_sizes,
     read_own_segment,
     warm_segment,
@@ -69,6 +71,7 @@ HEADER_BYTES = 64  # one slot of the header area per key: the seal, then zeros
 MAX_LISTING_LINES = 4 << 20  # lines of /get_all_keys one full read takes at most
 MAX_LISTING_LINE = 256  # bytes: our names are <prefix>/<32 hex>/<at most 128 hex>
 MAX_JOB_KEYS = 256  # header slots per job thread; longer jobs go in pieces
+CLOSE_TIMEOUT_S = 10.0  # what closing waits for the poller, and for the promotion threads
 EXIST_BATCH = 4096  # keys per existence check
 MAX_WANTED = 65_536  # misses queued for an existence check
 
@@ -99,6 +102,7 @@ class MooncakeSettings:
     refresh_s: float = 0.2
     full_sync_s: float = 10.0
     threads: int = 4
+    tier_threads: int = 1  # promotion threads: own-segment copies and MAC checks
     lease_ttl_s: float = 10.0  # the master's -default_kv_lease_ttl (0: no own-segment reads)
     max_view_blocks: int = MAX_VIEW_BLOCKS
 
@@ -133,9 +137,18 @@ class MooncakeTier(RemoteTier):
         mac: BlockMac,
         client_class: Any = None,  # Mooncake's MooncakeDistributedStore unless given
     ) -> None:
-        super().__init__(name, settings.master, capacity_bytes, wake, settings.max_view_blocks)
+        cls = client_class or _load_client_class()  # before any thread starts
+        super().__init__(
+            name,
+            settings.master,
+            capacity_bytes,
+            wake,
+            settings.max_view_blocks,
+            settings.tier_threads,
+        )
         self.seals = SealCheck(mac, name, MAGIC)
-        self._cls = client_class or _load_client_class()
+        self.promotion_jobs = settings.threads  # a job's transfer runs on one job thread
+        self._cls = cls
         self.s = settings
         self.healthy = False  # until the poller has connected (and written the segment)
         self._region: tuple[int, int] | None = None
@@ -192,8 +205,9 @@ class MooncakeTier(RemoteTier):
         self._stop.set()
         self._want_full.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.tier_threads.close(CLOSE_TIMEOUT_S)
         if self._poller.is_alive():
-            self._poller.join(timeout=10)
+            self._poller.join(timeout=CLOSE_TIMEOUT_S)
         with self._lock:
             client, self._client = self._client, None
         if client is not None:
@@ -273,18 +287,18 @@ class MooncakeTier(RemoteTier):
                 [names[j] for j in rest], [ptrs[j] for j in rest], [sizes[j] for j in rest]
             )
             counts.update(zip(rest, got))
-        codes: list[int] = []
-        refused: list[Entry] = []
-        for j, i in enumerate(part):
+        refused: list[Entry] = []  # appended to by the promotion threads
+
+        def check(j: int) -> int:
+            """Block ``j`` of the piece verified in its slot: 0, or a rejection."""
+            i = part[j]
             if j in misfits:  # a rejection before any transfer: the slot was never written
                 self.seals.refuse("bad_seal", names[j])
                 refused.append(entries[i])
-                codes.append(OBJECT_NOT_FOUND)
-                continue
+                return OBJECT_NOT_FOUND
             count = counts[j]
             if count < 0:
-                codes.append(count)
-                continue
+                return count
             seal = view[base + j * HEADER_BYTES : base + j * HEADER_BYTES + SEAL.size]
             if count != n + HEADER_BYTES:
                 good = self.seals.refuse("bad_seal", names[j])
@@ -293,9 +307,14 @@ class MooncakeTier(RemoteTier):
                 good = self.seals.check(seal, job.ns, job.keys[i], job.buffers[i], names[j], tag)
             if not good:
                 refused.append(entries[i])
-            codes.append(0 if good else OBJECT_NOT_FOUND)
+            return 0 if good else OBJECT_NOT_FOUND
+
+        # Blocks Mooncake copied are hashed on the promotion threads; the others' tags
+        # were taken as they were copied: only compared here.
+        threads = self.tier_threads
+        codes = threads.run(len(part), n, check) if rest else in_turn(len(part), check)
         self.post_refused(refused)
-        return codes
+        return [OBJECT_NOT_FOUND if c is None else c for c in codes]
 
     def _read_own_segment(
         self, client: Any, job: TierJob, names: list[str], part: range, hdr: int
@@ -321,6 +340,7 @@ class MooncakeTier(RemoteTier):
             HEADER_BYTES,
             span,
             self.s.lease_ttl_s,
+            run=lambda count, work: self.tier_threads.run(count, job.ns.block_bytes, work),
         )
         with self._lock:
             self._own_reads_total += len(own.tags)

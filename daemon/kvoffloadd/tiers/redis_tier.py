@@ -9,8 +9,9 @@ Rules:
 - Bytes are never copied by Python: a store sends the slot itself (redis-py's
   Python packer writes large values as their own buffers), and a load reads ``HMGET
   m d`` on a raw RESP connection (resp.py) that receives the block into the slot,
-  with at most ``LOAD_WINDOW_BYTES`` of blocks asked for and not yet received; the
-  MAC is then computed over the slot on the same thread.
+  with at most ``LOAD_WINDOW_BYTES`` of blocks asked for and not yet received. Each
+  block's MAC is computed over the slot by a promotion thread (``tier_threads``) as
+  soon as the block is in, while the connection receives the next.
 - Index: the sorted set ``<prefix>:idx`` holds every block as ``<tier id>:<bytes>:<key>``
   scored by its last use (Redis server time, ms), and ``<prefix>:bytes`` their total.
   Writing, touching and evicting are Lua scripts, so each is atomic on the server
@@ -64,6 +65,7 @@ SCAN_COUNT = 1000  # ZSCAN's COUNT hint
 MAX_SCAN_CALLS = 2048  # ZSCAN pages per namespace in one full read (about 2M members)
 SCORE_SLACK_MS = 60_000  # scores later than the server's clock by more are not believed
 MAX_EVICTIONS_PER_WRITE = 256  # members one write's script evicts at most
+CLOSE_TIMEOUT_S = 5.0  # what closing waits for the poller, and for the promotion threads
 
 # The bytes travel in plain HSET/HGETALL commands (through Lua they would be copied
 # twice more); these scripts keep the index and the byte total in step atomically.
@@ -187,9 +189,8 @@ class RedisTier(RemoteTier):
         refresh_s: float = 0.2,
         full_sync_s: float = 10.0,
         max_view_blocks: int = MAX_VIEW_BLOCKS,
+        tier_threads: int = 1,
     ) -> None:
-        super().__init__(name, url, capacity_bytes, wake, max_view_blocks)
-        self.seals = SealCheck(mac, name, MAGIC)
         try:
             import redis
         except ImportError as exc:
@@ -197,11 +198,8 @@ class RedisTier(RemoteTier):
                 f"tier {name}: the redis tier needs the redis package "
                 "(pip install 'kvoffload[redis]')"
             ) from exc
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        self._errors_raw = (*self._errors, RespError)  # the raw load connection's too
-        self.url = url
         try:
-            self._r = redis.Redis.from_url(
+            client = redis.Redis.from_url(
                 url,
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
@@ -210,6 +208,14 @@ class RedisTier(RemoteTier):
             )
         except ValueError as exc:
             raise TierError(f"tier {name}: bad url {url!r}: {exc}") from exc
+        # the threads start once nothing can refuse the start
+        super().__init__(name, url, capacity_bytes, wake, max_view_blocks, tier_threads)
+        self._r = client
+        self.promotion_jobs = connections  # a job's blocks come on one connection
+        self.seals = SealCheck(mac, name, MAGIC)
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._errors_raw = (*self._errors, RespError)  # the raw load connection's too
+        self.url = url
         self._prefix = prefix
         self._idx = f"{prefix}:idx".encode()
         self._bytes_key = f"{prefix}:bytes".encode()
@@ -249,7 +255,8 @@ class RedisTier(RemoteTier):
         self._stop.set()
         self._want_full.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._poller.join(timeout=5)
+        self.tier_threads.close(CLOSE_TIMEOUT_S)
+        self._poller.join(timeout=CLOSE_TIMEOUT_S)
         self._r.close()
         for conn in self._conns:
             conn.close()
@@ -299,10 +306,22 @@ class RedisTier(RemoteTier):
         self.finished.post("job", (job.result(ok, done), gone))
 
     def _load(self, job: TierJob, entries: list[Entry]) -> None:
+        """Receive a job's blocks into their slots; each is verified on a promotion
+        thread as soon as it is in, while the next ones arrive."""
         nbytes = job.ns.block_bytes
-        ok = [False] * len(entries)
-        refused: list[Entry] = []
-        done = 0
+        seals: list[Any] = [None] * len(entries)  # per key: its seal, once the block is in
+
+        def verify(i: int) -> bool:
+            return self._check(seals[i], job, entries[i][1], job.buffers[i])
+
+        def done(results: list[bool | None]) -> None:
+            ok = [r is True for r in results]
+            refused = [e for e, m, good in zip(entries, seals, ok) if m is not None and not good]
+            self.post_refused(refused)
+            moved = sum(len(b) for b, good in zip(job.buffers, ok) if good)
+            self.finished.post("job", (job.result(ok, moved), []))
+
+        spread = self.tier_threads.spread(len(entries), nbytes, verify, done, ready=0)
         conn = self._conn()
         try:
             cmds = []  # per key: its read and its touch
@@ -313,7 +332,7 @@ class RedisTier(RemoteTier):
                 cmds.append(encode("HMGET", data, "m", "d") + touch)
             window = max(1, LOAD_WINDOW_BYTES // nbytes)
             conn.send(cmds[:window])
-            for i, (e, out) in enumerate(zip(entries, job.buffers)):
+            for i, out in enumerate(job.buffers):
                 if i + window < len(cmds):
                     conn.send([cmds[i + window]])  # one more in flight as one arrives
                 fields = conn.read_array_header()
@@ -325,18 +344,16 @@ class RedisTier(RemoteTier):
                 meta = conn.read(MAX_MEMBER_BYTES)  # a seal; anything longer is dropped
                 whole = conn.read_into(out)
                 conn.read()  # the touch: an error there costs recency only
-                ok[i] = whole is True and self._check(meta, job, e[1], out)
-                if whole is True and isinstance(meta, bytes) and not ok[i]:
-                    refused.append(e)
-                done += len(out) if ok[i] else 0
+                if whole is True and isinstance(meta, bytes):
+                    seals[i] = meta
+                    spread.release(i + 1)
         except self._errors_raw as exc:
             conn.close()
             self._failed(exc)
         except Exception as exc:  # a tier fault stays inside the tier
             conn.close()
             log.warning("tier %s: a load failed: %r", self.name, exc)
-        self.post_refused(refused)
-        self.finished.post("job", (job.result(ok, done), []))
+        spread.release(len(entries))  # blocks not received fail without a check
 
     def _conn(self) -> RespConnection:
         """This thread's raw connection (reads blocks into slots)."""
@@ -348,9 +365,9 @@ class RedisTier(RemoteTier):
         return conn
 
     def _check(self, meta: Any, job: TierJob, key: bytes, out: memoryview) -> bool:
-        """A block read into ``out`` is whole and carries its seal."""
+        """A block read whole into ``out`` carries its seal."""
         if not isinstance(meta, bytes):
-            return False  # evicted or expired since the view saw it
+            return False  # evicted or expired since the view saw it, or not received
         ok: bool = self.seals.check(meta, job.ns, key, out, f"key {key.hex()} of {job.ns.name}")
         return ok
 

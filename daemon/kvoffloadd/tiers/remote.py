@@ -57,8 +57,9 @@ class RemoteTier(SecondaryTier):
         capacity_bytes: int,
         wake: Any,
         max_view_blocks: int = MAX_VIEW_BLOCKS,
+        tier_threads: int = 1,
     ) -> None:
-        super().__init__(name, capacity_bytes, wake)
+        super().__init__(name, capacity_bytes, wake, tier_threads)
         self.endpoint = endpoint
         self._view: OrderedDict[Entry, float] = OrderedDict()
         self.max_view_blocks = max_view_blocks

@@ -10,8 +10,10 @@ section 8):
 - A lookup that misses the region looks further down: the leading keys that some tier
   holds are promoted into region slots (``prepare_store`` for ``TIER_CLIENT``; the slot
   is "being written" and so pinned) and the lookup answers ``None``, "ask again
-  later", until they are ready. One lookup's keys go to each tier together, in jobs
-  of ``batch_blocks`` that the tier's threads run in parallel.
+  later", until they are ready. One lookup's keys go to each tier together, in as
+  many jobs as the tier runs at once (``promotion_jobs``: a disk tier one, spread over
+  its promotion threads; a Redis tier one per connection), each of at most
+  ``MAX_PROMOTION_JOB_BLOCKS``: every job costs the loop its completion.
 - A promoted block completes like any store: it becomes visible, is announced, and
   cascades to the tiers that lack it (not back to its source).
 - A failed tier transfer is counted and logged; a failed promotion frees its slot and
@@ -49,6 +51,23 @@ from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, WakeFd
 log = logging.getLogger(__name__)
 
 TIER_CLIENT = -1  # owner of the daemon's own pins and writes in the index
+MAX_PROMOTION_JOB_BLOCKS = 256  # blocks of one promotion job at most
+
+
+def promotion_parts(n: int, jobs: int) -> list[range]:
+    """``n`` keys of one lookup, for a tier that runs ``jobs`` jobs at once: that many
+    parts (fewer for fewer keys, more for parts past ``MAX_PROMOTION_JOB_BLOCKS``), of
+    sizes that differ by one at most."""
+    if n <= 0:
+        return []
+    count = max(min(max(1, jobs), n), -(-n // MAX_PROMOTION_JOB_BLOCKS))
+    size, extra = divmod(n, count)
+    out, at = [], 0
+    for i in range(count):
+        step = size + (i < extra)
+        out.append(range(at, at + step))
+        at += step
+    return out
 
 
 @dataclass
@@ -175,9 +194,9 @@ class Tiering:
         slot_of = dict(zip(plan.keys_to_store, plan.slots))
         for st in self._tiers:
             keys = [k for k, src in found if src is st]
-            for a in range(0, len(keys), self._batch):  # batches run on parallel threads
-                part = keys[a : a + self._batch]
-                job = self._job(st, index, tns, part, [slot_of[k] for k in part], True)
+            for part in promotion_parts(len(keys), st.tier.promotion_jobs):
+                ks = keys[part.start : part.stop]
+                job = self._job(st, index, tns, ks, [slot_of[k] for k in ks], True)
                 st.tier.submit_load(job)
         return True
 

@@ -20,10 +20,12 @@ then cover fewer than ``num_slots * f - skip`` sub-blocks, but touch every slot.
 
 Descriptors are built with numpy, adjacent runs are merged (both sides contiguous),
 and the copier (CPU threads here, CUDA streams elsewhere) executes them. A validated
-transfer is a ``JobPlan``: the daemon builds small ones' runs on its loop, and lets
-the copier build a large one's, a piece of whole slots at a time
-(``JobPlan.pieces``), so no transfer costs the loop, or memory, in proportion to the
-copies it expands to. Everything here is pure: it is unit-tested without a daemon.
+transfer is a ``JobPlan``: the copier builds its runs, a piece of whole slots at a
+time (``JobPlan.pieces``), so no transfer costs the loop, or memory, in proportion to
+the copies it expands to. CPU copiers take them as strided groups
+(``JobPlan.groups``): a transfer whose slots and engine blocks both step evenly (one
+allocation's slots, a request's blocks) is one group per cache, known without
+building its runs. Everything here is pure: it is unit-tested without a daemon.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.datapath.canonical import CanonicalPart, expand
+from kvoffload.datapath.memruns import Groups, runs_as_groups
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 
@@ -295,6 +298,11 @@ class JobPlan:
         """Copies the transfer expands to before merging (what planning costs)."""
         return int(self.block_ids.size) * self.copies_per_block
 
+    @property
+    def most_bytes(self) -> int:
+        """Bytes the transfer copies at most (a canonical store copies its turns only)."""
+        return int(self.block_ids.size) * sum(c.page_bytes for c in self.caches)
+
     def runs(self, first: int = 0, end: int | None = None) -> JobRuns:
         """Merged runs of the slots ``first .. end`` (all by default)."""
         f, n = self.layout.block_size_factor, int(self.block_ids.size)
@@ -322,10 +330,58 @@ class JobPlan:
     def pieces(self, max_copies: int) -> Iterator[tuple[I64, I64, I64]]:
         """``addresses`` a piece at a time: whole slots, at most ``max_copies`` copies
         each (at least one slot)."""
+        for first, end in self.piece_bounds(0, self.slot_offsets.size, max_copies):
+            yield self.addresses(first, end)
+
+    def piece_bounds(self, first: int, end: int, max_copies: int) -> Iterator[tuple[int, int]]:
+        """Slots ``first .. end`` in pieces of whole slots, at most ``max_copies``
+        copies each (at least one slot)."""
         per_slot = max(1, self.layout.block_size_factor * self.copies_per_block)
         step = max(1, max_copies // per_slot)
-        for first in range(0, self.slot_offsets.size, step):
-            yield self.addresses(first, min(first + step, self.slot_offsets.size))
+        for a in range(first, end, step):
+            yield a, min(a + step, end)
+
+    def groups(self, first: int = 0, end: int | None = None) -> Groups:
+        """The copies of slots ``first .. end`` as strided groups, by direction."""
+        even = self._even_groups(first, self.slot_offsets.size if end is None else end)
+        return even if even is not None else runs_as_groups(*self.addresses(first, end))
+
+    def _even_groups(self, first: int, end: int) -> Groups | None:
+        """One group per cache, if the slots and the engine blocks both step evenly
+        (block_size_factor 1, no canonical pages; a cache whose pages continue each
+        other on both sides is one run); None otherwise."""
+        if self.layout.block_size_factor != 1 or any(p.canon for p in self.placements):
+            return None
+        slots, ids = self.slot_offsets[first:end], self.block_ids[first:end]
+        if ids.size == 0 or not self.caches or not (_even(slots) and _even(ids)):
+            return None
+        rows = int(ids.size)
+        slot_step = int(slots[1] - slots[0]) if rows > 1 else 0
+        id_step = int(ids[1] - ids[0]) if rows > 1 else 0
+        if rows > 1 and id_step == 0:
+            return None  # one engine block named twice: left to the runs
+        region0 = self.region_base + int(slots[0]) + self.rank * self.layout.rank_bytes
+        rows_of = []  # (region, cache, bytes, rows, region step, cache step) per cache
+        for at, cache, base in zip(self.placements, self.caches, self.cache_bases.tolist()):
+            region = region0 + at.tensor_offset + at.part_offset
+            mine = base + cache.offset_bytes + int(ids[0]) * cache.row_stride_bytes
+            mine_step, n = id_step * cache.row_stride_bytes, cache.page_bytes
+            if slot_step == n and mine_step == n:  # contiguous on both sides: one run
+                rows_of.append((region, mine, n * rows, 1, 0, 0))
+            else:
+                rows_of.append((region, mine, n, rows, slot_step, mine_step))
+        region_at, cache_at, nbytes, count, region_steps, cache_steps = map(list, zip(*rows_of))
+        if self.is_store:
+            return Groups(region_at, cache_at, nbytes, count, region_steps, cache_steps)
+        return Groups(cache_at, region_at, nbytes, count, cache_steps, region_steps)
+
+
+def _even(values: I64) -> bool:
+    """Whether the values step by one amount (two or fewer always do)."""
+    if values.size <= 2:
+        return True
+    steps = np.diff(values)
+    return bool((steps == steps[0]).all())
 
 
 def select_caches(count: int, wanted: list[int]) -> list[int]:
