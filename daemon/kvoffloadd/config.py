@@ -267,6 +267,8 @@ class DaemonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     policy: str = "lru"
     # CPU copier threads (1..64)
     copy_threads: int = 2
+    # SCHED_BATCH (sched(7)): a write that wakes the daemon never preempts the engine that made it
+    sched_batch: bool = True
     # log level: debug, info, warning or error
     log_level: str = "info"
     # largest protocol frame accepted from a client, in bytes (at least 4096)

@@ -32,6 +32,26 @@ from kvoffloadd.trust import FileLock, UntrustedError, raise_fd_limit, secure_di
 log = logging.getLogger("kvoffloadd")
 
 
+def yield_to_engines() -> None:
+    """Run every thread as SCHED_BATCH (those started later inherit it): an engine's
+    one-way write wakes the loop without the kernel preempting the engine for it (a
+    batch thread preempts nobody on wake-up). On a machine with an idle CPU the loop
+    runs there at once; on a busy one, at the next scheduler tick, instead of taking
+    the CPU of the engine that wrote and leaving it behind every other runnable task."""
+    for tid in os.listdir("/proc/self/task"):  # the loop, and threads imports started
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+        except ProcessLookupError:
+            continue  # it ended meanwhile
+        except OSError as exc:
+            log.warning(
+                "cannot run as SCHED_BATCH (%s): an engine's write to the daemon may wait "
+                "for the daemon's turn; set sched_batch = false to silence this",
+                exc,
+            )
+            return
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line; every flag but ``--config`` overrides the config key of its
     name (docs/configuration.md lists them)."""
@@ -297,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvoffloadd: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    if cfg.sched_batch:
+        yield_to_engines()
     fd_limit = raise_fd_limit()
     log.debug("descriptor limit %d", fd_limit)
     notifier = Notifier()

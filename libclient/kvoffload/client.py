@@ -93,6 +93,8 @@ class Client:
         self.outages_total = 0
         self.round_trips_total = 0  # blocking requests made on the caller's thread
         self.posts_total = 0  # one-way requests
+        self.writes_total = 0  # writes of queued one-way requests (``flush``, ``poll``)
+        self.reads_total = 0  # reads of the pushes (``poll``)
         self.notices_total = 0  # one-way requests the daemon refused
         self._closed = False
 
@@ -344,9 +346,14 @@ class Client:
         with self._lock:
             if self._transport is not None:
                 try:
-                    self._transport.flush()
+                    self._write(self._transport)
                 except DaemonUnavailableError as exc:
                     self._lost(exc)
+
+    def _write(self, t: Transport) -> None:
+        if t.unsent_bytes:
+            self.writes_total += 1
+            t.flush()
 
     def poll(self, timeout_s: float = 0.0) -> None:
         """Adopt a new connection if one is ready, write queued requests, and deliver
@@ -354,7 +361,8 @@ class Client:
         with self._lock:
             try:
                 t = self._ensure()
-                t.flush()
+                self._write(t)
+                self.reads_total += 1
                 pushes = t.poll(timeout_s)
             except DaemonUnavailableError as exc:
                 self._lost(exc)

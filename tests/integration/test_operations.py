@@ -204,6 +204,21 @@ def test_start_up_objects_are_out_of_the_collectors_sight(daemon: DaemonProcess)
     c.close()
 
 
+def test_every_daemon_thread_yields_to_engines_unless_configured_not_to(
+    daemon: DaemonProcess,
+) -> None:
+    """SCHED_BATCH on every thread (the loop, copiers, workers): an engine's write that
+    wakes the daemon does not preempt the engine. ``sched_batch = false`` leaves them
+    SCHED_OTHER."""
+    kvoffload.connect(daemon.socket_path).close()
+    tids = [int(t) for t in os.listdir(f"/proc/{daemon.pid}/task")]
+    assert len(tids) > 1
+    assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_BATCH}
+    with DaemonProcess("32MiB", "--log-level", "error", settings={"sched_batch": False}) as d:
+        tids = [int(t) for t in os.listdir(f"/proc/{d.pid}/task")]
+        assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_OTHER}
+
+
 def test_evict_and_config_refused_for_non_admin_uid(tmp_path: Path) -> None:
     cfg = tmp_path / "k.toml"
     cfg.write_text(f"admin_uids = [{os.getuid() + 4242}]\n")

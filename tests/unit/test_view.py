@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvoffload.engine.view import EngineView, KeyState
+from kvoffload.engine.view import WISH_SENDS, EngineView, KeyState
 from kvoffload.namespace import Snapshot
 from kvoffload.plans import StorePlan
 from kvoffload.protocol import messages as m
@@ -221,7 +221,7 @@ def test_the_lease_wish_follows_the_store_rate() -> None:
     view.lookup(b"")
     view.prepare_store(k(*range(100, 120)))  # 20 stores in one step
     view.end_step()
-    assert fields(ns.sent[-1])["want"] == 40
+    assert fields(ns.sent[-1])["want"] == 20 * WISH_SENDS
 
 
 def test_a_top_up_within_a_step_leaves_a_wish_for_the_whole_step() -> None:
@@ -233,7 +233,7 @@ def test_a_top_up_within_a_step_leaves_a_wish_for_the_whole_step() -> None:
     view.prepare_store(k(*range(33, 40)))  # 7 more, from the grant
     view.end_step()
     assert view.lease_fallbacks_total == 1
-    assert fields(ns.sent[-1])["want"] == 20  # twice the step's 10, not its last 7
+    assert fields(ns.sent[-1])["want"] == 10 * WISH_SENDS  # the step's 10, not its last 7
 
 
 def test_an_outage_answers_miss_at_once_and_stores_have_nothing_to_do() -> None:

@@ -123,6 +123,37 @@ def test_the_manager_contract_with_no_round_trip_per_call(daemon: DaemonProcess)
         m_.shutdown()
 
 
+def test_one_step_end_in_an_interval_writes_and_reads(daemon: DaemonProcess) -> None:
+    """What steps change goes out at the end of the first step of each
+    ``batch_interval_s`` together with the read of the pushes; the steps in between
+    make no system call to the daemon, however much they change."""
+    rank = Rank(
+        "tiny",
+        1,
+        0,
+        daemon.socket_path,
+        "e-io",
+        canonical=False,
+        memfd=False,
+        extra={"batch_interval_s": 3600.0},
+    )
+    mgr = rank.spec.get_manager()
+    client = mgr.client  # type: ignore[attr-defined]
+    settled_leases(mgr)  # the first step end was due: it wrote and read
+    writes, reads = client.writes_total, client.reads_total
+    for i in range(5):  # a store, and its completion, in every step
+        out = mgr.prepare_store(k(40 + i), CTX)
+        assert out is not None and out.keys_to_store == k(40 + i)
+        mgr.complete_store(k(40 + i), CTX)
+        step(mgr)
+    assert (client.writes_total, client.reads_total) == (writes, reads)
+    mgr._io_at = 0.0  # type: ignore[attr-defined]  # the interval is over
+    step(mgr)
+    assert (client.writes_total, client.reads_total) == (writes + 1, reads + 1)
+    assert mgr.blocking_calls_total == 0  # type: ignore[attr-defined]
+    rank.shutdown()
+
+
 def settled_leases(mgr: OffloadingManager) -> None:
     deadline = time.monotonic() + 20
     while not mgr.view.leases:  # type: ignore[attr-defined]

@@ -198,3 +198,32 @@ def test_a_rank_without_a_certified_mapping_cannot_write_canonical_pages() -> No
     identity = VllmIdentity("m", "bfloat16", 1, (16,), 16, canonical_format="v1-hnd")
     with pytest.raises(RuntimeError, match=r"canonical layout v1-hnd .* rank 3 .* per-rank pages"):
         canonical_parts(caches, [0], identity, rank=3)
+
+
+def test_client_copies_and_their_write_happen_at_a_steps_first_call(
+    daemon: DaemonProcess,
+) -> None:
+    """A store submitted in one step is copied, and its ``Wrote`` written, at the next
+    step's first call (vLLM makes it before the forward pass, so the daemon's turn on
+    it overlaps the forward pass); a step's result call after its submits writes
+    nothing."""
+    a = rank(daemon, "a", memfd=False)
+    w = a.worker
+    assert w.worker.copy_mode == "client"
+    w.batch_interval_s = 0.0  # every step writes
+    mgr = a.spec.get_manager()
+    committed([], mgr)  # a step: the connection and its first leases
+    keys = [make_offload_key(b"s%d" % i, 0) for i in range(2)]
+    out = mgr.prepare_store(keys, CTX)
+    assert out is not None and out.keys_to_store == keys
+    spec = GPULoadStoreSpec([5, 6], [2], [0])
+    assert w.submit_store(1, spec, out.store_spec)  # the step's first call
+    writes = w.client.writes_total
+    assert w.get_finished() == []  # not copied yet: nothing to write
+    assert w.client.writes_total == writes
+    results = w.get_finished()  # the next step's first call: copied, written
+    assert [(r.job_id, r.success) for r in results] == [(1, True)]
+    assert w.client.writes_total == writes + 1
+    mgr.complete_store(keys, CTX)
+    committed(keys, mgr)
+    a.shutdown()

@@ -27,8 +27,10 @@ the end of each step. An owner with several views on one connection (an engine w
 several namespaces) drives both instead (``begin_step(poll=False)``,
 ``end_step(flush=False)``): one read and one write for all of them, and only every
 few milliseconds (``low`` says when the lease pool cannot wait). The lease wish is
-twice the most slots used between two sends, so the pool covers what a send interval
-uses.
+``WISH_SENDS`` times the most slots used between two sends: the grant a send asks for
+comes back while the engine goes on storing, and is read at the next send (or once the
+pool runs low), so the pool covers two send intervals and a daemon whose turn comes
+late, on a loaded machine, still finds the engine holding slots.
 
 Not thread-safe: the owner serialises calls (vLLM holds ``manager.lock``).
 """
@@ -49,6 +51,7 @@ from kvoffload.protocol.messages import MAX_KEYS_PER_MESSAGE, pack_ids, unpack_i
 log = logging.getLogger(__name__)
 
 COMMIT_WAIT_S = 60.0  # twice the daemon's default commit_timeout_s
+WISH_SENDS = 4  # the lease wish: this many times the most slots used between two sends
 
 
 class KeyState(IntEnum):
@@ -264,7 +267,7 @@ class EngineView:
         with a larger wish and brings the grant back (counted)."""
         self.lease_fallbacks_total += 1
         self.blocking_calls_total += 1
-        self.want = min(self.max_lease_blocks, max(self.want, 2 * (self._used + n)))
+        self.want = min(self.max_lease_blocks, max(self.want, WISH_SENDS * (self._used + n)))
         msg = self._batch.message(self.ns.ns_id, self.seq, self.want)
         self._batch = _Batch()
         self._acked, self._sent_want = self.seq, self.want
@@ -326,7 +329,7 @@ class EngineView:
         self._recent_use.append(self._used)
         self._used = 0
         peak = max(self._recent_use)
-        self.want = max(self.min_lease_blocks, min(2 * peak, self.max_lease_blocks))
+        self.want = max(self.min_lease_blocks, min(WISH_SENDS * peak, self.max_lease_blocks))
         self._queue(send)
 
     def _queue(self, send: bool) -> None:

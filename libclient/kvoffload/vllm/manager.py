@@ -8,12 +8,14 @@ Rules:
   (``SlotsSpec.stage_slots``); a stage whose namespace is away or full gets none, and
   then none of them does (a block is only loadable whole).
 - Every answer is local. What changed goes to the daemon one-way, in one frame per
-  namespace, all in one write, and the pushes are read in one read: at most once per
-  ``batch_interval_s`` (at a step's first call and end), or at once when a lease pool
-  runs low, and when the engine idles (``has_pending_work``). A connection the client
-  rebuilt in the background is adopted at every step's first call. A blocking round
-  trip remains only as the fallback of an empty lease pool, counted in
-  ``blocking_calls_total``.
+  namespace, all in one write, and the pushes are read in one read right after it: at
+  the end of a step (``on_schedule_end``), at most once per ``batch_interval_s``, so
+  one step in an interval pays for the I/O and the rest none; at once when a lease
+  pool runs low (then the next step's first call reads the grant too), and when the
+  engine idles (``has_pending_work``). Pushes read at a step's end are what the next
+  step sees. A connection the client rebuilt in the background is adopted at every
+  step's first call. A blocking round trip remains only as the fallback of an empty
+  lease pool, counted in ``blocking_calls_total``.
 - With secondary tiers below the daemon's region, a mirror MISS asks further
   (``kvoffload.engine.tierprobe``): a block on disk or in Redis is promoted into the region
   and answers RETRY until it is there (one round trip per key the mirror misses).
@@ -115,7 +117,7 @@ class KVOffloadManager(OffloadingManager):
         self.view = self.views[0]
         self.tiers = {id(v): TierProbes(v.ns) for v in self.views}  # used with tiers only
         self._in_step = False
-        self._read_at = self._send_at = 0.0
+        self._io_at = 0.0  # the next step end that writes and reads
         self._stored: set[bytes] = set()  # several stages: keys reported stored
         self._single = len(self.views) == 1
 
@@ -130,31 +132,30 @@ class KVOffloadManager(OffloadingManager):
         return all(v.connected for v in self.views)
 
     def _begin(self) -> None:
-        """A step's first call: adopt a new connection, read pushes when due."""
+        """A step's first call: adopt a new connection; read the grant a low lease
+        pool asked for at the last step's end."""
         self._in_step = True
         self.client.adopt()
-        now = time.monotonic()
-        poll = now >= self._read_at or any(v.low for v in self.views)
-        if poll:
-            self._read_at = now + self.batch_interval_s
+        if any(v.low for v in self.views):
             self.client.poll()
         for v in self.views:
             v.begin_step(poll=False)
 
     def _end(self) -> None:
-        """The step's end: its batches go out when due, all in one write."""
+        """The step's end: when due, its batches go out in one write and the pushes
+        that arrived are read in one read."""
         if not self._in_step:
             self._begin()
         self._in_step = False
         now = time.monotonic()
-        send = now >= self._send_at or any(v.low for v in self.views)
+        due = now >= self._io_at or any(v.low for v in self.views)
         for v in self.views:
             v.end_step(flush=False)
-            if send:
+            if due:
                 v.flush(send=False)
-        if send:
-            self._send_at = now + self.batch_interval_s
-            self.client.flush()
+        if due:
+            self._io_at = now + self.batch_interval_s
+            self.client.poll()  # writes what is queued, then reads
 
     def _runs(self, keys: Sequence[bytes]) -> list[tuple[list[EngineView], list[bytes]]]:
         """Consecutive keys of one group: (the group's stage views, the keys)."""

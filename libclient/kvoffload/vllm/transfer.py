@@ -21,8 +21,12 @@ Rules:
   never reports a failure (``kvoffload.engine.streaming``): a store that could not happen is
   reported finished and is simply not offloaded; a planned load completes byte-exact
   or stops the engine with ``LoadLostError`` naming why.
-- A vLLM job finishes when all its parts did. Results are read at most every
-  ``batch_interval_s`` while only stores are in flight, at every call while loads are.
+- A vLLM job finishes when all its parts did. Client copies of stores, their
+  ``Wrote`` and the read of the pushes happen at a step's first call (a submit,
+  before the forward pass, or the step's ``get_finished``), at most every
+  ``batch_interval_s``: the daemon's turn on them overlaps the forward pass, not the
+  scheduler's work after it. While loads are in flight their results are read at
+  every ``get_finished``.
 - The first call of a step adopts a connection the client rebuilt in the background,
   before any job names a worker or a lease.
 """
@@ -134,6 +138,7 @@ class KVOffloadWorker(OffloadingWorker):
         self._jobs: dict[int, _Job] = {}
         self._done: list[TransferResult] = []
         self._io_at = 0.0
+        self._in_step = False  # a call of this step was made (the next result call ends it)
         self.unplaced_stores_total = 0
 
     @property
@@ -163,6 +168,7 @@ class KVOffloadWorker(OffloadingWorker):
     ) -> bool:
         if not isinstance(slot_spec, SlotsSpec):
             raise TypeError(f"expected kvoffload slots, got {type(slot_spec).__name__}")
+        self._begin_step()
         self.client.adopt()  # workers and leases of a new connection, before any job
         slots = slot_spec.stage_slots[self.stage] if slot_spec.stage_slots else []
         leases = slot_spec.leases[self.stage] if slot_spec.leases else []
@@ -235,15 +241,26 @@ class KVOffloadWorker(OffloadingWorker):
                 first,
             )
 
-    def get_finished(self) -> list[TransferResult]:
+    def _begin_step(self) -> None:
+        """A step's first call: when due, copy the stores submitted before, queue their
+        ``Wrote``, write and read; else only adopt a new connection."""
+        if self._in_step:
+            return
+        self._in_step = True
         now = time.monotonic()
-        if now >= self._io_at or any(w.loads_waiting for w in self.workers):
+        if now >= self._io_at:
             self._io_at = now + self.batch_interval_s
             for w in self.workers:
                 w.report_writes()
             self.client.poll()
         else:
             self.client.adopt()
+
+    def get_finished(self) -> list[TransferResult]:
+        self._begin_step()
+        self._in_step = False
+        if any(w.loads_waiting for w in self.workers):
+            self.client.poll()
         for w in self.workers:
             for r in w.get_finished(poll=False):
                 job_id, _ = self._part_job.pop(r.job_id, (None, 0))

@@ -1,0 +1,310 @@
+"""One point of ``make bench-engine``: vLLM's real scheduler step, three ways, in turn.
+
+N decoding requests (block_size 16) run in three engines built by ``engine_rig`` from
+vLLM's own planning: no connector, vLLM's own ``CPUOffloadingManager`` (its worker
+needs CUDA, so a stand-in completes its jobs at once: the lower bound of what
+offloading costs the scheduler), and ``KVOffloadSpec`` with its real worker copying in
+the engine's process (client copies, as vLLM's uniprocessor executor runs a TP=1
+worker). A second engine process runs the same workload with prompts of its own in
+the same namespace for the whole point, so both views follow both engines' stores.
+
+Timed per step: ``schedule()`` + ``update_from_output()``, the worker's part excluded
+(it stands where the forward pass runs), in wall time and in the engine thread's CPU
+time (wall time above CPU time is time the engine waited for a CPU). The three run in
+blocks of ``block`` steps, one block each per pass, the first of a pass rotating, so
+machine noise and drift hit all alike while what one engine's steps cause (the daemon
+waking on its writes, the second engine reading its stores) lands in its own block.
+Prompt lengths are spread over a block's 16 tokens, so with
+``offload_prompt_only=False`` N/16 requests fill a block, a store, in nearly every
+step; with vLLM's default ``True`` only prompts store.
+
+What the kvoffload engine's process spends in the client is split (``ClientTime``)
+into writes to the daemon (``send``), reads of its pushes (``recv``) and applying them
+(``apply``), for the scheduler's step and the worker's part, each in wall and thread
+CPU time: a write whose wall time exceeds its CPU time waited for a CPU the daemon,
+just woken by it, took. Steps are counted by which part wrote or read in them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any
+
+from kvoffloadbench.launch import DaemonProcess
+
+PROMPT_TOKENS = 40
+WARMUP_STEPS = 30
+BLOCK_TOKENS = 16
+SPECS = ("none", "vllm", "kvoffload")
+SECOND_ENGINE_START_S = 300.0  # importing vLLM in a fresh process, on a loaded machine
+
+
+def prompt(i: int, n: int, salt: int = 0) -> list[int]:
+    """Lengths spread over a block: the N requests fill their blocks in turn."""
+    length = PROMPT_TOKENS + (i * BLOCK_TOKENS // max(1, n)) % BLOCK_TOKENS
+    return [(i * 131 + j * 7 + salt * 17) % 997 + 1 for j in range(length)]
+
+
+def make_engine(
+    spec: str,
+    n: int,
+    prompt_only: bool,
+    sock: str,
+    eid: str,
+    steps: int,
+    salt: int = 0,
+    max_tokens: list[int] | None = None,
+) -> Any:
+    """An engine of N decoding requests (request i of ``max_tokens[i]`` tokens at
+    most), warmed up, its KV cache big enough for each request to decode ``steps``
+    more tokens (no request is preempted for room)."""
+    from .engine_rig import MAX_MODEL_LEN, Engine
+
+    limits = max_tokens or [100_000] * n
+    longest = PROMPT_TOKENS + BLOCK_TOKENS + WARMUP_STEPS + min(steps, max(limits))
+    if longest > MAX_MODEL_LEN:
+        raise ValueError(
+            f"{steps} steps take requests to {longest} tokens, past the engine's "
+            f"max_model_len of {MAX_MODEL_LEN}: measure fewer steps (passes x block)"
+        )
+    e = Engine(
+        spec,
+        socket_path=sock,
+        engine_id=eid,
+        num_blocks=n * (-(-longest // BLOCK_TOKENS) + 1),
+        max_num_seqs=n,
+        offload_prompt_only=prompt_only,
+        verify=False,
+    )
+    for i in range(n):
+        e.add(f"{eid}-{i}", prompt(i, n, salt), limits[i])
+    for _ in range(WARMUP_STEPS):
+        e.step()
+    return e
+
+
+class Churn:
+    """An engine that runs for good: requests of ``REQUEST_TOKENS`` tokens at most
+    (their lengths spread, so some finish every few steps), each replaced by a new one
+    with a prompt of its own as it finishes; N requests decode in every step."""
+
+    REQUEST_TOKENS = 512
+
+    def __init__(self, n: int, prompt_only: bool, sock: str, eid: str, salt: int) -> None:
+        self.n, self.eid, self.salt = n, eid, salt
+        tokens = [self._tokens(i) for i in range(n)]
+        self.engine = make_engine(
+            "kvoffload", n, prompt_only, sock, eid, self.REQUEST_TOKENS, salt, tokens
+        )
+        self.slots = [f"{eid}-{i}" for i in range(n)]
+        self.made = n
+
+    def _tokens(self, i: int) -> int:
+        return self.REQUEST_TOKENS // 2 + i * self.REQUEST_TOKENS // (2 * self.n)
+
+    def step(self) -> tuple[float, float]:
+        e, live = self.engine, self.engine.scheduler.requests
+        for i, req_id in enumerate(self.slots):
+            if req_id not in live:
+                self.made += 1
+                self.slots[i] = f"{self.eid}-{self.made}"
+                e.add(self.slots[i], prompt(i, self.n, self.salt + self.made), self._tokens(i))
+        a, b = e.step()
+        return a, b
+
+
+def counters(e: Any) -> tuple[int, int, int]:
+    """(scheduler round trips, worker round trips, one-way frames) so far."""
+    if e.spec != "kvoffload":
+        return 0, 0, 0
+    sched = e.manager.client
+    workers = [w.client for w in e.offload_workers]
+    return (
+        sched.round_trips_total,
+        sum(w.round_trips_total for w in workers),
+        sum(c.posts_total for c in (sched, *workers)),
+    )
+
+
+class ClientTime:
+    """Time the engine process spends in the client while ``part`` is set: writes
+    (``send``: a flush with bytes queued), reads (``recv``) and applying what was read
+    (``apply``), each in wall and thread CPU seconds, per part ("scheduler", "worker").
+    ``io`` holds the parts that wrote or read since it was last cleared."""
+
+    WHAT = (("flush", "send"), ("poll", "recv"), ("_route", "apply"))
+
+    def __init__(self) -> None:
+        self.part = ""
+        self.io: set[str] = set()
+        self.wall_s: dict[str, float] = {}
+        self.cpu_s: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list[tuple[type, str, Any]] = []
+
+    def __enter__(self) -> ClientTime:
+        from kvoffload.client import Client
+        from kvoffload.link.transport import Transport
+
+        for name, what in self.WHAT:
+            cls: type = Client if name == "_route" else Transport
+            orig = getattr(cls, name)
+            self._undo.append((cls, name, orig))
+            setattr(cls, name, self._timed(orig, what))
+        return self
+
+    def _timed(self, fn: Any, what: str) -> Any:
+        def timed(obj: Any, *args: Any, **kw: Any) -> Any:
+            if not self.part or (what == "send" and not obj.unsent_bytes):
+                return fn(obj, *args, **kw)
+            if what == "apply" and not args[0]:
+                return fn(obj, *args, **kw)
+            c0, t0 = time.thread_time(), time.perf_counter()
+            try:
+                return fn(obj, *args, **kw)
+            finally:
+                key = f"{self.part}_{what}"
+                self.wall_s[key] = self.wall_s.get(key, 0.0) + time.perf_counter() - t0
+                self.cpu_s[key] = self.cpu_s.get(key, 0.0) + time.thread_time() - c0
+                self.calls[key] = self.calls.get(key, 0) + 1
+                self.io.add(self.part)
+
+        return timed
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name, orig in self._undo:
+            setattr(cls, name, orig)
+
+    def report(self, steps: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for k in sorted(self.calls):
+            out[f"{k}_us_per_step"] = self.wall_s[k] / steps * 1e6
+            out[f"{k}_cpu_us_per_step"] = self.cpu_s[k] / steps * 1e6
+            out[f"{k}_calls_per_step"] = self.calls[k] / steps
+        return out
+
+
+def step(e: Any, clock: ClientTime | None) -> tuple[float, float]:
+    """One step: its engine-side milliseconds (``schedule()`` +
+    ``update_from_output()``), in wall time and in the thread's CPU time."""
+    if clock is not None:
+        clock.part = "scheduler"
+    c0, t0 = time.thread_time(), time.perf_counter()
+    out = e.scheduler.schedule()
+    t1, c1 = time.perf_counter(), time.thread_time()
+    if clock is not None:
+        clock.part = "worker"
+    result = e.execute(out)
+    if clock is not None:
+        clock.part = "scheduler"
+    c2, t2 = time.thread_time(), time.perf_counter()
+    e.scheduler.update_from_output(out, result)
+    t3, c3 = time.perf_counter(), time.thread_time()
+    if clock is not None:
+        clock.part = ""
+    return (t1 - t0 + t3 - t2) * 1e3, (c1 - c0 + c3 - c2) * 1e3
+
+
+def cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def second_engine(sock: str, n: int, prompt_only: bool, stop: Any, steps: Any) -> None:
+    """The second engine sharing the namespace, stepping until told to stop. Its own
+    prompts: both engines store (and both views follow both engines' stores)."""
+    bg = Churn(n, prompt_only, sock, f"bg{n}{int(prompt_only)}", salt=1)
+    while not stop.is_set():
+        bg.step()
+        with steps.get_lock():
+            steps.value += 1
+    bg.engine.shutdown()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))]
+
+
+def measure_point(
+    d: DaemonProcess, n: int, prompt_only: bool, passes: int, block: int
+) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    stop, bg_steps = ctx.Event(), ctx.Value("q", 0)
+    bg = ctx.Process(target=second_engine, args=(d.socket_path, n, prompt_only, stop, bg_steps))
+    bg.start()
+    try:
+        return _measure(d, n, prompt_only, passes, block, bg, bg_steps)
+    finally:
+        stop.set()
+        bg.join(60)
+
+
+def _measure(
+    d: DaemonProcess, n: int, prompt_only: bool, passes: int, block: int, bg: Any, bg_steps: Any
+) -> dict[str, Any]:
+    steps = passes * block
+    engines = {s: make_engine(s, n, prompt_only, d.socket_path, f"{s}{n}", steps) for s in SPECS}
+    deadline = time.monotonic() + SECOND_ENGINE_START_S
+    while bg_steps.value < WARMUP_STEPS:  # the second engine steps before we measure
+        if not bg.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the second engine did not start stepping (N={n})")
+        time.sleep(0.1)
+    times: dict[str, list[float]] = {s: [] for s in SPECS}
+    cpu: dict[str, list[float]] = {s: [] for s in SPECS}
+    io_steps: list[str] = []
+    stores = dict.fromkeys(SPECS, 0)
+    kvo = engines["kvoffload"]
+    before = counters(kvo)
+    load0, cpu0, bg0 = os.getloadavg()[0], cpu_s(d.pid), bg_steps.value
+    order = list(engines.items())
+    with ClientTime() as clock:
+        for p in range(passes):  # one block each, the first rotating
+            for j in range(len(order)):
+                spec, e = order[(p + j) % len(order)]
+                for _ in range(block):
+                    clock.io.clear()
+                    wall_ms, cpu_ms = step(e, clock if e is kvo else None)
+                    times[spec].append(wall_ms)
+                    cpu[spec].append(cpu_ms)
+                    stores[spec] += bool(e.last_stores)
+                    if e is kvo:
+                        io_steps.append(" and ".join(sorted(clock.io)) or "neither")
+    measured = passes * block
+    cpu1, bg1, load1 = cpu_s(d.pid), bg_steps.value, os.getloadavg()[0]
+    after = counters(kvo)
+    views = kvo.manager.views
+    point: dict[str, Any] = {"n": n, "offload_prompt_only": prompt_only}
+    for spec, xs in times.items():
+        point[spec] = {
+            "p50_ms": statistics.median(xs),
+            "p99_ms": pct(xs, 0.99),
+            "cpu_p50_ms": statistics.median(cpu[spec]),
+        }
+    point["ratio_p50"] = point["kvoffload"]["p50_ms"] / point["vllm"]["p50_ms"]
+    point["ratio_p99"] = point["kvoffload"]["p99_ms"] / point["vllm"]["p99_ms"]
+    point["steps_with_stores"] = stores["kvoffload"] / measured
+    point["scheduler_round_trips_per_step"] = (after[0] - before[0]) / measured
+    point["worker_round_trips_per_step"] = (after[1] - before[1]) / measured
+    point["one_way_frames_per_step"] = (after[2] - before[2]) / measured
+    point["lease_fallbacks_total"] = sum(v.lease_fallbacks_total for v in views)
+    point["feed_resyncs_total"] = sum(v.resyncs_total for v in views)
+    by_io: dict[str, list[float]] = {}
+    for t, parts in zip(times["kvoffload"], io_steps):
+        by_io.setdefault(parts, []).append(t)
+    point["io_steps"] = {  # which parts wrote or read: share of steps, their p50
+        parts: {"share": len(xs) / measured, "p50_ms": statistics.median(xs)}
+        for parts, xs in sorted(by_io.items())
+    }
+    point["profile"] = clock.report(measured)
+    engine_steps = measured + (bg1 - bg0)
+    point["daemon_cpu_us_per_engine_step"] = (cpu1 - cpu0) / max(1, engine_steps) * 1e6
+    point["load_average"] = [load0, load1]
+    for e in engines.values():
+        e.shutdown()
+    return point
