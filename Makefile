@@ -12,7 +12,7 @@ setup: $(STAMP)
 
 # torch==2.13.0 first: it is the CPU build, so the unpinned "torch" extra below
 # is already satisfied and never pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml libclient/kvoffload/version.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis,mooncake]'
