@@ -308,10 +308,12 @@ class Client:
     ) -> R:
         """Send one request and return its reply (typed); raises KVOffloadError."""
         with self._lock:
-            t = self._ensure()
+            t = self._transport
+            if t is None or self._pending is not None or self._closed:
+                t = self._ensure()
             self.round_trips_total += 1
             try:
-                reply = t.request(make(self.next_rid()), fds, timeout_s)
+                reply = t.request(make(next(self._rids)), fds, timeout_s)
             except DaemonUnavailableError as exc:
                 self._lost(exc)
                 raise
