@@ -98,7 +98,9 @@ class Echo:
     def close(self) -> None:
         self.sock.close()
         self.proc.wait(10)
-        os.rmdir(self._tmp) if not os.listdir(self._tmp) else None
+        for name in os.listdir(self._tmp):  # the server's socket
+            os.unlink(os.path.join(self._tmp, name))
+        os.rmdir(self._tmp)
 
 
 class RawPing:
