@@ -72,6 +72,7 @@ class Client:
 
     RETRY_MIN_S = 0.02
     RETRY_MAX_S = 0.25
+    KEEPER_LEAVE_S = 1.0  # how long close() waits for the keeper to let the connection go
     RETRY_REFUSED_S = 5.0  # a daemon that refuses us is asked again, but rarely
 
     def __init__(self, socket_path: str, timeout_s: float = 5.0, name: str = "") -> None:
@@ -309,10 +310,12 @@ class Client:
     ) -> R:
         """Send one request and return its reply (typed); raises KVOffloadError."""
         with self._lock:
-            t = self._ensure()
+            t = self._transport
+            if t is None or self._pending is not None or self._closed:
+                t = self._ensure()
             self.round_trips_total += 1
             try:
-                reply = t.request(make(self.next_rid()), fds, timeout_s)
+                reply = t.request(make(next(self._rids)), fds, timeout_s)
             except DaemonUnavailableError as exc:
                 self._lost(exc)
                 raise
@@ -505,8 +508,14 @@ class Client:
             if self._pending is not None:
                 self._pending.transport.close()
                 self._pending = None
-            if self._keeper is None:
+            keeper = self._keeper
+            if keeper is None:
                 os.close(self._wake)  # else the keeper's last act, as it leaves
+        # The keeper watches the connection through a duplicate of its descriptor: wait
+        # (bounded) until it has let go, so that a process forked after close() does not
+        # hold the connection open for as long as it lives.
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(self.KEEPER_LEAVE_S)
 
     def __enter__(self) -> Client:
         return self

@@ -329,6 +329,6 @@ def _parts(keys: Sequence[bytes]) -> list[Sequence[bytes]]:
 
 def pack_checked(keys: Sequence[bytes]) -> tuple[bytes, int]:
     try:
-        return pack_keys(list(keys))
+        return pack_keys(keys if isinstance(keys, (list, tuple)) else list(keys))
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from None

@@ -428,3 +428,27 @@ def test_what_the_daemon_holds_is_what_its_ledger_accounts_for(run: Path) -> Non
     assert check.checks >= 2 * len(GENERATORS)
     assert not left, f"held after everyone left: {left}"
     f.assert_round_trips()
+
+
+def _open_sockets() -> set[str]:
+    """The sockets this process has open (by inode)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if (target := os.readlink(f"/proc/self/fd/{fd}")).startswith("socket:"):
+                out.add(target)
+    return out
+
+
+def test_a_closed_client_leaves_no_descriptor_of_its_connection_in_its_process(run: Path) -> None:
+    """A client's keeper thread watches the connection through a duplicate of its
+    descriptor: were it let go only once the keeper next ran, a process forked right
+    after ``close()`` (the census canary, after the test's first client) would hold the
+    connection open for as long as it lived, and the daemon would count it."""
+    with start(run, "64MiB") as d:
+        before = _open_sockets()
+        for _ in range(20):
+            client = kvoffload.connect(d.socket_path)
+            client.ping()
+            client.close()
+            assert _open_sockets() == before

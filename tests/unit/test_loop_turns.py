@@ -10,7 +10,7 @@ import pytest
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_ids
-from kvoffloadd.server.turns import LEAD_S, TurnQueue
+from kvoffloadd.server.turns import HALF_LIFE_S, LEAD_S, TurnQueue
 from kvoffloadd.service.engines import split_batch
 from kvoffloadd.service.stats import LoopTurns
 
@@ -189,3 +189,23 @@ def test_a_newcomer_goes_first_for_a_short_lead_only_past_a_client_busy_for_long
             q.wake(ping, 20)
             woken = clock.now
     assert worst_s < LEAD_S + 0.005, f"the tenant waited {worst_s * 1e3:.0f} ms"
+
+
+def test_usage_decays_the_same_across_a_rescale_and_what_decayed_to_nothing_is_forgotten() -> None:
+    """Usage is kept weighed by a weight that doubles every half-life and is rescaled
+    past ``RESCALE_AT`` (every ~16 s): what it reads, and whom it serves first, are as if
+    everyone's usage had halved every half-life."""
+    clock = Clock()
+    q = TurnQueue(clock)
+    q.served(1, 1.0, more=0, uid=TENANT)
+    clock.now = 15 * HALF_LIFE_S * 2
+    q.served(2, 1.0, more=0, uid=ATTACKER)
+    assert q.usage_s(1) == pytest.approx(2.0**-30)
+    clock.now = 17 * HALF_LIFE_S * 2  # the weight is 2 ** 34 now: rescaled
+    assert q.usage_s(2) == pytest.approx(2.0**-4)
+    assert q.usage_s(1) == 0.0  # 2 ** -34 s: nothing
+    q.served(2, 0.5, more=0)
+    assert q.usage_s(2) == pytest.approx(2.0**-4 + 0.5)
+    q.wake(2, 20)
+    q.wake(1, 20)
+    assert [q.next(), q.next(), q.next()] == [1, 2, None]

@@ -38,16 +38,17 @@ import contextlib
 import errno
 import logging
 import os
-import selectors
+import select
 import signal
 import socket
 import stat
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvoffload.protocol import NeedData, ServerConnection, encode_frame
+from kvoffload.protocol import NeedData, ServerConnection, encode_frame, frame_length
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 from kvoffloadd import loopthread
@@ -80,18 +81,24 @@ RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release
 INLINE_BYTES = 4096  # a request this small, with nobody waiting, is served as it is read
 CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
+_HEADER_BYTES = 4
+# what epoll reports: hang-ups and errors count as both (a read or send then says which)
+_READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+_WRITABLE = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
 
 
-@dataclass(eq=False)  # one per connection, kept in sets by identity
+@dataclass(eq=False, slots=True)  # one per connection, kept in sets by identity
 class _Client:
     sock: socket.socket
     conn: ServerConnection
     session: Session
+    fd: int
+    closed: bool = False  # dropped: events already polled for it are ignored
     outbuf: bytearray = field(default_factory=bytearray)
     sent_bytes: int = 0  # everything ever sent, to place descriptors in the stream
     # (stream position, fds): descriptors that go out with the byte at that position
     fd_marks: deque[tuple[int, list[int]]] = field(default_factory=deque)
-    events: int = selectors.EVENT_READ  # what the selector watches for it now
+    events: int = select.EPOLLIN  # what epoll watches for it now
     closing_by_s: float = 0.0  # after a protocol error: deliver the replies, then close
     # what this connection has charged to the ledger for its buffers and parked fds
     held_in: int = 0
@@ -116,18 +123,19 @@ class Server:
         self._cron_period_s = min(CRON_PERIOD_S, self._watchdog_s or CRON_PERIOD_S)
         self._status = ""
         listener.setblocking(False)
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(listener, selectors.EVENT_READ, self._accept)
-        self.sel.register(service.copier.wake_fd, selectors.EVENT_READ, self._copies_done)
+        # epoll itself, not selectors: its wrapper costs a lookup and a tuple per event
+        self._epoll = select.epoll()
+        self._handlers: dict[int, Callable[[int], None]] = {}  # fd -> handler(events)
+        self._by_fd: dict[int, _Client] = {}  # client connections' descriptors
+        self._watch(listener.fileno(), self._accept)
+        self._watch(service.copier.wake_fd, self._copies_done)
         if service.tiering is not None:
             tiering = service.tiering
-            self.sel.register(
-                tiering.wake.fd, selectors.EVENT_READ, lambda f, mk: tiering.on_wake()
-            )
+            self._watch(tiering.wake.fd, lambda events: tiering.on_wake())
         self._sig_r, self._sig_w = socket.socketpair()
         self._sig_r.setblocking(False)
         self._sig_w.setblocking(False)
-        self.sel.register(self._sig_r, selectors.EVENT_READ, self._signalled)
+        self._watch(self._sig_r.fileno(), self._signalled)
         self.clients: dict[int, _Client] = {}
         self.turns = TurnQueue()  # connections with work, served fairly
         self._leaving: deque[Session] = deque()  # connections gone, to be released
@@ -136,6 +144,8 @@ class Server:
         self.ledger = service.ledger
         self._buffered: Line = self.ledger["buffered_bytes"]
         self._descriptors: Line = self.ledger["descriptors"]
+        self._lagging = service.engines.lagging  # connections behind their feed
+        self._push_subs = service.engines.push_subs  # namespaces whose feeds are pushed
         self._next_id = 1
         self._stop = False
         self._max_frame = service.config.max_frame_bytes
@@ -144,7 +154,12 @@ class Server:
         # One preallocated receive buffer: allocating a fresh 256 KiB bytes object per
         # recvmsg costs more than the rest of a ping (research/stack.md section 4).
         self._rbuf = bytearray(RECV_BYTES)
+        self._rbufs = [self._rbuf]
         self._rview = memoryview(self._rbuf)
+
+    def _watch(self, fd: int, handler: Callable[[int], None]) -> None:
+        self._handlers[fd] = handler
+        self._epoll.register(fd, select.EPOLLIN)
 
     # ------------------------------------------------------------ main loop
 
@@ -161,19 +176,12 @@ class Server:
         loopthread.claim()
         try:
             while not self._stop:
-                timeout = 0.0 if self.turns else max(0.0, next_cron - time.monotonic())
-                ready = self.sel.select(timeout)
-                t0 = time.perf_counter()
-                for key, mask in ready:
-                    key.data(key.fileobj, mask)
-                busy = bool(self.turns)
-                self._serve(t0 + TURN_S)
-                self._push_feeds()
-                if ready or busy:
-                    self.service.loop.record(time.perf_counter() - t0)
-                if time.monotonic() >= next_cron:
+                now = time.monotonic()
+                if now >= next_cron:
                     self._cron()
-                    next_cron = time.monotonic() + self._cron_period_s
+                    now = time.monotonic()
+                    next_cron = now + self._cron_period_s
+                self.turn(0.0 if self.turns else next_cron - now)
             self.notifier.notify(STOPPING=1, STATUS="draining in-flight copies")
             self._drain()
         except AssertionError:
@@ -186,10 +194,36 @@ class Server:
                 self._drop(c, "daemon stopping")
             while self._leaving:
                 self._reap()
-            self.sel.close()
+            self._epoll.close()
             self.budgets.close()
             self._sig_r.close()
             self._sig_w.close()
+
+    def turn(self, timeout_s: float) -> None:
+        """One turn of the loop: wait up to ``timeout_s`` for input, completions or
+        signals, handle them, serve queued work for up to ``TURN_S`` and push feeds."""
+        ready = self._epoll.poll(timeout_s)
+        t0 = time.perf_counter()
+        by_fd = self._by_fd
+        for fd, events in ready:
+            c = by_fd.get(fd)
+            if c is None:
+                handler = self._handlers.get(fd)
+                if handler is not None:
+                    handler(events)
+                continue
+            if events & _WRITABLE and not c.closed:
+                self._flush(c)
+            # nothing more is read from a client being closed after a protocol error
+            if events & _READABLE and not c.closed and not c.closing_by_s:
+                self._read(c)
+        busy = bool(self.turns)
+        if busy:
+            self._serve(t0 + TURN_S)
+        if self._push_subs or self._push_due:
+            self._push_feeds()
+        if ready or busy:
+            self.service.loop.record(time.perf_counter() - t0)
 
     def _cron(self) -> None:
         self.service.cron()
@@ -227,7 +261,7 @@ class Server:
         if fields:
             self.notifier.notify(**fields)
 
-    def _signalled(self, sock: object, mask: int) -> None:
+    def _signalled(self, events: int) -> None:
         with contextlib.suppress(BlockingIOError):
             sigs = self._sig_r.recv(64)
             log.info("signal %s received: draining and stopping", list(sigs))
@@ -237,9 +271,9 @@ class Server:
     def _drain(self) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while self.service.inflight_jobs and time.monotonic() < deadline:
-            for key, mask in self.sel.select(0.05):
-                if key.data == self._copies_done:
-                    self._copies_done(key.fileobj, mask)
+            for fd, events in self._epoll.poll(0.05):
+                if fd == self.service.copier.wake_fd:
+                    self._copies_done(events)
         if self.service.inflight_jobs:
             log.error(
                 "%d copies still running after %.0f s", self.service.inflight_jobs, DRAIN_TIMEOUT_S
@@ -247,7 +281,7 @@ class Server:
 
     # ------------------------------------------------------------ connections
 
-    def _accept(self, sock: object, mask: int) -> None:
+    def _accept(self, events: int) -> None:
         for _ in range(64):  # a burst of connections does not hold the loop either
             try:
                 conn, _ = self.listener.accept()
@@ -278,9 +312,10 @@ class Server:
                 self.budgets.shed_total += 1
                 self._refuse(conn, session, ErrorCode.QUOTA_EXCEEDED)
                 continue
-            client = _Client(conn, ServerConnection(self._max_frame), session)
+            client = _Client(conn, ServerConnection(self._max_frame), session, conn.fileno())
             self.clients[cid] = client
-            self.sel.register(conn, selectors.EVENT_READ, lambda s, mk, c=client: self._io(c, mk))
+            self._by_fd[client.fd] = client
+            self._epoll.register(client.fd, select.EPOLLIN)
             log.debug("client %d connected (pid %d uid %d)", cid, pid, uid)
 
     def _refuse(self, conn: socket.socket, session: Session, code: ErrorCode) -> None:
@@ -292,27 +327,26 @@ class Server:
         conn.close()
         self.service.close_session(session)
 
-    def _io(self, c: _Client, mask: int) -> None:
-        if mask & selectors.EVENT_WRITE:
-            self._flush(c)
-        # nothing more is read from a client being closed after a protocol error
-        alive = c.session.session_id in self.clients and not c.closing_by_s
-        if mask & selectors.EVENT_READ and alive:
-            self._read(c)
-
     def _read(self, c: _Client) -> None:
         try:
-            nbytes, anc, _flags, _ = c.sock.recvmsg_into([self._rbuf], _ANC_BYTES)
+            nbytes, anc, _flags, _ = c.sock.recvmsg_into(self._rbufs, _ANC_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._drop(c, f"read failed: {exc}")
             return
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                c.session.fds.extend(fds)
+        if anc:
+            self._park_fds(c, anc)
+        elif (  # one whole small request, nothing buffered, nobody waiting: serve it now
+            _HEADER_BYTES <= nbytes <= INLINE_BYTES
+            and not self.turns
+            and not c.outbuf
+            and not c.parts
+            and not c.conn.buffered_bytes
+            and frame_length(self._rbuf) == nbytes - _HEADER_BYTES
+        ):
+            self._serve_read(c, nbytes)
+            return
         if not nbytes:
             self._drop(c, "disconnected")
             return
@@ -327,8 +361,30 @@ class Server:
         # pays for no queueing), charged to its uid like any unit.
         t0 = time.perf_counter()
         more = self._serve_one(c)
-        self.turns.served(cid, time.perf_counter() - t0, more if cid in self.clients else 0,
-                          c.session.uid)  # fmt: skip
+        t1 = time.perf_counter()
+        self.turns.served(cid, t1 - t0, 0 if c.closed else more, c.session.uid, t1)
+
+    def _serve_read(self, c: _Client, nbytes: int) -> None:
+        """Serve the one whole request just read, straight from the receive buffer: it
+        is never buffered, so it holds nothing to charge; its loop time is charged to
+        its connection and uid like any unit's."""
+        t0 = time.perf_counter()
+        try:
+            more = self._unit(c, c.conn.request_of(self._rview[_HEADER_BYTES:nbytes]))
+        except ProtocolError as exc:
+            more = self._protocol_error(c, exc)
+        t1 = time.perf_counter()
+        s = c.session
+        self.turns.served(s.session_id, t1 - t0, 0 if c.closed else more, s.uid, t1)
+
+    def _park_fds(self, c: _Client, anc: list[tuple[int, int, bytes]]) -> None:
+        """Descriptors that came with the bytes: the session's until a request claims
+        them (charged with the bytes, in ``_account``)."""
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                c.session.fds.extend(fds)
 
     def _serve(self, end_s: float) -> None:
         """Serve queued connections one unit at a time, fairly, until ``end_s``."""
@@ -343,7 +399,7 @@ class Server:
             else:
                 continue
             t1 = time.perf_counter()
-            turns.served(cid, t1 - t0, more if cid in clients or cid == REAPER else 0)
+            turns.served(cid, t1 - t0, more if cid in clients or cid == REAPER else 0, None, t1)
             if t1 >= end_s:
                 return
 
@@ -354,29 +410,36 @@ class Server:
             return 0  # paused: woken again once it has read its replies
         try:
             if c.parts:
-                self._dispatch(c, c.parts.popleft())
-            else:
-                req = c.conn.next_event()
-                if isinstance(req, NeedData):
-                    return 0
-                if isinstance(req, m.StepBatch):
-                    parts = split_batch(req)
-                    req = parts[0]
-                    c.parts.extend(parts[1:])
-                self._dispatch(c, req)
-            if c.session.session_id not in self.clients:
-                return 0  # cut off by what the request made it hold
+                return self._unit(c, c.parts.popleft(), split=False)
+            req = c.conn.next_event()
+            if isinstance(req, NeedData):
+                return 0
+            return self._unit(c, req)
         except ProtocolError as exc:
-            c.outbuf += encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, str(exc.args[0])))
-            self.service.count_error(ErrorCode.PROTOCOL_ERROR.name)
-            log.warning("client %d (pid %d): %s", c.session.session_id, c.session.pid, exc)
-            # Replies to the requests before the bad frame are still owed: send them
-            # all, then close (or give up after LINGER_S if the client stops reading).
-            c.closing_by_s = time.monotonic() + LINGER_S
-            self._flush(c)
-            return 0
+            return self._protocol_error(c, exc)
+
+    def _unit(self, c: _Client, req: m.Request, split: bool = True) -> int:
+        """Handle one request (the first slice of a large batch), send what it caused;
+        the bytes of work ``c`` has left."""
+        if split and type(req) is m.StepBatch:
+            parts = split_batch(req)
+            req = parts[0]
+            c.parts.extend(parts[1:])
+        self._dispatch(c, req)
+        if c.closed:
+            return 0  # cut off by what the request made it hold
         self._flush(c)
         return _pending_bytes(c)
+
+    def _protocol_error(self, c: _Client, exc: ProtocolError) -> int:
+        c.outbuf += encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, str(exc.args[0])))
+        self.service.count_error(ErrorCode.PROTOCOL_ERROR.name)
+        log.warning("client %d (pid %d): %s", c.session.session_id, c.session.pid, exc)
+        # Replies to the requests before the bad frame are still owed: send them
+        # all, then close (or give up after LINGER_S if the client stops reading).
+        c.closing_by_s = time.monotonic() + LINGER_S
+        self._flush(c)
+        return 0
 
     def _account(self, c: _Client) -> bool:
         """Charge the connection's buffered bytes (rounded up to ``CHARGE_STEP_BYTES``,
@@ -445,22 +508,24 @@ class Server:
                 reply = None
             else:
                 reply = m.ErrorReply(req.rid, code, message)
-        self._queue_pushes(c)  # what the request caused goes out before its reply
+        s = c.session
+        if s.pushes:  # what the request caused goes out before its reply
+            self._queue_pushes(c)
         if reply is not None:
             self._queue_reply(c, reply)
-        if len(c.session.fds) != c.held_fds:
+        if len(s.fds) != c.held_fds:
             self._account(c)  # the request claimed parked descriptors
 
     def _queue_reply(self, c: _Client, reply: m.Reply) -> None:
         if c.session.out_fds:  # they travel with the first byte of this reply
             c.fd_marks.append((c.sent_bytes + len(c.outbuf), c.session.out_fds))
             c.session.out_fds = []
-        c.outbuf += c.conn.send(reply)
+        c.conn.send_into(reply, c.outbuf)
 
     def _queue_pushes(self, c: _Client) -> None:
         if c.session.pushes:
             for push in c.session.pushes:
-                c.outbuf += c.conn.send(push)
+                c.conn.send_into(push, c.outbuf)
             c.session.pushes.clear()
 
     def _push_feeds(self) -> None:
@@ -476,12 +541,12 @@ class Server:
                 continue
             sent = False
             for push in feeds(c.session, len(c.outbuf)):
-                c.outbuf += c.conn.send(push)
+                c.conn.send_into(push, c.outbuf)
                 sent = True
             if sent:
                 self._flush(c)
 
-    def _copies_done(self, fd: object, mask: int) -> None:
+    def _copies_done(self, events: int) -> None:
         for session_id, reply in self.service.on_completions(self.service.copier.drain()):
             c = self.clients.get(session_id)
             if c is not None:
@@ -489,9 +554,10 @@ class Server:
                 self._flush(c)
 
     def _flush(self, c: _Client) -> None:
-        while c.outbuf:
+        outbuf = c.outbuf
+        while outbuf:
             try:
-                n = self._send_some(c)
+                n = c.sock.send(outbuf) if not c.fd_marks else self._send_some(c)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
@@ -499,39 +565,39 @@ class Server:
                     log.warning("client %d: send failed: %s", c.session.session_id, exc)
                 self._drop(c, "write failed")
                 return
-            del c.outbuf[:n]
+            if n == len(outbuf):
+                outbuf.clear()
+            else:
+                del outbuf[:n]
             c.sent_bytes += n
-        if c.closing_by_s and not c.outbuf:
+        if c.closing_by_s and not outbuf:
             self._drop(c, "protocol error")
             return
-        cid = c.session.session_id
-        if (held_out := _rounded(len(c.outbuf))) != c.held_out:
+        cid, left = c.session.session_id, len(outbuf)
+        if (left or c.held_out) and (held_out := _rounded(left)) != c.held_out:
             self._charge(self._buffered, cid, held_out - c.held_out)
             c.held_out = held_out
-            if len(c.outbuf) > MAX_OUTPUT_BYTES_PER_CLIENT:
+            if left > MAX_OUTPUT_BYTES_PER_CLIENT:
                 self._cut_off(c, "not reading its replies")
                 return
             self._enforce(self._buffered, c)
-            if cid not in self.clients:
+            if c.closed:
                 return
-        paused = len(c.outbuf) > PAUSE_OUTPUT_BYTES or bool(c.closing_by_s)
-        events = (0 if paused else selectors.EVENT_READ) | (
-            selectors.EVENT_WRITE if c.outbuf else 0
-        )
+        paused = left > PAUSE_OUTPUT_BYTES or bool(c.closing_by_s)
+        events = (0 if paused else select.EPOLLIN) | (select.EPOLLOUT if left else 0)
         if events != c.events:
-            self.sel.modify(c.sock, events, lambda s, mk, cl=c: self._io(cl, mk))
+            self._epoll.modify(c.fd, events)
             c.events = events
             if not paused and (pending := _pending_bytes(c)):
                 self.turns.wake(cid, pending)  # resumed: what was buffered while paused
-        if not paused and cid in self.service.engines.lagging:
-            self.service.engines.lagging.discard(cid)
+        if not paused and cid in self._lagging:
+            self._lagging.discard(cid)
             self._push_due.add(cid)  # it fell behind its feed and has read: try again
 
     @staticmethod
     def _send_some(c: _Client) -> int:
-        """Send from the output buffer; descriptors go with the byte they are marked at."""
-        if not c.fd_marks:
-            return c.sock.send(c.outbuf)
+        """Send from the output buffer up to the next descriptors' mark, or from the
+        mark with the descriptors (they go with the byte they are marked at)."""
         pos, fds = c.fd_marks[0]
         if pos > c.sent_bytes:  # send up to the mark, without descriptors
             return c.sock.send(memoryview(c.outbuf)[: pos - c.sent_bytes])
@@ -544,6 +610,8 @@ class Server:
     def _drop(self, c: _Client, why: str) -> None:
         if self.clients.pop(c.session.session_id, None) is None:
             return
+        c.closed = True
+        self._by_fd.pop(c.fd, None)
         cid = c.session.session_id
         self.turns.drop(cid)
         self.budgets.released_bytes += c.held_in + c.held_out
@@ -559,8 +627,8 @@ class Server:
             close_fds(fds)
         c.fd_marks.clear()
         log.debug("client %d (pid %d): %s", c.session.session_id, c.session.pid, why)
-        with contextlib.suppress(KeyError, ValueError):
-            self.sel.unregister(c.sock)
+        with contextlib.suppress(OSError):
+            self._epoll.unregister(c.fd)
         c.sock.close()
         # What it held is released as a unit of loop work of its own (fairly, among
         # the others), not in the middle of reading: 1,000 connections closing at once

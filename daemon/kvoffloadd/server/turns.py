@@ -23,9 +23,17 @@ nothing would otherwise be served alone until it had used as much, for as long a
 hundreds of milliseconds. So a newcomer goes first for ``LEAD_S`` at most, and then the
 two take turns.
 
+Decay costs nothing per unit: halving everyone's usage every ``HALF_LIFE_S`` orders
+them as doubling the weight of new usage every ``HALF_LIFE_S`` does, so usage is kept
+in units weighed ``2 ** (t / HALF_LIFE_S)`` at the time ``t`` it was used (the weight
+refreshed at most every ``WEIGH_EVERY_S``), and only compared or divided by the current
+weight; all of it is rescaled once the weight passes ``RESCALE_AT``.
+
 Rules:
 - Pure bookkeeping on the loop thread: O(log n) per unit, plus a look at each uid with
-  work waiting, and at each uid seen when a uid comes with work (a node has few).
+  work waiting, and at each uid seen when a uid comes with work (a node has few); a
+  rescale, every ~``HALF_LIFE_S * log2(RESCALE_AT)``, is O(connections + uids) and
+  forgets uids whose usage has decayed to nothing.
 - A connection is in the queue at most once; ``drop`` forgets it (closed).
 """
 
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable
 
@@ -41,6 +50,9 @@ COST_PER_BYTE_S = 20e-9  # (a 1 MiB engine batch: about 20 ms)
 HALF_LIFE_S = 0.5  # a connection's usage halves in this long
 LEAD_S = 0.01  # how far behind the active uids' least usage a uid coming with work starts
 ACTIVE_S = 0.05  # a uid served this recently is active (its client is between requests)
+WEIGH_EVERY_S = 0.001  # how stale the weight of new usage may be (0.14% at most)
+RESCALE_AT = 2.0**32  # the weight at which all usage is rescaled (every 16 s)
+FORGET_S = 1e-9  # usage decayed below this is nothing
 
 
 def estimate_s(nbytes: int) -> float:
@@ -52,12 +64,17 @@ class TurnQueue:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._order = itertools.count()
-        # uid -> its connections with work: (their usage + estimate, order, connection)
+        # uid -> its connections with work: (their usage + estimate, order, connection),
+        # weighed as usage is
         self._waiting: dict[int, list[tuple[float, int, int]]] = {}
         self._queued: set[int] = set()
-        self._usage: dict[int, tuple[float, float]] = {}  # conn -> (usage_s, as of)
-        self._uid_usage: dict[int, tuple[float, float]] = {}  # uid -> (usage_s, as of)
+        self._usage: dict[int, float] = {}  # conn -> usage, weighed
+        self._uid_usage: dict[int, float] = {}  # uid -> usage, weighed
+        self._uid_served_at_s: dict[int, float] = {}  # uid -> when a unit of it last ended
         self._uid_of: dict[int, int] = {}
+        self._epoch_s = clock()  # when the weight was 1
+        self._weight = 1.0
+        self._weighed_at_s = self._epoch_s
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -65,15 +82,27 @@ class TurnQueue:
     def __contains__(self, conn: int) -> bool:
         return conn in self._queued
 
-    def _decayed(self, entry: tuple[float, float] | None) -> float:
-        if entry is None or not entry[0]:
-            return 0.0
-        used, at = entry
-        return float(used * 2.0 ** ((at - self._clock()) / HALF_LIFE_S))
+    def _weigh(self, now_s: float) -> float:
+        """The weight of usage at ``now_s`` (rescaling everything past ``RESCALE_AT``)."""
+        w = float(2.0 ** ((now_s - self._epoch_s) / HALF_LIFE_S))
+        if w >= RESCALE_AT:
+            self._usage = {c: u / w for c, u in self._usage.items() if u / w >= FORGET_S}
+            self._uid_usage = {
+                uid: u / w for uid, u in self._uid_usage.items() if u / w >= FORGET_S
+            }
+            self._uid_served_at_s = {
+                uid: t for uid, t in self._uid_served_at_s.items() if uid in self._uid_usage
+            }
+            for uid, heap in self._waiting.items():  # a monotone map keeps each a heap
+                self._waiting[uid] = [(key / w, n, c) for key, n, c in heap]
+            self._epoch_s, w = now_s, 1.0
+        self._weight, self._weighed_at_s = w, now_s
+        return w
 
     def usage_s(self, conn: int) -> float:
         """The loop time ``conn`` has used lately (decayed to now)."""
-        return self._decayed(self._usage.get(conn))
+        w = self._weigh(self._clock())  # first: it may rescale what it divides
+        return self._usage.get(conn, 0.0) / w
 
     def wake(self, conn: int, nbytes: int = 0, uid: int | None = None) -> None:
         """``conn`` (of ``uid``, given once) has ``nbytes`` of work: queue it (no-op
@@ -83,52 +112,75 @@ class TurnQueue:
         if conn in self._queued:
             return
         self._queued.add(conn)
-        key = self.usage_s(conn) + estimate_s(nbytes)
+        now_s = self._clock()
+        w = self._weigh(now_s)
+        key = self._usage.get(conn, 0.0) + estimate_s(nbytes) * w
         uid = self._uid_of.get(conn, -1)
         if uid not in self._waiting:
-            self._start_near_the_active(uid)
+            self._start_near_the_active(uid, now_s, w)
         heap = self._waiting.setdefault(uid, [])
         heapq.heappush(heap, (key, next(self._order), conn))
 
-    def _start_near_the_active(self, uid: int) -> None:
-        """``uid`` comes with work: raise its usage to ``LEAD_S`` below the least of the
-        other active uids', if it is lower."""
-        now = self._clock()
+    def _start_near_the_active(self, uid: int, now_s: float, w: float) -> None:
+        """``uid`` comes with work at ``now_s`` (usage weighed ``w``): raise its usage to
+        ``LEAD_S`` below the least of the other active uids', if it is lower."""
+        uid_usage, served_at = self._uid_usage, self._uid_served_at_s
         floor = min(
             (
-                self._decayed(entry)
-                for other, entry in self._uid_usage.items()
-                if other != uid and (other in self._waiting or now - entry[1] < ACTIVE_S)
+                used
+                for other, used in uid_usage.items()
+                if other != uid
+                and (other in self._waiting or now_s - served_at.get(other, -math.inf) < ACTIVE_S)
             ),
             default=0.0,
         )
-        if floor - LEAD_S > self._decayed(self._uid_usage.get(uid)):
-            self._uid_usage[uid] = (floor - LEAD_S, now)
+        if floor - LEAD_S * w > uid_usage.get(uid, 0.0):
+            uid_usage[uid] = floor - LEAD_S * w
 
     def next(self) -> int | None:
         """The connection to serve now (taken out of the queue), or None: of the uids
-        with work, the one that used the least lately (decay keeps their order, so
-        each is weighed now), then its connection that did."""
-        while self._waiting:
-            uid = min(self._waiting, key=lambda u: (self._decayed(self._uid_usage.get(u)), u))
-            heap = self._waiting[uid]
+        with work, the one that used the least lately (all weighed alike, so compared
+        as they are), then its connection that did."""
+        waiting, uid_usage = self._waiting, self._uid_usage
+        while waiting:
+            if len(waiting) == 1:
+                uid = next(iter(waiting))
+            else:
+                uid = min(waiting, key=lambda u: (uid_usage.get(u, 0.0), u))
+            heap = waiting[uid]
             _, _, conn = heapq.heappop(heap)
             if not heap:
-                del self._waiting[uid]
+                del waiting[uid]
             if conn in self._queued:
                 self._queued.discard(conn)
                 return conn
         return None
 
-    def served(self, conn: int, cost_s: float, more: int, uid: int | None = None) -> None:
+    def served(
+        self,
+        conn: int,
+        cost_s: float,
+        more: int,
+        uid: int | None = None,
+        now_s: float | None = None,
+    ) -> None:
         """``conn`` (of ``uid``, if not woken before)'s unit took ``cost_s`` of the
-        loop; ``more``: the bytes of work it has left (0: none)."""
-        if uid is not None:
+        loop, ending at ``now_s`` (default: the clock's now); ``more``: the bytes of
+        work it has left (0: none)."""
+        if uid is None:
+            uid = self._uid_of.get(conn, -1)
+        else:
             self._uid_of.setdefault(conn, uid)
-        now = self._clock()
-        self._usage[conn] = (self.usage_s(conn) + cost_s, now)
-        uid = self._uid_of.get(conn, -1)
-        self._uid_usage[uid] = (self._decayed(self._uid_usage.get(uid)) + cost_s, now)
+        if now_s is None:
+            now_s = self._clock()
+        w = self._weight
+        if now_s - self._weighed_at_s >= WEIGH_EVERY_S:
+            w = self._weigh(now_s)
+        used = cost_s * w
+        usage, uid_usage = self._usage, self._uid_usage
+        usage[conn] = usage.get(conn, 0.0) + used
+        uid_usage[uid] = uid_usage.get(uid, 0.0) + used
+        self._uid_served_at_s[uid] = now_s
         if more:
             self.wake(conn, more)
 

@@ -99,8 +99,9 @@ class EngineChannel:
         self.refused_claims_total = 0
         # pushed feeds: namespace -> connections it is pushed to, the feed position each
         # namespace had when last pushed, and connections that fell behind (retried once
-        # their output drains): a loop turn looks only at namespaces that changed
-        self._push_subs: dict[int, set[int]] = {}
+        # their output drains): a loop turn looks only at namespaces that changed, and
+        # at none while nobody is pushed to (the server reads ``push_subs``)
+        self.push_subs: dict[int, set[int]] = {}
         self._pushed_seq: dict[int, int] = {}
         self.lagging: set[int] = set()
 
@@ -189,7 +190,7 @@ class EngineChannel:
             index.add_mirror(s.session_id)
             if r.push:
                 s.push_feeds.add(ns)
-                self._push_subs.setdefault(ns, set()).add(s.session_id)
+                self.push_subs.setdefault(ns, set()).add(s.session_id)
             else:
                 self.stop_pushing(s, ns)
         snap = s.snapshots.get(ns)
@@ -217,11 +218,11 @@ class EngineChannel:
 
     def stop_pushing(self, s: Session, ns: int) -> None:
         s.push_feeds.discard(ns)
-        subs = self._push_subs.get(ns)
+        subs = self.push_subs.get(ns)
         if subs is not None:
             subs.discard(s.session_id)
             if not subs:
-                del self._push_subs[ns]
+                del self.push_subs[ns]
                 self._pushed_seq.pop(ns, None)
         if not s.push_feeds:
             self.lagging.discard(s.session_id)
@@ -230,7 +231,7 @@ class EngineChannel:
         """Connections with feed events to push now: subscribers of the namespaces whose
         feed moved since the last call (at most one look per pushed namespace)."""
         out: set[int] = set()
-        for ns, subs in self._push_subs.items():
+        for ns, subs in self.push_subs.items():
             seq = self.namespaces[ns].events.seq
             if self._pushed_seq.get(ns) != seq:
                 self._pushed_seq[ns] = seq

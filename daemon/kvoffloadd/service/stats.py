@@ -150,17 +150,17 @@ def render_stats(svc: Service) -> dict[str, Any]:
 
 class LoopTurns:
     """How long the loop thread works per turn (everything but waiting in select):
-    what another client may wait behind one turn. A ring of the latest turns."""
+    what another client may wait behind one turn. A ring of the latest turns; a turn's
+    record is a few stores (it runs on every turn of the loop)."""
 
-    SAMPLES = 4096
+    SAMPLES = 4096  # a power of two: the ring's position is the count of turns, masked
     # the kvoffload_loop_turn_seconds histogram's upper bounds (seconds)
     BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
     def __init__(self) -> None:
-        self._us = [0.0] * self.SAMPLES
-        self._at = 0
+        self._s = [0.0] * self.SAMPLES
         self.turns_total = 0
-        self.max_us = 0.0
+        self.max_s = 0.0
         self.sum_s = 0.0
         self._counts = [0] * (len(self.BUCKETS_S) + 1)  # per bucket; the last: above all
         # Start-up objects frozen out of the collector, counted once by main():
@@ -168,12 +168,12 @@ class LoopTurns:
         self.frozen_objects = 0
 
     def record(self, seconds: float) -> None:
-        us = seconds * 1e6
-        self._us[self._at] = us
-        self._at = (self._at + 1) % self.SAMPLES
-        self.turns_total += 1
-        self.max_us = max(self.max_us, us)
+        n = self.turns_total
+        self._s[n & (self.SAMPLES - 1)] = seconds
+        self.turns_total = n + 1
         self.sum_s += seconds
+        if seconds > self.max_s:
+            self.max_s = seconds
         self._counts[bisect.bisect_left(self.BUCKETS_S, seconds)] += 1
 
     def histogram(self) -> tuple[list[tuple[float, int]], float]:
@@ -186,12 +186,12 @@ class LoopTurns:
 
     def summary(self) -> dict[str, Any]:
         n = min(self.turns_total, self.SAMPLES)
-        recent = sorted(self._us[:n]) if n else [0.0]
+        recent = sorted(self._s[:n]) if n else [0.0]
         return {
             "turns_total": self.turns_total,
-            "turn_p50_us": round(recent[len(recent) // 2], 1),
-            "turn_p99_us": round(recent[min(len(recent) - 1, len(recent) * 99 // 100)], 1),
-            "turn_max_us": round(self.max_us, 1),
+            "turn_p50_us": round(recent[len(recent) // 2] * 1e6, 1),
+            "turn_p99_us": round(recent[min(len(recent) - 1, len(recent) * 99 // 100)] * 1e6, 1),
+            "turn_max_us": round(self.max_s * 1e6, 1),
             "gc_frozen_objects": self.frozen_objects,
             "turn_seconds_buckets": [
                 ["+Inf" if le == float("inf") else le, n] for le, n in self.histogram()[0]

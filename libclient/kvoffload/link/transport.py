@@ -31,7 +31,7 @@ import struct
 import time
 
 from kvoffload.link.peer import check_daemon
-from kvoffload.protocol import ClientConnection, NeedData
+from kvoffload.protocol import HEADER_BYTES, ClientConnection, NeedData, frame_length
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     DaemonUnavailableError,
@@ -60,6 +60,7 @@ class Transport:
         # One receive buffer for the connection's life: a fresh 256 KiB bytes object
         # per recvmsg is an mmap and munmap each, more than the rest of a ping.
         self._rbuf = bytearray(RECV_BYTES)
+        self._rbufs = [self._rbuf]
         self._rview = memoryview(self._rbuf)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(timeout_s)
@@ -183,20 +184,22 @@ class Transport:
     # ------------------------------------------------------------ blocking
 
     def _send(self, req: m.Request, fds: list[int] | None) -> None:
-        if self.sock is None:
+        sock = self.sock
+        if sock is None:
             raise DaemonUnavailableError("connection to kvoffloadd is closed")
-        frame = self.conn.send(req)
+        frame = bytearray()
+        self.conn.send_into(req, frame)
         try:
             if self._outbox:  # one-way frames queued earlier go first
-                self.sock.sendall(self._outbox)
+                sock.sendall(self._outbox)
                 self._outbox.clear()
             if fds:
                 anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-                sent = self.sock.sendmsg([frame], anc)
+                sent = sock.sendmsg([frame], anc)
                 if sent < len(frame):
-                    self.sock.sendall(frame[sent:])
+                    sock.sendall(memoryview(frame)[sent:])
             else:
-                self.sock.sendall(frame)
+                sock.sendall(frame)
         except OSError as exc:
             self._last_word()
             raise self._lost(exc) from exc
@@ -225,7 +228,8 @@ class Transport:
         self, req: m.Request, fds: list[int] | None = None, timeout_s: float | None = None
     ) -> m.Reply:
         limit_s = timeout_s or self.timeout_s
-        self._set_kernel_timeout(limit_s)
+        if limit_s != self._kernel_timeout_s:
+            self._set_kernel_timeout(limit_s)
         self._send(req, fds)
         deadline = time.monotonic() + limit_s
         while True:
@@ -248,23 +252,33 @@ class Transport:
                 self.received_fds.extend(fds)
 
     def _next_reply(self, deadline: float) -> m.Reply:
+        conn, rbuf = self.conn, self._rbuf
         try:
             while True:
-                event = self.conn.next_event()
-                if not isinstance(event, NeedData):
-                    return event
-                if self.sock is None:
+                if conn.buffered_bytes:
+                    event = conn.next_event()
+                    if not isinstance(event, NeedData):
+                        return event
+                sock = self.sock
+                if sock is None:
                     raise DaemonUnavailableError("connection to kvoffloadd is closed")
                 if time.monotonic() > deadline:
                     raise TimeoutError
                 try:
-                    n, anc, _, _ = self.sock.recvmsg_into([self._rbuf], _ANC_BYTES)
+                    n, anc, _, _ = sock.recvmsg_into(self._rbufs, _ANC_BYTES)
                 except BlockingIOError:  # SO_RCVTIMEO expired
                     raise TimeoutError from None
-                self._take_anc(anc)
+                if anc:
+                    self._take_anc(anc)
                 if not n:
                     raise ConnectionResetError("kvoffloadd closed the connection")
-                self.conn.receive_data(self._rview[:n])
+                if (  # one whole frame and nothing before it: decoded where it lies
+                    n >= HEADER_BYTES
+                    and not conn.buffered_bytes
+                    and frame_length(rbuf) == n - HEADER_BYTES
+                ):
+                    return conn.reply_of(self._rview[HEADER_BYTES:n])
+                conn.receive_data(self._rview[:n])
         except ProtocolError as exc:
             self.close()
             raise DaemonUnavailableError(f"protocol error talking to kvoffloadd: {exc}") from exc

@@ -15,7 +15,9 @@ from kvoffload.protocol.connection import (
     Role,
     ServerConnection,
     State,
+    append_frame,
     encode_frame,
+    frame_length,
 )
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError, error_for_code
 from kvoffload.protocol.messages import (
@@ -40,8 +42,10 @@ __all__ = [
     "Role",
     "ServerConnection",
     "State",
+    "append_frame",
     "encode_frame",
     "error_for_code",
+    "frame_length",
     "pack_ids",
     "pack_keys",
     "unpack_ids",

@@ -70,14 +70,31 @@ class NeedData:
 NEED_DATA = NeedData()
 
 _encoder = msgspec.msgpack.Encoder()
+_NO_LENGTH = bytes(HEADER_BYTES)
 
 
 def encode_frame(msg: msgspec.Struct) -> bytes:
     """One length-prefixed frame (no state checks; the Connection adds those)."""
-    buf = bytearray(HEADER_BYTES)
-    _encoder.encode_into(msg, buf, HEADER_BYTES)
-    _LEN.pack_into(buf, 0, len(buf) - HEADER_BYTES)
+    buf = bytearray()
+    append_frame(msg, buf)
     return bytes(buf)
+
+
+def append_frame(msg: msgspec.Struct, buf: bytearray) -> int:
+    """Append one frame to ``buf`` (encoded in place: no copy of the body); returns the
+    body's length."""
+    start = len(buf)
+    buf += _NO_LENGTH
+    _encoder.encode_into(msg, buf, -1)
+    length = len(buf) - start - HEADER_BYTES
+    _LEN.pack_into(buf, start, length)
+    return length
+
+
+def frame_length(data: bytes | bytearray | memoryview) -> int:
+    """The body length a frame starting at ``data[0]`` announces (``data`` holds at
+    least ``HEADER_BYTES``)."""
+    return int(_LEN.unpack_from(data)[0])
 
 
 In = TypeVar("In")
@@ -102,6 +119,14 @@ class _FrameReader(Generic[In]):
     def buffered_bytes(self) -> int:
         return len(self._buf) - self._pos
 
+    def decode(self, body: bytes | bytearray | memoryview) -> In:
+        """One frame's body, whole (read without buffering it here)."""
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            # msgspec reports invalid UTF-8 in a str field as UnicodeDecodeError.
+            raise ProtocolError(f"undecodable frame: {exc}") from exc
+
     def next(self) -> In | NeedData:
         avail = len(self._buf) - self._pos
         if avail < HEADER_BYTES:
@@ -113,11 +138,7 @@ class _FrameReader(Generic[In]):
             return NEED_DATA
         start = self._pos + HEADER_BYTES
         end = start + length
-        try:
-            msg = self._decoder.decode(memoryview(self._buf)[start:end])
-        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            # msgspec reports invalid UTF-8 in a str field as UnicodeDecodeError.
-            raise ProtocolError(f"undecodable frame: {exc}") from exc
+        msg = self.decode(memoryview(self._buf)[start:end])
         self._pos = end
         if self._pos > 65536 and self._pos * 2 > len(self._buf):
             del self._buf[: self._pos]
@@ -144,33 +165,57 @@ class ClientConnection:
         return frozenset(self._outstanding)
 
     def send(self, req: Request) -> bytes:
-        if self.state in (State.CLOSED, State.ERROR):
-            raise ProtocolError(f"cannot send on a connection in state {self.state.value}")
-        if self.state is State.AWAIT_HELLO:
+        buf = bytearray()
+        self.send_into(req, buf)
+        return bytes(buf)
+
+    def send_into(self, req: Request, buf: bytearray) -> None:
+        """Append ``req``'s frame to ``buf`` (what ``send`` returns, without a copy)."""
+        state, rid = self.state, req.rid
+        if state is not State.READY:
+            if state in (State.CLOSED, State.ERROR):
+                raise ProtocolError(f"cannot send on a connection in state {state.value}")
             if not isinstance(req, Hello) or self._hello_rid is not None:
                 raise ProtocolError("the first request must be a single Hello")
-            self._hello_rid = req.rid
-        if req.rid == 0 and isinstance(req, ONE_WAY) and self.state is State.READY:
-            return self._encode(req)
-        if req.rid <= 0:
+            self._hello_rid = rid
+        elif rid == 0 and isinstance(req, ONE_WAY):
+            self._encode_into(req, buf)
+            return
+        if rid <= 0:
             raise ProtocolError("request ids start at 1 (0 is reserved for one-way requests)")
-        if req.rid in self._outstanding:
-            raise ProtocolError(f"request id {req.rid} is already outstanding")
-        frame = self._encode(req)
-        self._outstanding.add(req.rid)
-        return frame
+        if rid in self._outstanding:
+            raise ProtocolError(f"request id {rid} is already outstanding")
+        self._encode_into(req, buf)
+        self._outstanding.add(rid)
 
-    def _encode(self, req: Request) -> bytes:
-        frame = encode_frame(req)
-        if len(frame) - HEADER_BYTES > self.max_frame_bytes:
+    def _encode_into(self, req: Request, buf: bytearray) -> None:
+        start = len(buf)
+        length = append_frame(req, buf)
+        if length > self.max_frame_bytes:
+            del buf[start:]
             raise ProtocolError(
-                f"request of {len(frame) - HEADER_BYTES} bytes exceeds the frame limit of "
+                f"request of {length} bytes exceeds the frame limit of "
                 f"{self.max_frame_bytes}; split the call"
             )
-        return frame
+
+    @property
+    def buffered_bytes(self) -> int:
+        r = self._reader  # read here, not through its property: checked per message
+        return len(r._buf) - r._pos
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._reader.feed(data)
+
+    def reply_of(self, body: bytes | bytearray | memoryview) -> Reply:
+        """The reply in one whole frame's ``body``, read without buffering it (nothing
+        may be buffered): checked as ``next_event`` checks what it returns."""
+        if self.state is State.ERROR:
+            raise ProtocolError("connection is in the ERROR state")
+        try:
+            return self._check(self._reader.decode(body))
+        except ProtocolError:
+            self.state = State.ERROR
+            raise
 
     def next_event(self) -> Reply | NeedData:
         if self.state is State.ERROR:
@@ -179,26 +224,35 @@ class ClientConnection:
             msg = self._reader.next()
             if isinstance(msg, NeedData):
                 return msg
-            if msg.rid == 0 and isinstance(msg, ErrorReply):
-                # rid 0 is the server's last word before it closes the connection.
-                self.state = State.ERROR
-                raise error_for_code(msg.code, f"kvoffloadd closed the connection: {msg.message}")
-            if msg.rid == 0 and isinstance(msg, PUSHES) and self.state is State.READY:
-                return msg
-            if msg.rid not in self._outstanding:
-                raise ProtocolError(f"reply to unknown request id {msg.rid}")
-            self._outstanding.discard(msg.rid)
-            if self.state is State.AWAIT_HELLO and msg.rid == self._hello_rid:
-                if isinstance(msg, Welcome):
-                    self.state = State.READY
-                elif isinstance(msg, ErrorReply):
-                    self._hello_rid = None
-                else:
-                    raise ProtocolError(f"expected a Welcome, got {type(msg).__name__}")
-            return msg
+            return self._check(msg)
         except ProtocolError:
             self.state = State.ERROR
             raise
+
+    def _check(self, msg: Reply) -> Reply:
+        rid = msg.rid
+        if rid and self.state is State.READY:  # the common case: a reply to a request
+            if rid not in self._outstanding:
+                raise ProtocolError(f"reply to unknown request id {rid}")
+            self._outstanding.discard(rid)
+            return msg
+        if rid == 0 and isinstance(msg, ErrorReply):
+            # rid 0 is the server's last word before it closes the connection.
+            self.state = State.ERROR
+            raise error_for_code(msg.code, f"kvoffloadd closed the connection: {msg.message}")
+        if rid == 0 and isinstance(msg, PUSHES) and self.state is State.READY:
+            return msg
+        if rid not in self._outstanding:
+            raise ProtocolError(f"reply to unknown request id {rid}")
+        self._outstanding.discard(rid)
+        if self.state is State.AWAIT_HELLO and rid == self._hello_rid:
+            if isinstance(msg, Welcome):
+                self.state = State.READY
+            elif isinstance(msg, ErrorReply):
+                self._hello_rid = None
+            else:
+                raise ProtocolError(f"expected a Welcome, got {type(msg).__name__}")
+        return msg
 
     def close(self) -> None:
         if self.state is not State.ERROR:
@@ -224,10 +278,22 @@ class ServerConnection:
 
     @property
     def buffered_bytes(self) -> int:
-        return self._reader.buffered_bytes
+        r = self._reader  # read here, not through its property: checked per message
+        return len(r._buf) - r._pos
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._reader.feed(data)
+
+    def request_of(self, body: bytes | bytearray | memoryview) -> Request:
+        """The request in one whole frame's ``body``, read without buffering it (nothing
+        may be buffered): checked as ``next_event`` checks what it returns."""
+        if self.state is not State.READY and self.state is not State.AWAIT_HELLO:
+            raise ProtocolError(f"connection is in the {self.state.value} state")
+        try:
+            return self._check(self._reader.decode(body))
+        except ProtocolError:
+            self.state = State.ERROR
+            raise
 
     def next_event(self) -> Request | NeedData:
         if self.state in (State.ERROR, State.CLOSED):
@@ -236,33 +302,46 @@ class ServerConnection:
             msg = self._reader.next()
             if isinstance(msg, NeedData):
                 return msg
-            if self.state is State.AWAIT_HELLO and not isinstance(msg, Hello):
-                raise ProtocolError(f"expected Hello first, got {type(msg).__name__}")
-            if self.state is State.READY and isinstance(msg, Hello):
-                raise ProtocolError("Hello sent twice")
-            if msg.rid == 0:
-                if not isinstance(msg, ONE_WAY):
-                    raise ProtocolError(f"{type(msg).__name__} needs a request id")
-                return msg
-            if msg.rid in self._pending:
-                raise ProtocolError(f"request id {msg.rid} reused while still pending")
-            self._pending.add(msg.rid)
-            return msg
+            return self._check(msg)
         except ProtocolError:
             self.state = State.ERROR
             raise
 
+    def _check(self, msg: Request) -> Request:
+        rid = msg.rid
+        if self.state is State.READY:
+            if type(msg) is Hello:
+                raise ProtocolError("Hello sent twice")
+        elif not isinstance(msg, Hello):
+            raise ProtocolError(f"expected Hello first, got {type(msg).__name__}")
+        if rid == 0:
+            if not isinstance(msg, ONE_WAY):
+                raise ProtocolError(f"{type(msg).__name__} needs a request id")
+            return msg
+        if rid in self._pending:
+            raise ProtocolError(f"request id {rid} reused while still pending")
+        self._pending.add(rid)
+        return msg
+
     def send(self, reply: Reply) -> bytes:
-        if self.state in (State.CLOSED, State.ERROR):
-            raise ProtocolError(f"cannot send on a connection in state {self.state.value}")
-        if reply.rid == 0 and isinstance(reply, PUSHES) and self.state is State.READY:
-            return encode_frame(reply)
-        if reply.rid not in self._pending:
-            raise ProtocolError(f"reply to request id {reply.rid} that is not pending")
-        if self.state is State.AWAIT_HELLO and isinstance(reply, Welcome):
+        buf = bytearray()
+        self.send_into(reply, buf)
+        return bytes(buf)
+
+    def send_into(self, reply: Reply, buf: bytearray) -> None:
+        """Append ``reply``'s frame to ``buf`` (what ``send`` returns, without a copy)."""
+        state, rid = self.state, reply.rid
+        if state is not State.READY and state is not State.AWAIT_HELLO:
+            raise ProtocolError(f"cannot send on a connection in state {state.value}")
+        if rid == 0 and state is State.READY and isinstance(reply, PUSHES):
+            append_frame(reply, buf)
+            return
+        if rid not in self._pending:
+            raise ProtocolError(f"reply to request id {rid} that is not pending")
+        if state is State.AWAIT_HELLO and isinstance(reply, Welcome):
             self.state = State.READY
-        self._pending.discard(reply.rid)
-        return encode_frame(reply)
+        self._pending.discard(rid)
+        append_frame(reply, buf)
 
     def close(self) -> None:
         if self.state is not State.ERROR:

@@ -1,0 +1,396 @@
+"""Where a control-path request's time goes: the daemon's loop CPU and the client's.
+
+``make bench`` gives the control rows as wall-clock percentiles beside a plain echo;
+this breaks one request down, for working on the loop and the client library:
+
+- **daemon CPU per request**: the loop thread's run time (``/proc/<pid>/task/<pid>/
+  schedstat``, nanoseconds) over N requests, against the same for a plain Python epoll
+  echo server (another process) over N echoes: what the daemon adds per request,
+  whatever else the machine runs.
+- **client CPU per call**: the calling thread's CPU time (``time.thread_time``) per
+  call, for the library's calls and for a raw socket sending pre-encoded frames.
+- **wall p50**, interleaved: blocks of echoes, raw pings and library calls alternate,
+  so a neighbour's burst hits all of them alike.
+- ``--profile``: the daemon's loop under cProfile (a runner that wraps
+  ``Server.serve_forever``), printed as function calls per request and the top
+  functions by own time.
+
+    python -m kvoffloadbench.bench_control [--n 20000] [--profile ping|lookup|store]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pstats
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+import kvoffload
+from kvoffload.protocol import encode_frame
+from kvoffload.protocol import messages as m
+
+from .echo_floor import _SERVER as _ECHO_SERVER
+from .launch import BULK_STORES, DaemonProcess
+
+_replies: msgspec.msgpack.Decoder[m.Reply] = msgspec.msgpack.Decoder(m.Reply)
+
+_RUNNER = """
+import cProfile, os, sys
+from kvoffloadd.server import server as srv
+serve = srv.Server.serve_forever
+def profiled(self):
+    p = cProfile.Profile()
+    p.enable()
+    try:
+        serve(self)
+    finally:
+        p.disable()
+        p.dump_stats(os.environ["KVOFFLOAD_PROFILE_OUT"])
+srv.Server.serve_forever = profiled
+from kvoffloadd.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_ns(pid: int, tid: int | None = None) -> int:
+    """Nanoseconds thread ``tid`` of ``pid`` (default: its main thread) has run."""
+    with open(f"/proc/{pid}/task/{tid or pid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+def p50(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]
+
+
+class Echo:
+    """A plain Python epoll echo server in another process, and a connection to it."""
+
+    def __init__(self) -> None:
+        self._tmp = tempfile.mkdtemp(prefix="kvoffload-echo-")
+        path = os.path.join(self._tmp, "echo.sock")
+        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, path])
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        end = time.monotonic() + 10
+        while True:
+            try:
+                self.sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > end:
+                    raise RuntimeError("the echo server did not start") from None
+                time.sleep(0.01)
+
+    def round_trip(self, frame: bytes, buf: bytearray) -> None:
+        self.sock.sendall(frame)
+        got = 0
+        while got < len(frame):
+            got += self.sock.recv_into(buf)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait(10)
+        for name in os.listdir(self._tmp):  # the server's socket
+            os.unlink(os.path.join(self._tmp, name))
+        os.rmdir(self._tmp)
+
+
+class RawPing:
+    """A bare socket to the daemon after a Hello: pre-encoded Ping frames, one recv."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.sendall(encode_frame(m.Hello(1, m.PROTOCOL_VERSION, "raw", os.getpid())))
+        self.buf = bytearray(65536)
+        self.sock.recv_into(self.buf)  # the Welcome (small: one read)
+        self.frame = encode_frame(m.Ping(2))
+        self.reply = len(encode_frame(m.Pong(2)))
+
+    def round_trip(self) -> None:
+        self.sock.sendall(self.frame)
+        got = 0
+        while got < self.reply:
+            got += self.sock.recv_into(self.buf)
+
+
+def per_call(fn: Callable[[], object], n: int, pid: int) -> dict[str, float]:
+    """Wall p50, client thread CPU and daemon loop CPU per call, in µs."""
+    walls = []
+    d0, c0 = run_ns(pid), time.thread_time()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+    c1, d1 = time.thread_time(), run_ns(pid)
+    return {
+        "p50_us": p50(walls) * 1e6,
+        "client_cpu_us": (c1 - c0) / n * 1e6,
+        "daemon_cpu_us": (d1 - d0) / n / 1e3,
+    }
+
+
+def interleaved(fns: dict[str, Callable[[], object]], n: int, block: int = 200) -> dict[str, float]:
+    """Wall p50 of each, measured in alternating blocks of ``block`` calls."""
+    walls: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(max(1, n // block)):
+        for name, fn in fns.items():
+            out = walls[name]
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+    return {k: p50(v) * 1e6 for k, v in walls.items()}
+
+
+def filled(client: kvoffload.Client) -> tuple[kvoffload.Namespace, list[bytes]]:
+    """The bench's namespace with 1,000 stored keys."""
+    ns = client.namespace("ctl", kvoffload.KVLayout(tensor_page_bytes=[16384]))
+    w = ns.attach_worker([kvoffload.shared_kv_cache(1000, 16384)])
+    keys = [b"ctl-%08d" % i for i in range(1000)]
+    plan = ns.prepare_store(keys)
+    assert plan is not None
+    w.submit_store(1, np.arange(1000), plan.slots)
+    w.wait([1])
+    ns.complete_store(keys)
+    assert ns.lookup(keys) == 1000
+    return ns, keys
+
+
+def store_rounds(ns: kvoffload.Namespace) -> Callable[[], None]:
+    count = iter(range(1 << 40))
+
+    def store_round() -> None:
+        i = next(count)
+        ks = [b"r%07d-%03d" % (i, j) for j in range(16)]  # 12 bytes, as the namespace's
+        ns.prepare_store(ks)
+        ns.complete_store(ks, success=False)
+
+    return store_round
+
+
+def measure(n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    echo = Echo()
+    with DaemonProcess("256MiB", "--log-level", "warning", settings=BULK_STORES) as d:
+        client = kvoffload.connect(d.socket_path)
+        ns, keys = filled(client)
+        raw = RawPing(d.socket_path)
+        frame, buf = raw.frame, bytearray(65536)
+
+        def echo_rt() -> None:
+            echo.round_trip(frame, buf)
+
+        # daemon loop CPU per request against the echo server's per echo
+        e0 = run_ns(echo.proc.pid)
+        for _ in range(n):
+            echo_rt()
+        out["echo_server_cpu_us"] = (run_ns(echo.proc.pid) - e0) / n / 1e3
+        out["raw_ping"] = per_call(raw.round_trip, n, d.pid)
+        out["echo"] = per_call(echo_rt, n, d.pid)
+        out["ping"] = per_call(client.ping, n, d.pid)
+        out["lookup1000"] = per_call(lambda: ns.lookup(keys), n // 4, d.pid)
+        out["store_round16"] = per_call(store_rounds(ns), n // 8, d.pid)
+        out["wall_interleaved"] = interleaved(
+            {"echo": echo_rt, "raw_ping": raw.round_trip, "ping": client.ping}, n
+        )
+        raw.sock.close()
+        client.close()
+    echo.close()
+    return out
+
+
+class InProcess:
+    """A real ``Server`` and ``Service`` in this process, driven one loop turn at a
+    time from a raw client socket: the loop's time per request with nothing else
+    between (the median of per-turn wall times, single-threaded)."""
+
+    def __init__(self) -> None:
+        from kvoffloadd.config import DaemonConfig
+        from kvoffloadd.copies.copier import CpuCopier
+        from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+        from kvoffloadd.server.server import Server, bind_listener
+        from kvoffloadd.service.service import Service
+
+        self._tmp = tempfile.mkdtemp(prefix="kvoffload-loop-")
+        cfg = DaemonConfig(
+            instance=f"l{os.getpid()}", region_size="64MiB", max_writing_fraction=1.0
+        )
+        self.region = SharedOffloadRegion(cfg.region_name, Geometry.plan(64 << 20, 2 << 20, 16384))
+        self.copier = CpuCopier(1)
+        path = os.path.join(self._tmp, "s.sock")
+        self.server = Server(Service(cfg, self.region, self.copier), bind_listener(path))
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.buf = bytearray(1 << 20)
+        self.server.turn(0.0)  # accept
+        self.call(m.Hello(1, m.PROTOCOL_VERSION, "loop", os.getpid()))
+        layout = kvoffload.KVLayout(tensor_page_bytes=[16384])
+        opened = self.call(m.OpenNamespace(2, "ctl", layout))
+        assert isinstance(opened, m.NamespaceOpened), opened
+        self.ns = opened.ns
+        self.keys = [b"ctl-%08d" % i for i in range(1000)]
+        index = self.server.service.namespaces[self.ns]
+        plan = index.prepare_store(self.keys, 0)
+        assert plan is not None
+        index.mark_written(plan.slots, 0)
+        index.complete_store(self.keys, True, 0)
+
+    def call(self, req: m.Request) -> m.Reply:
+        self.sock.sendall(encode_frame(req))
+        self.server.turn(0.0)
+        n = self.sock.recv_into(self.buf)
+        return _replies.decode(memoryview(self.buf)[4:n])
+
+    def per_turn(self, frames: list[bytes], n: int) -> float:
+        """Median µs of a loop turn serving each of ``frames`` in turn (a request and
+        its reply each; replies are read and dropped outside the timing)."""
+        took = []
+        sock, turn, buf = self.sock, self.server.turn, self.buf
+        for i in range(n):
+            sock.sendall(frames[i % len(frames)])
+            t0 = time.perf_counter()
+            turn(0.0)
+            took.append(time.perf_counter() - t0)
+            sock.recv_into(buf)
+        return p50(took) * 1e6
+
+    def close(self) -> None:
+        self.sock.close()
+        self.server.turn(0.0)
+        self.server.listener.close()
+        self.copier.close()
+        self.region.close()
+        for name in os.listdir(self._tmp):
+            os.unlink(os.path.join(self._tmp, name))
+        os.rmdir(self._tmp)
+
+
+def echo_turn_us(n: int) -> float:
+    """The same for a plain epoll echo in this process: poll, receive, send."""
+    import select
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b.setblocking(False)
+    ep = select.epoll()
+    ep.register(b.fileno(), select.EPOLLIN)
+    buf, rbuf = bytearray(65536), bytearray(65536)
+    frame = encode_frame(m.Ping(2))
+    took = []
+    for _ in range(n):
+        a.sendall(frame)
+        t0 = time.perf_counter()
+        for _fd, _ev in ep.poll(0):
+            k = b.recv_into(buf)
+            b.send(memoryview(buf)[:k])
+        took.append(time.perf_counter() - t0)
+        a.recv_into(rbuf)
+    ep.close()
+    a.close()
+    b.close()
+    return p50(took) * 1e6
+
+
+def loop_costs(n: int) -> dict[str, float]:
+    """µs of loop per request, in this process: echo, ping, lookup of 1,000 keys,
+    prepare and complete of 16 keys."""
+    lp = InProcess()
+    try:
+        ns, keys = lp.ns, lp.keys
+        packed = b"".join(keys)
+        out = {"echo": echo_turn_us(n)}
+        out["ping"] = lp.per_turn([encode_frame(m.Ping(3))], n)
+        out["lookup1000"] = lp.per_turn([encode_frame(m.Lookup(4, ns, packed, 12))], n // 4)
+        rounds = []
+        for i in range(n // 4):
+            ks = b"".join(b"r%07d-%03d" % (i, j) for j in range(16))
+            rounds.append(encode_frame(m.PrepareStore(5, ns, ks, 12)))
+            rounds.append(encode_frame(m.CompleteStore(6, ns, ks, 12, False)))
+        out["store_round16"] = 2 * lp.per_turn(rounds, len(rounds))
+    finally:
+        lp.close()
+    return out
+
+
+def profile(what: str, n: int, top: int) -> str:
+    tmp = tempfile.mkdtemp(prefix="kvoffload-prof-")
+    out = os.path.join(tmp, "loop.prof")
+    env = dict(os.environ, KVOFFLOAD_NO_REEXEC="1", KVOFFLOAD_PROFILE_OUT=out)
+    command = (sys.executable, "-c", _RUNNER)
+    with DaemonProcess(
+        "256MiB", "--log-level", "warning", settings=BULK_STORES, command=command, env=env
+    ) as d:
+        client = kvoffload.connect(d.socket_path)
+        ns, keys = filled(client)
+        fn: Callable[[], object] = {
+            "ping": client.ping,
+            "raw": RawPing(d.socket_path).round_trip,
+            "lookup": lambda: ns.lookup(keys),
+            "store": store_rounds(ns),
+        }[what]
+        calls = 2 if what == "store" else 1  # a store round is two requests
+        for _ in range(n):
+            fn()
+        client.close()
+    stats = pstats.Stats(out)
+    os.unlink(out)
+    os.rmdir(tmp)
+    total = stats.total_calls  # type: ignore[attr-defined]
+    lines = [f"{what}: {n * calls} requests, {total / (n * calls):.1f} function calls each"]
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+    lines.append(f"{'own us/req':>10} {'calls/req':>9}  function")
+    for (file, line, name), (_cc, nc, tt, _ct, _callers) in rows[:top]:
+        lines.append(
+            f"{tt / (n * calls) * 1e6:10.2f} {nc / (n * calls):9.2f}  "
+            f"{os.path.basename(file)}:{line} {name}"
+        )
+    return "\n".join(lines)
+
+
+def report(r: dict[str, Any]) -> str:
+    lines = [f"echo server CPU per echo: {r['echo_server_cpu_us']:.1f} us"]
+    lines.append(f"{'':14} {'p50 us':>8} {'client CPU':>10} {'daemon CPU':>10}")
+    for k in ("echo", "raw_ping", "ping", "lookup1000", "store_round16"):
+        x = r[k]
+        lines.append(
+            f"{k:14} {x['p50_us']:8.1f} {x['client_cpu_us']:10.1f} {x['daemon_cpu_us']:10.1f}"
+        )
+    w = r["wall_interleaved"]
+    lines.append(
+        "interleaved p50: "
+        + ", ".join(f"{k} {v:.1f} us" for k, v in w.items())
+        + f"; ping / echo {w['ping'] / w['echo']:.2f}, raw / echo {w['raw_ping'] / w['echo']:.2f}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvoffloadbench.bench_control")
+    p.add_argument("--n", type=int, default=20000, help="requests per figure")
+    p.add_argument("--profile", choices=["ping", "raw", "lookup", "store"])
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--loop", action="store_true", help="the loop in this process only")
+    args = p.parse_args(argv)
+    if args.loop:
+        costs = loop_costs(args.n)
+        print(
+            "loop turn p50 in this process: "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in costs.items())
+        )
+    elif args.profile:
+        print(profile(args.profile, args.n, args.top))
+    else:
+        print(report(measure(args.n)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
