@@ -137,7 +137,8 @@ class Server:
         self._sig_w.setblocking(False)
         self._watch(self._sig_r.fileno(), self._signalled)
         self.clients: dict[int, _Client] = {}
-        self.turns = TurnQueue()  # connections with work, served fairly
+        # connections with work, served fairly; on the clock the loop times units with
+        self.turns = TurnQueue(time.perf_counter)
         self._leaving: deque[Session] = deque()  # connections gone, to be released
         self._push_due: set[int] = set()  # connections that fell behind their feed, read
         self.budgets = service.budgets
