@@ -34,7 +34,8 @@ class FakeClient:
     def adopt(self) -> None:
         self.adopts += 1
 
-    def poll(self) -> None:
+    def poll(self) -> None:  # as the client's: write what is queued, then read
+        self.flush()
         self.reads += 1
 
     def post(self, msg: m.Request) -> bool:

@@ -112,7 +112,7 @@ class StreamingWorker(Worker):
         self._copies: list[Job] = []  # client-copy stores not copied yet
         self._refusals: set[str] = set()  # reasons already logged
         self.stores_dropped_total = 0
-        self.loads_recovered_total = 0
+        self.loads_recovered_total = 0  # loads read from the region while the daemon was away
         super().__init__(ns, caches, rank, stream, copy_mode, canonical, parts)
 
     # ------------------------------------------------------------ registration
@@ -242,7 +242,10 @@ class StreamingWorker(Worker):
     ) -> bool:
         job = self._job(job_id, False, slots, engine_block_ids, skip, caches, list(keys), 0)
         try:
-            if self.copy_mode == "client" or not self.ns.client.connected:
+            if self.copy_mode == "client":
+                self._load(job)
+            elif not self.ns.client.connected:  # the daemon is away: from the region
+                self.loads_recovered_total += 1
                 self._load(job)
             else:
                 self._submit_load(job)
