@@ -166,6 +166,22 @@ class CopyThreads:
     def _handle(self, item: Any) -> None:
         raise NotImplementedError
 
+    MIN_SPLIT_BYTES = 4 * 1024 * 1024  # a transfer this large is split across threads
+
+    def _slot_ranges(
+        self, token: int, plan: JobPlan, check: ChecksumCheck | None
+    ) -> tuple[CopyJob, list[tuple[int, int]]]:
+        """A planned transfer's job, and its slots in one range of whole slots per
+        thread (one range for a small transfer, or a verified load, which checks
+        everything before it copies anything)."""
+        slots = int(plan.slot_offsets.size)
+        parts = min(len(self._threads), slots) if plan.most_bytes >= self.MIN_SPLIT_BYTES else 1
+        if check is not None and check.expected is not None:
+            parts = 1
+        parts = max(parts, 1)
+        job = CopyJob(token, 0, parts, time.perf_counter(), check)
+        return job, [(i * slots // parts, (i + 1) * slots // parts) for i in range(parts)]
+
     def close(self) -> None:
         for _ in self._threads:
             self._queue.put(None)
@@ -240,7 +256,6 @@ class CompletionSink:
 
 
 class CpuCopier(CopyThreads):
-    MIN_SPLIT_BYTES = 4 * 1024 * 1024
     CHUNK_BYTES = 4 * 1024 * 1024
     INLINE_BYTES = 64 * 1024  # smaller jobs are copied at once, on the caller's thread
 
@@ -281,14 +296,9 @@ class CpuCopier(CopyThreads):
             done = finished(token, True, groups.total_bytes, t0, None, [])
             self.sink.post(replace(done, runs=groups.runs))
             return
-        slots = int(plan.slot_offsets.size)
-        parts = min(len(self._threads), slots) if plan.most_bytes >= self.MIN_SPLIT_BYTES else 1
-        if check is not None and check.expected is not None:
-            parts = 1  # a verified load checks everything before it copies anything
-        parts = max(parts, 1)
-        job = CopyJob(token, 0, parts, time.perf_counter(), check)
-        for i in range(parts):
-            self._queue.put(_PlanPart(job, plan, i * slots // parts, (i + 1) * slots // parts))
+        job, ranges = self._slot_ranges(token, plan, check)
+        for first, end in ranges:
+            self._queue.put(_PlanPart(job, plan, first, end))
 
     def _plan_part(self, part: _PlanPart) -> None:
         plan = part.plan

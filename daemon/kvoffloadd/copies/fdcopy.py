@@ -95,7 +95,6 @@ class FdCopier(CopyThreads):
     """Threads that copy between the region and descriptor caches."""
 
     CHUNK_BYTES = 1024 * 1024
-    MIN_SPLIT_BYTES = 4 * 1024 * 1024
 
     def __init__(self, threads: int, sink: CompletionSink, region_fd: int, region_address: int):
         self.sink = sink
@@ -113,14 +112,8 @@ class FdCopier(CopyThreads):
     ) -> None:
         """Copy a validated job: its slots in one range per thread (one range for a
         small job, or a verified load, which checks everything before it copies)."""
-        slots = int(plan.slot_offsets.size)
-        parts = min(len(self._threads), slots) if plan.most_bytes >= self.MIN_SPLIT_BYTES else 1
-        if check is not None and check.expected is not None:
-            parts = 1
-        parts = max(parts, 1)
-        job = CopyJob(token, 0, parts, time.perf_counter(), check)
-        for i in range(parts):
-            first, end = i * slots // parts, (i + 1) * slots // parts
+        job, ranges = self._slot_ranges(token, plan, check)
+        for first, end in ranges:
             self._queue.put(_PlanPart(job, plan, caches, first, end, deadline_ns))
 
     def _reads(self, item: _PlanPart) -> _Part:
