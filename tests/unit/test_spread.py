@@ -4,6 +4,7 @@ tier promoting on several threads, where a block whose MAC fails is a counted mi
 
 from __future__ import annotations
 
+import os
 import pathlib
 import select
 import threading
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvoffloadd.tiers.base import TierJob, TierNamespace, TierResult, WakeFd
-from kvoffloadd.tiers.blockauth import SEAL, BlockMac
+from kvoffloadd.tiers.blockauth import PIECE_BYTES, SEAL, BlockMac
 from kvoffloadd.tiers.disk import DiskTier
 from kvoffloadd.tiers.spread import TAKE_BYTES, TierThreads, take_blocks
 
@@ -197,3 +198,39 @@ def test_a_block_whose_mac_fails_on_any_thread_is_a_counted_miss(tmp_path: pathl
     finally:
         tier.close()
         wake.close()
+
+
+def test_a_read_hashes_what_landed_and_a_short_file_fails(tmp_path: pathlib.Path) -> None:
+    """``read_and_hash`` (the disk tier's promotion, and the benchmark's measure of it):
+    the tag of the bytes read into the slot, over pieces; a file that ends first fails
+    closed, and a block whose file is cut is a miss."""
+    size = 3 * PIECE_BYTES + 1000  # a last piece shorter than the others
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    path = tmp_path / "b"
+    path.write_bytes(b"s" * 7 + data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        slot = memoryview(bytearray(size))
+        assert MAC.read_and_hash(NS, b"k", slot, fd, 7) == MAC.tag(NS, b"k", data)
+        assert bytes(slot) == data
+        assert MAC.read_and_hash(NS, b"k", memoryview(bytearray(size + 1)), fd, 7) is None
+    finally:
+        os.close(fd)
+    wake = WakeFd()
+    tier = DiskTier("disk", str(tmp_path / "d"), 64 * BLOCK, wake, mac=MAC)
+    try:
+        keys = [b"whole", b"cut"]
+        tier.submit_store(TierJob(1, NS, keys, [memoryview(bytes([1]) * BLOCK)] * 2))
+        assert all(finish(tier, wake, 1).ok)
+        os.truncate(tier._file((NS.tier_id, b"cut")), SEAL.size + BLOCK - 1)
+        slots = [memoryview(bytearray(BLOCK)) for _ in keys]
+        assert finish_load(tier, wake, TierJob(2, NS, keys, slots)).ok == [True, False]
+        assert tier.lookup(NS, keys) == [True, False]  # dropped
+    finally:
+        tier.close()
+        wake.close()
+
+
+def finish_load(tier: DiskTier, wake: WakeFd, job: TierJob) -> TierResult:
+    tier.submit_load(job)
+    return finish(tier, wake, job.job_id)

@@ -181,6 +181,22 @@ class BlockMac:
         digest: bytes = h.digest()
         return digest
 
+    def read_and_hash(
+        self, ns: TierNamespace, key: bytes, dst: memoryview, fd: int, offset: int
+    ) -> bytes | None:
+        """Read ``len(dst)`` bytes of ``fd`` from ``offset`` into ``dst`` and return the
+        tag of what landed there, each piece hashed just after its read (None: the file
+        ends first). The disk tier's promotion, and the benchmark's measure of it."""
+        n = len(dst)
+        h = self.hasher(ns, key, n)
+        for at in range(0, n, PIECE_BYTES):
+            piece = dst[at : at + PIECE_BYTES]
+            if os.preadv(fd, (piece,), offset + at) != len(piece):
+                return None
+            h.update(piece)
+        digest: bytes = h.digest()
+        return digest
+
 
 class SealCheck:
     """One tier's checks of the seals it reads back, with their counts (any thread)."""
@@ -217,9 +233,13 @@ class SealCheck:
         nbytes = len(memoryview(data))
         if not self.check_head(seal, nbytes, what):
             return False
+        return self.check_tag(seal, tag or self.mac.tag(ns, key, data), what)
+
+    def check_tag(self, seal: Any, tag: bytes, what: str) -> bool:
+        """The tag of a seal that passed ``check_head`` against ``tag``, the MAC of the
+        bytes as they lie in the slot."""
         expected = SEAL.unpack(bytes(seal))[3]
-        actual = tag or self.mac.tag(ns, key, data)
-        return hmac.compare_digest(expected, actual) or self.refuse("bad_mac", what)
+        return hmac.compare_digest(expected, tag) or self.refuse("bad_mac", what)
 
     def refuse(self, reason: str, what: str, key_id: bytes = b"") -> bool:
         with self._lock:

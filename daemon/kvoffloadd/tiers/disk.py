@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvoffloadd.tiers.base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
-from kvoffloadd.tiers.blockauth import PIECE_BYTES, SEAL, BlockMac, SealCheck
+from kvoffloadd.tiers.blockauth import SEAL, BlockMac, SealCheck
 from kvoffloadd.tiers.remote import VIEW_CHUNK, VIEW_ENTRIES_PER_TURN
 from kvoffloadd.trust import UntrustedError, private_dir
 
@@ -366,13 +366,10 @@ class DiskTier(SecondaryTier):
             if not self.seals.check_head(seal, len(out), what):
                 return False  # counted and logged once by the check
             # each piece is hashed just after it landed in the slot, while in the cache
-            h = self.seals.mac.hasher(ns, e[1], len(out))
-            for at in range(0, len(out), PIECE_BYTES):
-                piece = out[at : at + PIECE_BYTES]
-                if os.preadv(fd, [piece], SEAL.size + at) != len(piece):
-                    return self._bad(what, "truncated block")
-                h.update(piece)
-            if not self.seals.check(seal, ns, e[1], out, what, tag=h.digest()):
+            tag = self.seals.mac.read_and_hash(ns, e[1], out, fd, SEAL.size)
+            if tag is None:
+                return self._bad(what, "truncated block")
+            if not self.seals.check_tag(seal, tag, what):
                 return False
             with contextlib.suppress(OSError):
                 os.utime(fd)  # recency survives a restart
