@@ -12,11 +12,16 @@ the way of the promotion they time (``_until_promoted``): none in the first half
 the time the copies alone would take, then one key every ``POLL_S``.
 Before each round and after the last, the machine's own copy+MAC rate with as many
 threads is measured in this process (``CopyMac``: the same bytes copied in the same
-``PIECE_BYTES`` pieces, each hashed with the same keyed BLAKE3 just after its copy,
-``BlockMac.copy_and_hash``), and each round is set against the mean of the two
-around it: the work a promotion has to do, on the threads it has, measured while the
-machine is as busy (2 vCPUs shared with other processes swing by 2x from minute to
-minute). Then single blocks are evicted and looked up again: the median time from
+``PIECE_BYTES`` pieces, each hashed with the same keyed BLAKE3 just after its copy, by
+the function the tier's promotion uses: ``BlockMac.copy_and_hash`` from memory as
+from Mooncake's own segment, and for the disk tier ``BlockMac.read_and_hash`` from
+the tier's own block files, opened and read from the page cache as the promotion
+reads them), and each round is set against the mean of the two around it: the work a
+promotion has to do, on the threads it has, measured while the machine is as busy
+(2 vCPUs shared with other processes swing by 2x from minute to minute). What the
+promotion adds to that work (its lookup, the checks of each file and seal, handing
+blocks to threads, the slots' bookkeeping) is what the ratio measures.
+Then single blocks are evicted and looked up again: the median time from
 the lookup that starts one block's promotion to the lookup that hits it is its
 latency. The disk figures are with the files in the page cache (just written, then
 flushed to the drive so its write-back does not run during the rounds), so they show
@@ -42,7 +47,7 @@ import numpy.typing as npt
 
 import kvoffload
 from kvoffloadd.tiers.base import TierNamespace
-from kvoffloadd.tiers.blockauth import BlockMac
+from kvoffloadd.tiers.blockauth import SEAL, BlockMac
 
 from .launch import DaemonProcess, wait_prefault
 from .mooncake_master import MooncakeMaster
@@ -65,8 +70,11 @@ def _wait(predicate: Any, deadline_s: float = 120.0, poll_s: float = 0.0005) -> 
 
 
 class CopyMac:
-    """The machine's copy+MAC rate: blocks of ``src`` copied into ``dst`` and hashed,
-    as a promotion does it, on a given number of threads taking blocks in turn."""
+    """The machine's copy+MAC rate: blocks copied into ``dst`` and hashed, as a
+    promotion does it, on a given number of threads taking blocks in turn. The copy is
+    the one the tier's promotion makes: from memory (``src``: Mooncake's own segment)
+    by ``BlockMac.copy_and_hash``, or, given the tier's block ``files``, read from them
+    (the disk tier: the page cache) by ``BlockMac.read_and_hash``."""
 
     def __init__(self, block_bytes: int, nblocks: int) -> None:
         self.block_bytes = block_bytes
@@ -76,17 +84,26 @@ class CopyMac:
         self.src: npt.NDArray[np.uint8] = np.ones(nblocks * block_bytes, np.uint8)
         self.dst: npt.NDArray[np.uint8] = np.ones(nblocks * block_bytes, np.uint8)  # faulted in
 
-    def gbps(self, threads: int) -> float:
+    def gbps(self, threads: int, files: Sequence[pathlib.Path] = ()) -> float:
         view = memoryview(self.dst.data)
         src, dst, n = self.src.ctypes.data, self.dst.ctypes.data, self.block_bytes
         blocks = itertools.count()  # next() is atomic: each thread takes the next block
         start = threading.Barrier(threads + 1)
+        assert not files or len(files) == self.nblocks
 
         def work() -> None:
             start.wait()
             while (i := next(blocks)) < self.nblocks:
                 at = i * n
-                self.mac.copy_and_hash(self.ns, b"k", view[at : at + n], dst + at, src + at)
+                if not files:
+                    self.mac.copy_and_hash(self.ns, b"k", view[at : at + n], dst + at, src + at)
+                    continue
+                fd = os.open(files[i], os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    tag = self.mac.read_and_hash(self.ns, b"k", view[at : at + n], fd, SEAL.size)
+                finally:
+                    os.close(fd)
+                assert tag is not None
 
         pool = [threading.Thread(target=work) for _ in range(threads)]
         for t in pool:
@@ -141,7 +158,9 @@ def tier_rates(
             cascade_s = time.perf_counter() - t0
             assert tier_stat("tier_threads") == tier_threads
             _flush(pathlib.Path(tmp))
-            copy_mac = [base.gbps(tier_threads)]  # before each round, and after the last
+            # the disk tier's promotion reads its files: so does its copy+MAC
+            files = sorted(pathlib.Path(tmp).glob("disk/*/*/*.kvb"))
+            copy_mac = [base.gbps(tier_threads, files)]  # before each round, after the last
             promote_s = []
             for _ in range(PROMOTION_ROUNDS):
                 assert client.evict("bench") == nblocks
@@ -152,7 +171,7 @@ def tier_rates(
                 time.sleep(quiet_s)
                 _until_promoted(ns, keys)
                 promote_s.append(time.perf_counter() - t0)
-                copy_mac.append(base.gbps(tier_threads))
+                copy_mac.append(base.gbps(tier_threads, files))
             assert tier_stat("promotion_failures_total") == 0
             one_ms = []
             for k in keys[:16]:
