@@ -168,8 +168,16 @@ class StoreIndex:
 
     # ------------------------------------------------------------ scheduler side
 
+    def ready_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are ready (no statistics)."""
+        ready = self._ready
+        if ready.issuperset(keys):  # all of them (the usual hit): one C loop, no call per key
+            return len(keys)
+        # stops at the first key not ready, as the loop above did; hashes are cached
+        return len(list(takewhile(ready.__contains__, keys)))
+
     def lookup(self, keys: Sequence[bytes]) -> int:
-        hits = len(list(takewhile(self._ready.__contains__, keys)))
+        hits = self.ready_prefix(keys)
         self._lookups += 1
         self._lookup_keys += len(keys)
         self._hit_keys += hits
