@@ -221,3 +221,24 @@ def test_store_cannot_complete_before_every_rank_copied() -> None:
     idx.mark_written(plan.slots, area=1)
     idx.complete_store(ks(1), True, CLIENT)
     assert idx.lookup(ks(1)) == 1
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_lookup_counts_the_leading_ready_keys_only(policy: str) -> None:
+    """Scenario: lookups whose keys are all ready, ready up to a gap, or ready behind a
+    key still being written count exactly the leading ready keys."""
+    idx = make_index(policy, num_blocks=8)
+    idx.prepare_store(ks(1, 2, 3), CLIENT)
+    idx.complete_store(ks(1, 2, 3), True, CLIENT)
+    idx.prepare_store(ks(4), CLIENT)  # being written: not visible (invariant 1)
+
+    assert idx.lookup(ks(1, 2, 3)) == 3
+    assert idx.lookup(ks(3, 1, 2, 1)) == 4  # repeats count, as in vLLM
+    assert idx.lookup(ks(1, 2, 9, 3)) == 2
+    assert idx.lookup(ks(1, 4, 2)) == 1
+    assert idx.lookup(ks(9, 1)) == 0
+    assert idx.lookup([]) == 0
+    assert idx.ready_prefix(ks(1, 2, 4)) == 2
+    s = idx.statistics()
+    assert (s.lookups_total, s.lookup_keys_total, s.hit_keys_total) == (6, 16, 10)
+    assert s.lookup_misses_total == 3

@@ -365,3 +365,48 @@ def test_a_refused_open_drops_nothing_of_anyone_else(layout: m.KVLayout) -> None
         ns = open_ns(svc, reader, "ns-000")
         hits = svc.handle(reader, m.Lookup(4, ns, kp, kb))
         assert isinstance(hits, m.LookupReply) and hits.hits == 1
+
+
+def test_the_slot_records_a_store_writes_are_the_table_layout_field_by_field() -> None:
+    """Scenario: records written as packed bytes (leased, writing, ready, freed) read
+    back through the region's slot table dtype with exactly the fields recovery reads."""
+    from kvoffload.datapath.regionfmt import SLOT_FREE, SLOT_LEASED, SLOT_WRITING
+    from kvoffloadd.region.allocator import ExtentPool, SlotPool
+
+    cfg = config()
+    region = SharedOffloadRegion(cfg.region_name, geometry(cfg))
+    try:
+        pool = ExtentPool(region.geometry.num_extents, MIB)
+        slots = SlotPool(pool, owner=3, slot_bytes=4096)
+        taken = slots.allocate(300)  # more than one extent: records in two extents
+        journal = region.journal_for(3, slots)
+        spe, spe_max = slots.slots_per_extent, region.geometry.slots_per_extent_max
+
+        def rec(slot: int) -> np.void:
+            ext = slots.extents[slot // spe]
+            assert ext is not None
+            return region.slot_table[ext * spe_max + slot % spe]
+
+        keys = [bytes([1 + i % 255]) * (1 + i % 64) for i in range(len(taken))]
+        journal.writing_many(taken, keys, lease=(1 << 63) - 5)
+        for slot, key in zip(taken, keys):
+            r = rec(slot)
+            assert (r["state"], r["key_len"], r["pad"], r["ns"], r["seq"]) == (
+                SLOT_WRITING, len(key), 0, 3, 0,
+            )  # fmt: skip
+            assert bytes(r["key"]) == key.ljust(64, b"\0")
+            assert (r["lease"], r["crc"], bytes(r["reserved"])) == ((1 << 63) - 5, 0, bytes(4))
+        journal.ready(taken[0], keys[0])
+        assert rec(taken[0])["state"] == SLOT_READY and rec(taken[0])["seq"] > 0
+        journal.leased(taken[1], 77)
+        r = rec(taken[1])
+        fields = (r["state"], r["key_len"], r["ns"], r["seq"], r["lease"])
+        assert fields == (SLOT_LEASED, 0, 3, 0, 77)
+        assert bytes(r["key"]) == bytes(64)
+        journal.freed_many(taken[:200])
+        journal.freed(taken[250])
+        for slot in [*taken[:200], taken[250]]:
+            assert rec(slot).tobytes() == bytes(96) and rec(slot)["state"] == SLOT_FREE
+        assert rec(taken[200])["state"] == SLOT_WRITING  # only the freed ones
+    finally:
+        region.close()

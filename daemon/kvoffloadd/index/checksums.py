@@ -33,7 +33,11 @@ class BlockChecksums:
         return [self._crc.get(slot * w + rank, -1) for slot in slots]
 
     def forget(self, slot: int) -> None:
+        self.forget_many((slot,))
+
+    def forget_many(self, slots: Sequence[int]) -> None:
         if self._crc:
-            w = self._world_size
-            for rank in range(w):
-                self._crc.pop(slot * w + rank, None)
+            w, pop = self._world_size, self._crc.pop
+            for slot in slots:
+                for rank in range(w):
+                    pop(slot * w + rank, None)

@@ -111,8 +111,7 @@ class NamespaceIndex(StoreIndex):
             client = self._lease_client.get(token, 0)
             self._uncharge(client, len(slots))
             self.lease_ledger.give(client, len(slots) * self.slots.slot_bytes)
-            for slot in slots:
-                self._free_slot(slot)
+            self._free_slots(slots)
             out.append((token, slots))
         return out
 
@@ -511,8 +510,7 @@ class NamespaceIndex(StoreIndex):
             self._uncharge(client, len(held))
             self.lease_ledger.give(client, len(unclaimed) * self.slots.slot_bytes)
             self._lease_client.pop(token, None)
-            for slot in held:
-                self._free_slot(slot)
+            self._free_slots(held)
         pins = self._pins.get(client, Counter())
         dropped = 0
         for key, n in list(itertools.islice(pins.items(), max(0, budget))):

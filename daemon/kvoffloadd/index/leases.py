@@ -30,6 +30,7 @@ Rules:
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +64,20 @@ class LeaseBook:
             grown[: self.owner.size] = self.owner
             self.owner = grown
         self.owner[slot] = token
+
+    def assign_many(self, slots: list[int], token: int) -> None:
+        """``assign`` for each of ``slots`` (a store's batch: one mirror write)."""
+        if not slots:
+            return
+        self.token_of.update(dict.fromkeys(slots, token))
+        top = max(slots)
+        if top >= self.owner.size:
+            grown = np.zeros(max(2 * self.owner.size, top + 1, 1024), dtype=np.int64)
+            grown[: self.owner.size] = self.owner
+            self.owner = grown
+        owner = self.owner
+        for slot in slots:  # scalar stores: cheaper than one fancy index for a step's few
+            owner[slot] = token
 
     def grant(self, token: int, slots: list[int], uid: int = -1, now_s: float = 0.0) -> None:
         self._unclaimed.setdefault(token, set()).update(slots)
@@ -178,10 +193,16 @@ class LeaseBook:
 
     def forget(self, slot: int) -> None:
         """The slot was freed."""
-        token = self.token_of.pop(slot, None)
-        if token is not None:
-            self.owner[slot] = 0
-            pool = self._unclaimed.get(token)
-            if pool is not None and slot in pool:
-                pool.discard(slot)
-                self._count(token, -1)
+        self.forget_many((slot,))
+
+    def forget_many(self, slots: Sequence[int]) -> None:
+        """These slots were freed (one mirror write for all of them)."""
+        pop, unclaimed, owner = self.token_of.pop, self._unclaimed, self.owner
+        for slot in slots:
+            token = pop(slot, None)
+            if token is not None:
+                owner[slot] = 0
+                pool = unclaimed.get(token)
+                if pool is not None and slot in pool:
+                    pool.discard(slot)
+                    self._count(token, -1)

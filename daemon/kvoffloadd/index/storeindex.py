@@ -168,8 +168,16 @@ class StoreIndex:
 
     # ------------------------------------------------------------ scheduler side
 
+    def ready_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are ready (no statistics)."""
+        ready = self._ready
+        if ready.issuperset(keys):  # all of them (the usual hit): one C loop, no call per key
+            return len(keys)
+        # stops at the first key not ready, as the loop above did; hashes are cached
+        return len(list(takewhile(ready.__contains__, keys)))
+
     def lookup(self, keys: Sequence[bytes]) -> int:
-        hits = len(list(takewhile(self._ready.__contains__, keys)))
+        hits = self.ready_prefix(keys)
         self._lookups += 1
         self._lookup_keys += len(keys)
         self._hit_keys += hits
@@ -221,15 +229,14 @@ class StoreIndex:
             self.graves.unexempt([s for s, g in self.graves.by_slot.items() if g.key in gone])
             return None
         slots = self._allocate(need)
-        insert, slot_key, writers = self._policy.insert, self._slot_key, self._writers
-        journal_writing, assign = self._journal.writing, self.leases.assign
-        for key, slot in zip(to_store, slots):  # _insert_writing, inlined: a hot loop
+        insert, slot_key = self._policy.insert, self._slot_key
+        for key, slot in zip(to_store, slots):  # _insert_writing, batched: a hot loop
             insert(key, Block(slot))
             slot_key[slot] = key
-            writers[key] = client
-            if token:
-                assign(slot, token)
-            journal_writing(slot, key, token)
+        self._writers.update(dict.fromkeys(to_store, client))
+        if token:
+            self.leases.assign_many(slots, token)
+        self._journal.writing_many(slots, to_store, token)
         self._writes_of.setdefault(client, set()).update(to_store)
         self._inflight_by_uid[self.uid_of(client)] += need
         self._stores_prepared += need
@@ -418,18 +425,25 @@ class StoreIndex:
         stored: list[bytes] = []
         stored_slots: list[int] = []
         writes_of, writers_pop = self._writes_of, self._writers.pop
+        last, ended = None, 0  # the client of a run of blocks, and how many it ended
         for key, _ in blocks:
             client = writers_pop(key)
             mine = writes_of[client]
             mine.discard(key)
             if not mine:
                 del writes_of[client]
-            self._uncharge(client, 1)
+            if client != last:  # a batch is mostly one client's: one uncharge for a run
+                if ended:
+                    self._uncharge(last, ended)  # type: ignore[arg-type]
+                last, ended = client, 0
+            ended += 1
+        if ended:
+            self._uncharge(last, ended)  # type: ignore[arg-type]
         if not success:
-            remove, free = self._policy.remove, self._free_slot
-            for key, block in blocks:
+            remove = self._policy.remove
+            for key, _ in blocks:
                 remove(key)
-                free(block.slot)
+            self._free_slots([block.slot for _, block in blocks])
             self._store_failures += len(blocks)
             return
         waiting_pop, written_pop, ready = self._waiting.pop, self._written.pop, self._ready
@@ -471,37 +485,42 @@ class StoreIndex:
                 self.graves.bury(key, block, self.events.seq, exempt, now)
                 self._journal.buried(block.slot)
         else:
-            for _, block in victims:
-                self._free_slot(block.slot)
+            self._free_slots([block.slot for _, block in victims])
         return keys
 
     def free_graves(self, now_s: float | None = None) -> None:
         """Free the slots of graves every mirror has seen (or whose grace is over)."""
         if self.graves.by_slot:
-            for grave in self.graves.free_now(time.monotonic() if now_s is None else now_s):
-                self._free_slot(grave.block.slot)
+            gone = self.graves.free_now(time.monotonic() if now_s is None else now_s)
+            self._free_slots([grave.block.slot for grave in gone])
 
     def _free_slot(self, slot: int) -> None:
-        key = self._slot_key[slot]
-        if key is not None:
-            self._slot_key[slot] = None
-            block = self._policy.get(key)
-            if block is None or block.slot == slot:  # not a grave of a key stored again
-                self._ready.discard(key)
-        self._written.pop(slot, None)
-        if self._parts:
-            self._parts.pop(slot, None)
-        if self._sealing:
-            self._sealing.pop(slot, None)
+        self._free_slots((slot,))
+
+    def _free_slots(self, slots: Sequence[int]) -> None:
+        """Free these slots, in order: each step once for the whole batch."""
+        if not slots:
+            return
+        slot_key, get, discard = self._slot_key, self._policy.get, self._ready.discard
+        for slot in slots:
+            key = slot_key[slot]
+            if key is not None:
+                slot_key[slot] = None
+                block = get(key)
+                if block is None or block.slot == slot:  # not a grave of a key stored again
+                    discard(key)
+        for per_slot in (self._written, self._parts, self._sealing, self._waiting):
+            if per_slot:
+                pop = per_slot.pop
+                for slot in slots:
+                    pop(slot, None)
         if self._void:
-            self._void.discard(slot)
-        if self._waiting:
-            self._waiting.pop(slot, None)
+            self._void.difference_update(slots)
         if self.leases.token_of:
-            self.leases.forget(slot)
-        self.sums.forget(slot)
-        self._journal.freed(slot)
-        self.slots.free(slot)
+            self.leases.forget_many(slots)
+        self.sums.forget_many(slots)
+        self._journal.freed_many(slots)
+        self.slots.free_many(slots)
 
     def is_idle(self) -> bool:
         """Nothing pinned, written or leased: the namespace may be dropped."""

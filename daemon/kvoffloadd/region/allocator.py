@@ -251,6 +251,16 @@ class SlotPool:
             return
         self._release(slot)
 
+    def free_many(self, slots: Sequence[int]) -> None:
+        """``free`` for each of ``slots``, in order (one read of the copy counts)."""
+        used, spe, free, busy = self._used_per_extent, self.slots_per_extent, self._free, self._busy
+        for slot in slots:
+            if busy[slot] > 0:
+                self.deferred.add(slot)
+            else:
+                used[slot // spe] -= 1
+                free.append(slot)
+
     def _release(self, slot: int) -> None:
         self._used_per_extent[slot // self.slots_per_extent] -= 1
         self._free.append(slot)
@@ -411,3 +421,11 @@ class SlotJournal:
     def ready(self, slot: int, key: bytes) -> None: ...
     def buried(self, slot: int) -> None: ...
     def freed(self, slot: int) -> None: ...
+
+    def writing_many(self, slots: Sequence[int], keys: Sequence[bytes], lease: int = 0) -> None:
+        for slot, key in zip(slots, keys):
+            self.writing(slot, key, lease)
+
+    def freed_many(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.freed(slot)

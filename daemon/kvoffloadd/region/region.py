@@ -35,6 +35,7 @@ import logging
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -360,7 +361,11 @@ class SharedOffloadRegion:
         self._seq = last
 
 
-_EMPTY_RECORD = np.zeros(1, SLOT_DTYPE)[0]
+_EMPTY_RECORD = bytes(SLOT_RECORD_BYTES)
+# SLOT_DTYPE's layout (state, key_len, pad, ns, seq, key, lease, crc, reserved), packed
+_WRITING_RECORD = struct.Struct("<BBxxI8x64sQ8x")  # seq 0, key padded with NULs
+_LEASED_RECORD = struct.Struct("<BxxxI8x64xQ8x")
+assert _WRITING_RECORD.size == _LEASED_RECORD.size == SLOT_RECORD_BYTES == SLOT_DTYPE.itemsize
 
 
 class _RegionJournal(SlotJournal):
@@ -378,31 +383,33 @@ class _RegionJournal(SlotJournal):
         assert ext is not None, f"slot {slot} lies in a hole"
         return ext * self._spe_max + slot % spe
 
+    def _records(self, slots: Sequence[int]) -> list[int]:
+        """``_record`` of each slot, in one loop without a call per slot."""
+        spe, exts, spe_max = self._slots.slots_per_extent, self._slots.extents, self._spe_max
+        out = []
+        for slot in slots:
+            ext = exts[slot // spe]
+            assert ext is not None, f"slot {slot} lies in a hole"
+            out.append(ext * spe_max + slot % spe)
+        return out
+
     def leased(self, slot: int, lease: int) -> None:
-        self._region.slot_table[self._record(slot)] = (
-            SLOT_LEASED,
-            0,
-            0,
-            self._ns,
-            0,
-            b"",
-            lease,
-            0,
-            b"",
-        )
+        self._write([self._record(slot)], [_LEASED_RECORD.pack(SLOT_LEASED, self._ns, lease)])
 
     def writing(self, slot: int, key: bytes, lease: int = 0) -> None:
-        self._region.slot_table[self._record(slot)] = (
-            SLOT_WRITING,
-            len(key),
-            0,
-            self._ns,
-            0,
-            key.ljust(64, b"\0"),
-            lease,
-            0,
-            b"",
-        )
+        self.writing_many((slot,), (key,), lease)
+
+    def writing_many(self, slots: Sequence[int], keys: Sequence[bytes], lease: int = 0) -> None:
+        pack, ns = _WRITING_RECORD.pack, self._ns
+        self._write(self._records(slots), [pack(SLOT_WRITING, len(k), ns, k, lease) for k in keys])
+
+    def _write(self, records: list[int], payloads: list[bytes]) -> None:
+        """Whole records, straight into the mapping: a bytes copy each, no numpy call
+        (the region's slot table is the same memory)."""
+        mm, base, size = self._region._mm, self._region.geometry.slot_table, SLOT_RECORD_BYTES
+        for rec, payload in zip(records, payloads):
+            at = base + rec * size
+            mm[at : at + size] = payload
 
     def ready(self, slot: int, key: bytes) -> None:
         i = self._record(slot)
@@ -416,8 +423,12 @@ class _RegionJournal(SlotJournal):
         self._region.slot_table["state"][self._record(slot)] = SLOT_GRAVE
 
     def freed(self, slot: int) -> None:
+        self.freed_many((slot,))
+
+    def freed_many(self, slots: Sequence[int]) -> None:
         # the whole record: a FREE record names no key a corrupt state byte could revive
-        self._region.slot_table[self._record(slot)] = _EMPTY_RECORD
+        records = self._records(slots)
+        self._write(records, [_EMPTY_RECORD] * len(records))
 
 
 def _open_by_name(name: str, g: Geometry, recover: bool, discard: bool) -> tuple[Segment, bool]:

@@ -155,7 +155,9 @@ class Tiering:
         states: list[int] = []
         found: list[tuple[bytes, _TierState]] = []
         first_found = 0  # index in states of found[0]
-        for key in keys:
+        lead = index.ready_prefix(keys)  # the leading ready keys at C speed
+        states.extend([READY] * lead)
+        for key in keys[lead:]:
             if index.is_ready(key):
                 states.append(READY)
                 continue
