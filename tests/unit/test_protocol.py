@@ -234,6 +234,38 @@ def test_whole_requests_are_refused_as_buffered_ones_are() -> None:
         q.server.next_event()
 
 
+def test_a_whole_reply_is_read_where_it_lies_and_checked_as_buffered_ones_are() -> None:
+    p = ConnectionPair()
+    p.request(m.Hello(1, m.PROTOCOL_VERSION, "t", 1))
+    welcome = p.server.send(m.Welcome(1, m.PROTOCOL_VERSION, "0", "i", 1, "/r", 1))
+    assert isinstance(p.client.reply_in(memoryview(bytearray(welcome)), len(welcome)), m.Welcome)
+    assert p.client.state is State.READY
+    p.request(m.Ping(2))
+    p.request(m.Ping(3))
+    pong, pongs = encode_frame(m.Pong(2)), encode_frame(m.Pong(3))
+    for data in (pong[:3], pong[:-1], pong + pongs, b""):
+        assert p.client.reply_in(memoryview(data), len(data)) is None
+    p.client.receive_data(pong[:2])  # something buffered: a whole frame after it is not
+    assert p.client.reply_in(memoryview(pongs), len(pongs)) is None
+    p.client.receive_data(pong[2:])
+    assert p.client.next_event() == m.Pong(2)
+    push = encode_frame(m.Notice(0, ErrorCode.NOT_LEASED, "x"))
+    assert isinstance(p.client.reply_in(memoryview(push), len(push)), m.Notice)
+    assert p.client.reply_in(memoryview(pongs), len(pongs)) == m.Pong(3)
+    assert p.client.outstanding == frozenset()
+    with pytest.raises(ProtocolError, match="unknown request id 3"):
+        p.client.reply_in(memoryview(pongs), len(pongs))
+    assert p.client.state is State.ERROR
+    q = ConnectionPair(max_frame_bytes=64)
+    q.handshake()
+    big = encode_frame(m.ErrorReply(2, ErrorCode.NO_SPACE, "x" * 100))
+    assert q.client.reply_in(memoryview(big), len(big)) is None  # over the limit
+    bye = encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, "bye"))
+    with pytest.raises(ProtocolError, match="bye"):  # the daemon's last word
+        q.client.reply_in(memoryview(bye), len(bye))
+    assert q.client.state is State.ERROR
+
+
 def test_replies_go_out_for_pending_requests_only_and_the_welcome_opens_the_connection() -> None:
     s = ServerConnection()
     with pytest.raises(ProtocolError, match="not pending"):
