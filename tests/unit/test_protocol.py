@@ -186,6 +186,115 @@ def test_garbage_and_unknown_tags_are_protocol_errors() -> None:
             s.next_event()
 
 
+def test_a_whole_request_is_read_where_it_lies_and_anything_else_is_left_to_the_buffer() -> None:
+    """``request_in`` decodes exactly one whole frame with nothing buffered before it; a
+    partial frame, two frames or bytes already buffered are not its (None: the caller
+    feeds them), and what it returns is checked as ``next_event``'s."""
+    p = ConnectionPair()
+    hello = p.client.send(m.Hello(1, m.PROTOCOL_VERSION, "t", 1))
+    assert p.server.request_in(memoryview(hello + b"junk"), len(hello)) == m.Hello(
+        1, m.PROTOCOL_VERSION, "t", 1
+    )
+    p.reply(m.Welcome(1, m.PROTOCOL_VERSION, "0", "i", 1, "/r", 1))
+    assert p.client.state is State.READY and p.server.state is State.READY
+    ping, pings = p.client.send(m.Ping(2)), p.client.send(m.Ping(3))
+    for data in (ping[:3], ping[:-1], ping + pings, b""):
+        assert p.server.request_in(memoryview(data), len(data)) is None
+    p.server.receive_data(ping[:2])  # something buffered: a whole frame after it is not
+    assert p.server.request_in(memoryview(pings), len(pings)) is None
+    p.server.receive_data(ping[2:])
+    assert p.server.next_event() == m.Ping(2)  # drained: whole frames are read again
+    assert p.server.request_in(memoryview(pings), len(pings)) == m.Ping(3)
+    assert p.server.pending == frozenset({2, 3})
+    with pytest.raises(ProtocolError, match="reused while still pending"):
+        p.server.request_in(memoryview(pings), len(pings))
+    assert p.server.state is State.ERROR
+
+
+def test_whole_requests_are_refused_as_buffered_ones_are() -> None:
+    hello = encode_frame(m.Hello(1, 1))
+    ping = encode_frame(m.Ping(2))
+    assert ServerConnection().request_in(memoryview(hello), len(hello)) is not None
+    with pytest.raises(ProtocolError, match="Hello first"):
+        ServerConnection().request_in(memoryview(ping), len(ping))
+    body = b"\xc1"
+    junk = struct.pack("<I", len(body)) + body
+    s = ServerConnection()
+    with pytest.raises(ProtocolError, match="undecodable"):
+        s.request_in(memoryview(junk), len(junk))
+    assert s.state is State.ERROR
+    with pytest.raises(ProtocolError, match="error state"):
+        s.request_in(memoryview(hello), len(hello))
+    q = ConnectionPair(max_frame_bytes=64)
+    q.handshake()
+    big = encode_frame(m.Lookup(2, 0, b"x" * 100, 4))  # over the limit: left to the buffer
+    assert q.server.request_in(memoryview(big), len(big)) is None
+    q.server.receive_data(big)
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        q.server.next_event()
+
+
+def test_a_whole_reply_is_read_where_it_lies_and_checked_as_buffered_ones_are() -> None:
+    p = ConnectionPair()
+    p.request(m.Hello(1, m.PROTOCOL_VERSION, "t", 1))
+    welcome = p.server.send(m.Welcome(1, m.PROTOCOL_VERSION, "0", "i", 1, "/r", 1))
+    assert isinstance(p.client.reply_in(memoryview(bytearray(welcome)), len(welcome)), m.Welcome)
+    assert p.client.state is State.READY
+    p.request(m.Ping(2))
+    p.request(m.Ping(3))
+    pong, pongs = encode_frame(m.Pong(2)), encode_frame(m.Pong(3))
+    for data in (pong[:3], pong[:-1], pong + pongs, b""):
+        assert p.client.reply_in(memoryview(data), len(data)) is None
+    p.client.receive_data(pong[:2])  # something buffered: a whole frame after it is not
+    assert p.client.reply_in(memoryview(pongs), len(pongs)) is None
+    p.client.receive_data(pong[2:])
+    assert p.client.next_event() == m.Pong(2)
+    push = encode_frame(m.Notice(0, ErrorCode.NOT_LEASED, "x"))
+    assert isinstance(p.client.reply_in(memoryview(push), len(push)), m.Notice)
+    assert p.client.reply_in(memoryview(pongs), len(pongs)) == m.Pong(3)
+    assert p.client.outstanding == frozenset()
+    with pytest.raises(ProtocolError, match="unknown request id 3"):
+        p.client.reply_in(memoryview(pongs), len(pongs))
+    assert p.client.state is State.ERROR
+    q = ConnectionPair(max_frame_bytes=64)
+    q.handshake()
+    big = encode_frame(m.ErrorReply(2, ErrorCode.NO_SPACE, "x" * 100))
+    assert q.client.reply_in(memoryview(big), len(big)) is None  # over the limit
+    bye = encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, "bye"))
+    with pytest.raises(ProtocolError, match="bye"):  # the daemon's last word
+        q.client.reply_in(memoryview(bye), len(bye))
+    assert q.client.state is State.ERROR
+
+
+def test_replies_go_out_for_pending_requests_only_and_the_welcome_opens_the_connection() -> None:
+    s = ServerConnection()
+    with pytest.raises(ProtocolError, match="not pending"):
+        s.send(m.Pong(1))
+    s.receive_data(encode_frame(m.Hello(1, 1)))
+    assert s.next_event() == m.Hello(1, 1)
+    with pytest.raises(ProtocolError, match="not pending"):
+        s.send(m.Notice(0, ErrorCode.NOT_LEASED, "x"))  # no pushes before the Welcome
+    assert s.send(m.ErrorReply(1, ErrorCode.VERSION_MISMATCH, "old")) == encode_frame(
+        m.ErrorReply(1, ErrorCode.VERSION_MISMATCH, "old")
+    )
+    assert s.state is State.AWAIT_HELLO
+    s.receive_data(encode_frame(m.Hello(2, 1)))
+    s.next_event()
+    s.send(m.Welcome(2, 1, "0", "i", 1, "/r", 1))
+    assert s.state is State.READY
+    s.receive_data(encode_frame(m.Ping(3)))
+    s.next_event()
+    assert s.send(m.Pong(3)) == encode_frame(m.Pong(3))
+    with pytest.raises(ProtocolError, match="not pending"):
+        s.send(m.Pong(3))
+    assert s.send(m.Notice(0, ErrorCode.NOT_LEASED, "x")) == encode_frame(
+        m.Notice(0, ErrorCode.NOT_LEASED, "x")
+    )
+    s.close()
+    with pytest.raises(ProtocolError, match="state closed"):
+        s.send(m.Pong(3))
+
+
 # Golden bytes: any change here is a wire-format change (bump PROTOCOL_VERSION).
 GOLDEN = [
     (m.Hello(1, 2, "e", 7), "0c000000 95 a568656c6c6f 01 02 a165 07"),

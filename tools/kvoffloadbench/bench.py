@@ -27,7 +27,7 @@ from kvoffload.engine.view import EngineView
 
 from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .bench_tiers import TIER_THREADS, run_tiers, tier_rows
-from .echo_floor import echo_round_trip_us
+from .echo_floor import EchoPeer, interleaved, percentiles_us
 from .launch import BULK_STORES, DaemonProcess, wait_prefault
 
 MIB = 1 << 20
@@ -226,9 +226,14 @@ def run(
         r["store_32x32k_gbps"], r["load_32x32k_gbps"] = st, ld
 
         n = 2000 if quick else 10000
-        r["echo_p50_us"], r["echo_p99_us"] = echo_round_trip_us(n)
-        ping = latencies(client.ping, n)
-        r["ping_p50_us"], r["ping_p99_us"] = pct(ping, 0.5) * 1e6, pct(ping, 0.99) * 1e6
+        # the floor and the ping in alternating blocks: a neighbour's burst hits both
+        echo = EchoPeer()
+        try:
+            took = interleaved({"echo": echo.round_trip, "ping": client.ping}, n)
+        finally:
+            echo.close()
+        r["echo_p50_us"], r["echo_p99_us"] = percentiles_us(took["echo"])
+        r["ping_p50_us"], r["ping_p99_us"] = percentiles_us(took["ping"])
         ns = client.namespace("ctl", kvoffload.KVLayout(tensor_page_bytes=[16384]))
         w = ns.attach_worker([kvoffload.shared_kv_cache(1000, 16384)])
         keys = [b"ctl-%08d" % i for i in range(1000)]
@@ -292,7 +297,7 @@ def cpu_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         (
             "ping p50 / p99",
             f"{r['ping_p50_us']:.1f} / {r['ping_p99_us']:.1f} us",
-            f"{r['ping_p50_us'] / r['echo_p50_us']:.2f} x the floor; target p50 <= 30",
+            f"{r['ping_p50_us'] / r['echo_p50_us']:.2f} x the floor; target p50 <= 1.3 x",
         ),
         (
             "lookup 1000 keys p50 / p99",

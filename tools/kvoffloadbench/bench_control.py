@@ -38,6 +38,7 @@ import kvoffload
 from kvoffload.protocol import encode_frame
 from kvoffload.protocol import messages as m
 
+from . import echo_floor
 from .echo_floor import _SERVER as _ECHO_SERVER
 from .launch import BULK_STORES, DaemonProcess
 
@@ -140,15 +141,7 @@ def per_call(fn: Callable[[], object], n: int, pid: int) -> dict[str, float]:
 
 def interleaved(fns: dict[str, Callable[[], object]], n: int, block: int = 200) -> dict[str, float]:
     """Wall p50 of each, measured in alternating blocks of ``block`` calls."""
-    walls: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(max(1, n // block)):
-        for name, fn in fns.items():
-            out = walls[name]
-            for _ in range(block):
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-    return {k: p50(v) * 1e6 for k, v in walls.items()}
+    return {k: p50(v) * 1e6 for k, v in echo_floor.interleaved(fns, n, block).items()}
 
 
 def filled(client: kvoffload.Client) -> tuple[kvoffload.Namespace, list[bytes]]:

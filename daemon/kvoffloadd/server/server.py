@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvoffload.protocol import NeedData, ServerConnection, encode_frame, frame_length
+from kvoffload.protocol import NeedData, ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 from kvoffloadd import loopthread
@@ -81,10 +81,10 @@ RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release
 INLINE_BYTES = 4096  # a request this small, with nobody waiting, is served as it is read
 CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
-_HEADER_BYTES = 4
 # what epoll reports: hang-ups and errors count as both (a read or send then says which)
 _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 _WRITABLE = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
+_IN_ONLY = select.EPOLLIN  # what epoll watches for a connection with nothing to send
 
 
 @dataclass(eq=False, slots=True)  # one per connection, kept in sets by identity
@@ -139,6 +139,10 @@ class Server:
         self.clients: dict[int, _Client] = {}
         # connections with work, served fairly; on the clock the loop times units with
         self.turns = TurnQueue(time.perf_counter)
+        self._queued = self.turns.queued  # tested for work without a call
+        # when the loop's work that is charged (or not) last ended: a unit's loop time
+        # runs from here to its end, so one clock reading ends a unit and starts the next
+        self._stamp = 0.0
         self._leaving: deque[Session] = deque()  # connections gone, to be released
         self._push_due: set[int] = set()  # connections that fell behind their feed, read
         self.budgets = service.budgets
@@ -146,6 +150,7 @@ class Server:
         self._buffered: Line = self.ledger["buffered_bytes"]
         self._descriptors: Line = self.ledger["descriptors"]
         self._lagging = service.engines.lagging  # connections behind their feed
+        self._record_turn = service.loop.record
         self._push_subs = service.engines.push_subs  # namespaces whose feeds are pushed
         self._next_id = 1
         self._stop = False
@@ -182,7 +187,7 @@ class Server:
                     self._cron()
                     now = time.monotonic()
                     next_cron = now + self._cron_period_s
-                self.turn(0.0 if self.turns else next_cron - now)
+                self.turn(0.0 if self._queued else next_cron - now)
             self.notifier.notify(STOPPING=1, STATUS="draining in-flight copies")
             self._drain()
         except AssertionError:
@@ -204,7 +209,7 @@ class Server:
         """One turn of the loop: wait up to ``timeout_s`` for input, completions or
         signals, handle them, serve queued work for up to ``TURN_S`` and push feeds."""
         ready = self._epoll.poll(timeout_s)
-        t0 = time.perf_counter()
+        t0 = self._stamp = time.perf_counter()
         by_fd = self._by_fd
         for fd, events in ready:
             c = by_fd.get(fd)
@@ -212,19 +217,22 @@ class Server:
                 handler = self._handlers.get(fd)
                 if handler is not None:
                     handler(events)
+                    self._stamp = time.perf_counter()
                 continue
             if events & _WRITABLE and not c.closed:
                 self._flush(c)
+                self._stamp = time.perf_counter()
             # nothing more is read from a client being closed after a protocol error
-            if events & _READABLE and not c.closed and not c.closing_by_s:
-                self._read(c)
-        busy = bool(self.turns)
+            if events & _READABLE and not c.closed and not c.closing_by_s and not self._read(c):
+                self._stamp = time.perf_counter()  # what was read was queued, not served
+        busy = bool(self._queued)
         if busy:
             self._serve(t0 + TURN_S)
         if self._push_subs or self._push_due:
             self._push_feeds()
-        if ready or busy:
-            self.service.loop.record(time.perf_counter() - t0)
+            self._stamp = time.perf_counter()
+        if ready or busy:  # self._stamp: when the last of the work above ended
+            self._record_turn(self._stamp - t0)
 
     def _cron(self) -> None:
         self.service.cron()
@@ -328,55 +336,61 @@ class Server:
         conn.close()
         self.service.close_session(session)
 
-    def _read(self, c: _Client) -> None:
+    def _read(self, c: _Client) -> bool:
+        """Read what ``c`` sent and serve it now if it is one whole small request and
+        nobody waits; else buffer (and charge) it and queue ``c``. Whether a unit was
+        served (its loop time, from ``self._stamp`` on, charged and the clock read)."""
         try:
             nbytes, anc, _flags, _ = c.sock.recvmsg_into(self._rbufs, _ANC_BYTES)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as exc:
             self._drop(c, f"read failed: {exc}")
-            return
+            return False
         if anc:
             self._park_fds(c, anc)
-        elif (  # one whole small request, nothing buffered, nobody waiting: serve it now
-            _HEADER_BYTES <= nbytes <= INLINE_BYTES
-            and not self.turns
-            and not c.outbuf
-            and not c.parts
-            and not c.conn.buffered_bytes
-            and frame_length(self._rbuf) == nbytes - _HEADER_BYTES
-        ):
-            self._serve_read(c, nbytes)
-            return
+        elif nbytes <= INLINE_BYTES and not self._queued and not c.outbuf and not c.parts:
+            # One whole small request, nothing buffered, nobody waiting: served now, from
+            # the receive buffer (never buffered, so it holds nothing to charge), and its
+            # loop time (its read included) charged to its connection and uid like any
+            # unit's; a ping's round trip pays for no queueing.
+            try:
+                req = c.conn.request_in(self._rview, nbytes)
+            except ProtocolError as exc:
+                more = self._protocol_error(c, exc)
+            else:
+                if req is None:  # not one whole frame (or the end of the stream)
+                    more = -1
+                elif type(req) is m.StepBatch:
+                    more = self._unit(c, req)
+                else:
+                    self._dispatch(c, req)
+                    if not c.closed:
+                        self._flush(c)
+                    more = 0  # nothing was buffered: it has no more work
+            if more >= 0:
+                s = c.session
+                t1 = time.perf_counter()
+                self.turns.served(s.session_id, t1 - self._stamp, 0 if c.closed else more,
+                                  s.uid, t1)  # fmt: skip
+                self._stamp = t1
+                return True
         if not nbytes:
             self._drop(c, "disconnected")
-            return
+            return False
         c.conn.receive_data(self._rview[:nbytes])
         if not self._account(c):
-            return
+            return False
         cid, pending = c.session.session_id, c.conn.buffered_bytes
-        if self.turns or pending > INLINE_BYTES or c.parts or cid in self.turns:
+        if self._queued or pending > INLINE_BYTES or c.parts or cid in self._queued:
             self.turns.wake(cid, pending, c.session.uid)
-            return
-        # Nobody waits and the request is small: serve it now (a ping's round trip
-        # pays for no queueing), charged to its uid like any unit.
-        t0 = time.perf_counter()
+            return False
+        # Nobody waits and the request is small: serve it now, as above.
         more = self._serve_one(c)
         t1 = time.perf_counter()
-        self.turns.served(cid, t1 - t0, 0 if c.closed else more, c.session.uid, t1)
-
-    def _serve_read(self, c: _Client, nbytes: int) -> None:
-        """Serve the one whole request just read, straight from the receive buffer: it
-        is never buffered, so it holds nothing to charge; its loop time is charged to
-        its connection and uid like any unit's."""
-        t0 = time.perf_counter()
-        try:
-            more = self._unit(c, c.conn.request_of(self._rview[_HEADER_BYTES:nbytes]))
-        except ProtocolError as exc:
-            more = self._protocol_error(c, exc)
-        t1 = time.perf_counter()
-        s = c.session
-        self.turns.served(s.session_id, t1 - t0, 0 if c.closed else more, s.uid, t1)
+        self.turns.served(cid, t1 - self._stamp, 0 if c.closed else more, c.session.uid, t1)
+        self._stamp = t1
+        return True
 
     def _park_fds(self, c: _Client, anc: list[tuple[int, int, bytes]]) -> None:
         """Descriptors that came with the bytes: the session's until a request claims
@@ -388,11 +402,12 @@ class Server:
                 c.session.fds.extend(fds)
 
     def _serve(self, end_s: float) -> None:
-        """Serve queued connections one unit at a time, fairly, until ``end_s``."""
+        """Serve queued connections one unit at a time, fairly, until ``end_s``; each
+        unit's loop time runs from the end of the one before (``self._stamp``)."""
         turns, clients = self.turns, self.clients
+        t0 = self._stamp
         while (cid := turns.next()) is not None:
             c = clients.get(cid)
-            t0 = time.perf_counter()
             if c is not None:
                 more = self._serve_one(c)
             elif cid == REAPER and self._leaving:
@@ -401,6 +416,7 @@ class Server:
                 continue
             t1 = time.perf_counter()
             turns.served(cid, t1 - t0, more if cid in clients or cid == REAPER else 0, None, t1)
+            t0 = self._stamp = t1
             if t1 >= end_s:
                 return
 
@@ -490,32 +506,38 @@ class Server:
         self._drop(c, why)
 
     def _dispatch(self, c: _Client, req: m.Request) -> None:
-        code: ErrorCode | None = None
+        s = c.session
         try:
-            reply = self.service.handle(c.session, req)
-        except KVOffloadError as exc:
-            code, message = exc.code, str(exc.args[0])
-        except ValueError as exc:
-            code, message = ErrorCode.INVALID_ARGUMENT, str(exc)
+            reply = self.service.handle(s, req)
         except AssertionError:
             raise
         except Exception as exc:
-            log.exception("request %s failed", type(req).__name__)
-            code, message = ErrorCode.INTERNAL, f"internal error: {exc!r}"
-        if code is not None:
-            self.service.count_error(code.name)
-            if req.rid == 0:
-                self.service.refuse_one_way(c.session, req, code, message)
-                reply = None
-            else:
-                reply = m.ErrorReply(req.rid, code, message)
-        s = c.session
+            reply = self._failed(s, req, exc)
         if s.pushes:  # what the request caused goes out before its reply
             self._queue_pushes(c)
         if reply is not None:
-            self._queue_reply(c, reply)
+            if s.out_fds:
+                self._queue_reply(c, reply)
+            else:  # _queue_reply, written out: once per request
+                c.conn.send_into(reply, c.outbuf)
         if len(s.fds) != c.held_fds:
             self._account(c)  # the request claimed parked descriptors
+
+    def _failed(self, s: Session, req: m.Request, exc: Exception) -> m.Reply | None:
+        """The error reply to a request whose handler raised ``exc`` (None for a
+        one-way request: a refused one becomes a push)."""
+        if isinstance(exc, KVOffloadError):
+            code, message = exc.code, str(exc.args[0])
+        elif isinstance(exc, ValueError):
+            code, message = ErrorCode.INVALID_ARGUMENT, str(exc)
+        else:
+            log.error("request %s failed", type(req).__name__, exc_info=exc)
+            code, message = ErrorCode.INTERNAL, f"internal error: {exc!r}"
+        self.service.count_error(code.name)
+        if req.rid == 0:
+            self.service.refuse_one_way(s, req, code, message)
+            return None
+        return m.ErrorReply(req.rid, code, message)
 
     def _queue_reply(self, c: _Client, reply: m.Reply) -> None:
         if c.session.out_fds:  # they travel with the first byte of this reply
@@ -571,6 +593,12 @@ class Server:
             else:
                 del outbuf[:n]
             c.sent_bytes += n
+        if not outbuf and c.events == _IN_ONLY and not c.held_out and not c.closing_by_s:
+            # all of it went out, and nothing was held or watched for: nothing changes
+            if self._lagging and c.session.session_id in self._lagging:
+                self._lagging.discard(c.session.session_id)
+                self._push_due.add(c.session.session_id)  # it fell behind and has read
+            return
         if c.closing_by_s and not outbuf:
             self._drop(c, "protocol error")
             return
@@ -590,7 +618,7 @@ class Server:
             self._epoll.modify(c.fd, events)
             c.events = events
             if not paused and (pending := _pending_bytes(c)):
-                self.turns.wake(cid, pending)  # resumed: what was buffered while paused
+                self.turns.wake(cid, pending, c.session.uid)  # resumed: buffered while paused
         if not paused and cid in self._lagging:
             self._lagging.discard(cid)
             self._push_due.add(cid)  # it fell behind its feed and has read: try again

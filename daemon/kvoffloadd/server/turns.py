@@ -67,7 +67,9 @@ class TurnQueue:
         # uid -> its connections with work: (their usage + estimate, order, connection),
         # weighed as usage is
         self._waiting: dict[int, list[tuple[float, int, int]]] = {}
-        self._queued: set[int] = set()
+        # the connections queued: read-only to callers, for the loop to test for
+        # work without a call (``bool(queue)`` is a Python call, this set's is not)
+        self.queued: set[int] = set()
         self._usage: dict[int, float] = {}  # conn -> usage, weighed
         self._uid_usage: dict[int, float] = {}  # uid -> usage, weighed
         self._uid_served_at_s: dict[int, float] = {}  # uid -> when a unit of it last ended
@@ -77,10 +79,10 @@ class TurnQueue:
         self._weighed_at_s = self._epoch_s
 
     def __len__(self) -> int:
-        return len(self._queued)
+        return len(self.queued)
 
     def __contains__(self, conn: int) -> bool:
-        return conn in self._queued
+        return conn in self.queued
 
     def _weigh(self, now_s: float) -> float:
         """The weight of usage at ``now_s`` (rescaling everything past ``RESCALE_AT``)."""
@@ -109,9 +111,9 @@ class TurnQueue:
         if queued already)."""
         if uid is not None:
             self._uid_of.setdefault(conn, uid)
-        if conn in self._queued:
+        if conn in self.queued:
             return
-        self._queued.add(conn)
+        self.queued.add(conn)
         now_s = self._clock()
         w = self._weigh(now_s)
         key = self._usage.get(conn, 0.0) + estimate_s(nbytes) * w
@@ -151,8 +153,8 @@ class TurnQueue:
             _, _, conn = heapq.heappop(heap)
             if not heap:
                 del waiting[uid]
-            if conn in self._queued:
-                self._queued.discard(conn)
+            if conn in self.queued:
+                self.queued.discard(conn)
                 return conn
         return None
 
@@ -169,8 +171,8 @@ class TurnQueue:
         work it has left (0: none)."""
         if uid is None:
             uid = self._uid_of.get(conn, -1)
-        else:
-            self._uid_of.setdefault(conn, uid)
+        elif conn not in self._uid_of:
+            self._uid_of[conn] = uid
         if now_s is None:
             now_s = self._clock()
         w = self._weight
@@ -185,6 +187,6 @@ class TurnQueue:
             self.wake(conn, more)
 
     def drop(self, conn: int) -> None:
-        self._queued.discard(conn)  # its heap entry is skipped when popped
+        self.queued.discard(conn)  # its heap entry is skipped when popped
         self._usage.pop(conn, None)
         self._uid_of.pop(conn, None)

@@ -17,7 +17,9 @@ Rules:
   that arrive while a blocking request waits are kept for the next ``poll``.
 - File descriptors go out with SCM_RIGHTS in the same ``sendmsg`` as the frame that
   refers to them; descriptors a reply brings (the region, for trusted workers) wait in
-  ``received_fds`` for whoever asked for them.
+  ``received_fds`` for whoever asked for them. Only the replies to ``BRINGS_FDS``
+  requests bring any: the others are read with a plain ``recv_into``, no room for
+  descriptors (the kernel closes any that come anyway).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import struct
 import time
 
 from kvoffload.link.peer import check_daemon
-from kvoffload.protocol import HEADER_BYTES, ClientConnection, NeedData, frame_length
+from kvoffload.protocol import ClientConnection, NeedData
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     DaemonUnavailableError,
@@ -230,17 +232,28 @@ class Transport:
         limit_s = timeout_s or self.timeout_s
         if limit_s != self._kernel_timeout_s:
             self._set_kernel_timeout(limit_s)
-        self._send(req, fds)
         deadline = time.monotonic() + limit_s
+        sock = self.sock
+        if sock is None or fds or self._outbox:
+            self._send(req, fds)
+        else:  # _send, written out: once per request
+            frame = bytearray()
+            self.conn.send_into(req, frame)
+            try:
+                sock.sendall(frame)
+            except OSError as exc:
+                self._last_word()
+                raise self._lost(exc) from exc
+        rid, brings_fds = req.rid, isinstance(req, m.BRINGS_FDS)
         while True:
-            reply = self._next_reply(deadline)
-            if reply.rid != req.rid:
+            reply = self._next_reply(deadline, brings_fds)
+            if reply.rid != rid:
                 try:
                     self._route(reply)
                 except ProtocolError as exc:
                     raise self._lost(exc) from exc
                 continue
-            if isinstance(reply, m.ErrorReply):
+            if type(reply) is m.ErrorReply:
                 raise error_for_code(reply.code, reply.message)
             return reply
 
@@ -251,8 +264,12 @@ class Transport:
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
                 self.received_fds.extend(fds)
 
-    def _next_reply(self, deadline: float) -> m.Reply:
-        conn, rbuf = self.conn, self._rbuf
+    def _next_reply(self, deadline: float, brings_fds: bool = False) -> m.Reply:
+        """The next message of a blocking request: one already buffered, else read
+        (the first read without looking at the clock: the deadline is fresh). With
+        ``brings_fds``, reads keep what descriptors come along."""
+        conn, rview = self.conn, self._rview
+        first = True
         try:
             while True:
                 if conn.buffered_bytes:
@@ -262,23 +279,26 @@ class Transport:
                 sock = self.sock
                 if sock is None:
                     raise DaemonUnavailableError("connection to kvoffloadd is closed")
-                if time.monotonic() > deadline:
+                if first:
+                    first = False
+                elif time.monotonic() > deadline:
                     raise TimeoutError
                 try:
-                    n, anc, _, _ = sock.recvmsg_into(self._rbufs, _ANC_BYTES)
+                    if brings_fds:
+                        n, anc, _, _ = sock.recvmsg_into(self._rbufs, _ANC_BYTES)
+                        if anc:
+                            self._take_anc(anc)
+                    else:
+                        n = sock.recv_into(self._rbuf)
                 except BlockingIOError:  # SO_RCVTIMEO expired
                     raise TimeoutError from None
-                if anc:
-                    self._take_anc(anc)
                 if not n:
                     raise ConnectionResetError("kvoffloadd closed the connection")
-                if (  # one whole frame and nothing before it: decoded where it lies
-                    n >= HEADER_BYTES
-                    and not conn.buffered_bytes
-                    and frame_length(rbuf) == n - HEADER_BYTES
-                ):
-                    return conn.reply_of(self._rview[HEADER_BYTES:n])
-                conn.receive_data(self._rview[:n])
+                # one whole frame and nothing before it: decoded where it lies
+                reply = conn.reply_in(rview, n)
+                if reply is not None:
+                    return reply
+                conn.receive_data(rview[:n])
         except ProtocolError as exc:
             self.close()
             raise DaemonUnavailableError(f"protocol error talking to kvoffloadd: {exc}") from exc

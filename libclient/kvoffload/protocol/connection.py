@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Generic, TypeVar
+from typing import Generic, NoReturn, TypeVar
 
 import msgspec
 
@@ -45,6 +45,7 @@ from kvoffload.protocol.messages import (
 )
 
 _LEN = struct.Struct("<I")
+_length_of = _LEN.unpack_from
 HEADER_BYTES = _LEN.size
 
 
@@ -185,18 +186,27 @@ class ClientConnection:
             raise ProtocolError("request ids start at 1 (0 is reserved for one-way requests)")
         if rid in self._outstanding:
             raise ProtocolError(f"request id {rid} is already outstanding")
-        self._encode_into(req, buf)
+        start = len(buf)  # _encode_into, written out: once per request
+        buf += _NO_LENGTH
+        _encoder.encode_into(req, buf, -1)
+        length = len(buf) - start - HEADER_BYTES
+        if length > self.max_frame_bytes:
+            self._too_large(buf, start, length)
+        _LEN.pack_into(buf, start, length)
         self._outstanding.add(rid)
 
     def _encode_into(self, req: Request, buf: bytearray) -> None:
         start = len(buf)
         length = append_frame(req, buf)
         if length > self.max_frame_bytes:
-            del buf[start:]
-            raise ProtocolError(
-                f"request of {length} bytes exceeds the frame limit of "
-                f"{self.max_frame_bytes}; split the call"
-            )
+            self._too_large(buf, start, length)
+
+    def _too_large(self, buf: bytearray, start: int, length: int) -> NoReturn:
+        del buf[start:]
+        raise ProtocolError(
+            f"request of {length} bytes exceeds the frame limit of "
+            f"{self.max_frame_bytes}; split the call"
+        )
 
     @property
     def buffered_bytes(self) -> int:
@@ -206,13 +216,28 @@ class ClientConnection:
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._reader.feed(data)
 
-    def reply_of(self, body: bytes | bytearray | memoryview) -> Reply:
-        """The reply in one whole frame's ``body``, read without buffering it (nothing
-        may be buffered): checked as ``next_event`` checks what it returns."""
+    def reply_in(self, data: memoryview, nbytes: int) -> Reply | None:
+        """The reply in ``data[:nbytes]`` if those bytes are exactly one whole frame and
+        nothing is buffered before them: decoded where it lies, never buffered, and
+        checked as ``next_event`` checks what it returns. None: they are not (feed them
+        to ``receive_data``)."""
+        r, length = self._reader, nbytes - HEADER_BYTES
+        if length < 0 or len(r._buf) != r._pos or _length_of(data)[0] != length or length > r._max:
+            return None
         if self.state is State.ERROR:
             raise ProtocolError("connection is in the ERROR state")
         try:
-            return self._check(self._reader.decode(body))
+            try:  # r.decode, written out: once per message
+                msg = r._decoder.decode(data[HEADER_BYTES:nbytes])
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                raise ProtocolError(f"undecodable frame: {exc}") from exc
+            rid = msg.rid
+            if rid and self.state is State.READY:  # the common case: a reply to a request
+                if rid not in self._outstanding:
+                    raise ProtocolError(f"reply to unknown request id {rid}")
+                self._outstanding.discard(rid)
+                return msg
+            return self._check(msg)
         except ProtocolError:
             self.state = State.ERROR
             raise
@@ -284,13 +309,29 @@ class ServerConnection:
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._reader.feed(data)
 
-    def request_of(self, body: bytes | bytearray | memoryview) -> Request:
-        """The request in one whole frame's ``body``, read without buffering it (nothing
-        may be buffered): checked as ``next_event`` checks what it returns."""
-        if self.state is not State.READY and self.state is not State.AWAIT_HELLO:
-            raise ProtocolError(f"connection is in the {self.state.value} state")
+    def request_in(self, data: memoryview, nbytes: int) -> Request | None:
+        """The request in ``data[:nbytes]`` if those bytes are exactly one whole frame
+        and nothing is buffered before them: decoded where it lies, never buffered, and
+        checked as ``next_event`` checks what it returns. None: they are not (feed them
+        to ``receive_data``)."""
+        r, length = self._reader, nbytes - HEADER_BYTES
+        if length < 0 or len(r._buf) != r._pos or _length_of(data)[0] != length or length > r._max:
+            return None
+        state = self.state
+        if state is not State.READY and state is not State.AWAIT_HELLO:
+            raise ProtocolError(f"connection is in the {state.value} state")
         try:
-            return self._check(self._reader.decode(body))
+            try:  # r.decode, written out: once per message
+                msg = r._decoder.decode(data[HEADER_BYTES:nbytes])
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                raise ProtocolError(f"undecodable frame: {exc}") from exc
+            rid = msg.rid
+            if rid and state is State.READY and type(msg) is not Hello:  # the common case
+                if rid in self._pending:
+                    raise ProtocolError(f"request id {rid} reused while still pending")
+                self._pending.add(rid)
+                return msg
+            return self._check(msg)
         except ProtocolError:
             self.state = State.ERROR
             raise
@@ -331,17 +372,22 @@ class ServerConnection:
     def send_into(self, reply: Reply, buf: bytearray) -> None:
         """Append ``reply``'s frame to ``buf`` (what ``send`` returns, without a copy)."""
         state, rid = self.state, reply.rid
-        if state is not State.READY and state is not State.AWAIT_HELLO:
+        if state is State.READY and rid in self._pending:  # the common case
+            self._pending.discard(rid)
+        elif state is not State.READY and state is not State.AWAIT_HELLO:
             raise ProtocolError(f"cannot send on a connection in state {state.value}")
-        if rid == 0 and state is State.READY and isinstance(reply, PUSHES):
-            append_frame(reply, buf)
-            return
-        if rid not in self._pending:
+        elif rid == 0 and state is State.READY and isinstance(reply, PUSHES):
+            pass
+        elif rid not in self._pending:
             raise ProtocolError(f"reply to request id {rid} that is not pending")
-        if state is State.AWAIT_HELLO and isinstance(reply, Welcome):
-            self.state = State.READY
-        self._pending.discard(rid)
-        append_frame(reply, buf)
+        else:
+            if state is State.AWAIT_HELLO and isinstance(reply, Welcome):
+                self.state = State.READY
+            self._pending.discard(rid)
+        start = len(buf)  # append_frame, written out: once per reply
+        buf += _NO_LENGTH
+        _encoder.encode_into(reply, buf, -1)
+        _LEN.pack_into(buf, start, len(buf) - start - HEADER_BYTES)
 
     def close(self) -> None:
         if self.state is not State.ERROR:

@@ -596,6 +596,10 @@ Reply = (
 
 ONE_WAY: tuple[type[_Msg], ...] = (StepBatch, Wrote, SubmitStore, SubmitLoad)
 PUSHES: tuple[type[_Msg], ...] = (FeedPush, LeaseGrant, LeaseRevoke, JobsDone, Notice)
+# The requests whose reply may bring descriptors (SCM_RIGHTS: the region's, with a
+# ``WorkerAttached``); the daemon sends none with any other message. A client reads
+# other replies with no room for descriptors (the kernel would drop any that came).
+BRINGS_FDS: tuple[type[_Msg], ...] = (AttachWorker,)
 
 
 # ------------------------------------------------------------------------ packing
