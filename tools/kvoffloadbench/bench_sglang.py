@@ -30,8 +30,10 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 import kvoffload
 
@@ -96,62 +98,114 @@ def page_bytes(args: argparse.Namespace) -> int:
     return int(2 * args.page_size * args.layers * args.heads * args.head_dim * 2)  # K+V, bf16
 
 
-def measure(
-    args: argparse.Namespace, label: str, backend: str, extra: dict[str, Any], first: int
-) -> dict[str, Any]:
-    """One backend's figures; its prompts are seeds ``first``.. (each backend its own:
-    the two kvoffload ones share a namespace)."""
-    from . import sglang_rig as rig  # SGLang: only here, so ``render`` needs none
+class Runner:
+    """One backend's SGLang instance and its figures so far (its prompts are seeds
+    ``first``..: each backend its own, the two kvoffload ones share a namespace)."""
 
-    model = rig.Model(layers=args.layers, heads=args.heads, head_dim=args.head_dim)
-    inst = rig.Instance(model, "page_first", args.page_size, 2 * args.pages + 1, extra, backend)
-    get, put = ("batch_get", "batch_set") if backend == "file" else ("batch_get_v1", "batch_set_v1")
-    for worker in getattr(inst.backend, "_workers", []):  # client copies: page tables filled
-        if worker.populating is not None:
-            worker.populating.join(60)
-    nbytes = args.pages * page_bytes(args)
-    store_s: list[float] = []
-    load_s: list[float] = []
-    prefetch_s: list[float] = []
-    try:
-        src = inst.alloc(args.pages)
-        for r in range(-1, args.rounds):  # round -1 warms the pages up, untimed
-            want = inst.fill(src, first + r)
-            tokens = rig.page_tokens(first + r, args.pages, args.page_size)
-            inst.calls.clear()
-            assert inst.backup(src, tokens) == args.pages * args.page_size, label
-            if r >= 0:
-                store_s.append(sum(s for n, s, _ in inst.calls if n == put))
-            inst.calls.clear()
-            got = inst.prefetch(tokens)
-            assert got.loaded_tokens == args.pages * args.page_size, label
-            assert got.host_indices is not None
-            assert inst.page_bytes(got.host_indices) == want, f"{label}: wrong bytes"
-            inst.free(got.host_indices)
-            if r >= 0:
-                load_s.append(sum(s for n, s, _ in inst.calls if n == get))
-                prefetch_s.append(got.seconds)
-        hashes = rig.storage_keys(tokens, args.page_size)
-        exists = inst.controller.storage_backend._inner.batch_exists
-        assert exists(hashes) == args.pages
+    def __init__(self, args: argparse.Namespace, label: str, backend: str,
+                 extra: dict[str, Any], first: int) -> None:  # fmt: skip
+        from . import sglang_rig as rig  # SGLang: only here, so ``render`` needs none
+
+        self.args, self.label, self.first, self.rig = args, label, first, rig
+        model = rig.Model(layers=args.layers, heads=args.heads, head_dim=args.head_dim)
+        self.inst = rig.Instance(
+            model, "page_first", args.page_size, 2 * args.pages + 1, extra, backend
+        )
+        self.get, self.put = (
+            ("batch_get", "batch_set") if backend == "file" else ("batch_get_v1", "batch_set_v1")
+        )
+        for worker in getattr(self.inst.backend, "_workers", []):  # client copies: page tables
+            if worker.populating is not None:
+                worker.populating.join(60)
+        self.src = self.inst.alloc(args.pages)
+        self.store_s: list[float] = []
+        self.load_s: list[float] = []
+        self.prefetch_s: list[float] = []
+        self.memcpy_s: list[float] = []  # one thread, the same bytes, just before the load
+        self.tokens: list[int] = []
+
+    def round(self, r: int, memcpy: Callable[[], float]) -> None:
+        """Back up one batch, then prefetch it into host pages (checked); round -1
+        warms up, untimed: the pages a prefetch lands in are the ones the warm-up's
+        landed in (SGLang's allocator hands freed pages back out), already touched."""
+        inst, args, label = self.inst, self.args, self.label
+        want = inst.fill(self.src, self.first + r)
+        self.tokens = self.rig.page_tokens(self.first + r, args.pages, args.page_size)
+        inst.calls.clear()
+        assert inst.backup(self.src, self.tokens) == args.pages * args.page_size, label
+        if r >= 0:
+            self.store_s.append(sum(s for n, s, _ in inst.calls if n == self.put))
+        base = memcpy()
+        inst.calls.clear()
+        got = inst.prefetch(self.tokens)
+        assert got.loaded_tokens == args.pages * args.page_size, label
+        assert got.host_indices is not None
+        assert inst.page_bytes(got.host_indices) == want, f"{label}: wrong bytes"
+        inst.free(got.host_indices)
+        if r >= 0:
+            self.load_s.append(sum(s for n, s, _ in inst.calls if n == self.get))
+            self.prefetch_s.append(got.seconds)
+            self.memcpy_s.append(base)
+
+    def exists_us(self) -> list[float]:
+        hashes = self.rig.storage_keys(self.tokens, self.args.page_size)
+        exists = self.inst.controller.storage_backend._inner.batch_exists
+        assert exists(hashes) == self.args.pages
         lat = []
-        for _ in range(args.exists):
+        for _ in range(self.args.exists):
             t0 = time.perf_counter()
             exists(hashes)
             lat.append(time.perf_counter() - t0)
-    finally:
-        inst.close()
-    st, ld = statistics.median(store_s), statistics.median(load_s)
-    return {
-        "backend": label,
-        "backup_gbps": nbytes / st / 1e9,
-        "backup_pages_per_s": args.pages / st,
-        "prefetch_gbps": nbytes / ld / 1e9,
-        "prefetch_pages_per_s": args.pages / ld,
-        "prefetch_end_to_end_ms": statistics.median(prefetch_s) * 1e3,
-        "exists_p50_us": pct(lat, 0.5) * 1e6,
-        "exists_p99_us": pct(lat, 0.99) * 1e6,
-    }
+        return lat
+
+    def figures(self, lat: list[float]) -> dict[str, Any]:
+        nbytes = self.args.pages * page_bytes(self.args)
+        st, ld = statistics.median(self.store_s), statistics.median(self.load_s)
+        ratios = [m / s for m, s in zip(self.memcpy_s, self.load_s)]
+        return {
+            "backend": self.label,
+            "backup_gbps": nbytes / st / 1e9,
+            "backup_pages_per_s": self.args.pages / st,
+            "prefetch_gbps": nbytes / ld / 1e9,
+            "prefetch_pages_per_s": self.args.pages / ld,
+            "prefetch_end_to_end_ms": statistics.median(self.prefetch_s) * 1e3,
+            "prefetch_ratios": ratios,  # per round: against the memcpy beside it
+            "prefetch_ratio": statistics.median(ratios),
+            "load_s": self.load_s,
+            "exists_p50_us": pct(lat, 0.5) * 1e6,
+            "exists_p99_us": pct(lat, 0.99) * 1e6,
+        }
+
+    def close(self) -> None:
+        self.inst.close()
+
+
+def measure(
+    args: argparse.Namespace, todo: list[tuple[str, str, dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """Every backend's figures, their rounds interleaved: all instances are alive and
+    each round visits every backend in turn (the order turning each round), so a
+    change of the machine's load falls on all of them alike; each backend's prefetch
+    is set against a one-thread memcpy of the same bytes taken just before it."""
+    nbytes = args.pages * page_bytes(args)
+    buffers = (np.ones(nbytes, dtype=np.uint8), np.ones(nbytes, dtype=np.uint8))
+
+    def memcpy() -> float:
+        return float(nbytes / (memcpy_gbps(nbytes, 1, buffers) * 1e9))
+
+    with contextlib.ExitStack() as stack:
+        runners = []
+        for i, (label, backend, extra) in enumerate(todo):
+            runners.append(Runner(args, label, backend, extra, 1000 * (i + 1)))
+            stack.callback(runners[-1].close)
+        for r in range(-1, args.rounds):
+            k = max(r, 0) % len(runners)
+            for runner in runners[k:] + runners[:k]:
+                runner.round(r, memcpy)
+        rows = [runner.figures(runner.exists_us()) for runner in runners]
+    for row in rows:
+        print(f"measured {row['backend']}", flush=True)
+    return rows
 
 
 def floors(socket_path: str) -> dict[str, float]:
@@ -172,11 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     nbytes = args.pages * page_bytes(args)
     result: dict[str, Any] = {"machine": machine(), "page_bytes": page_bytes(args)}
     result["memcpy_gbps"] = memcpy_gbps(nbytes, 5)
-    rows = []
     with backends(args) as todo:
-        for i, (label, backend, extra) in enumerate(todo):
-            rows.append(measure(args, label, backend, extra, 1000 * (i + 1)))
-            print(f"measured {label}", flush=True)
+        rows = measure(args, todo)
         result.update(floors(todo[0][2]["socket_path"]))
     result["rows"] = rows
     result["setup"] = {k: getattr(args, k.replace("-", "_")) for k in SETUP}
@@ -193,29 +244,56 @@ def render(r: dict[str, Any]) -> str:
     """The figures as Markdown (also ``make bench-report``'s SGLang section)."""
     a = r["setup"]
     base = r["memcpy_gbps"]
+    rows = r["rows"]
+    paired = all("prefetch_ratios" in row for row in rows)  # older runs: one memcpy
+    if paired:
+        head = (
+            f"median of {a['rounds']} rounds, interleaved across backends; each prefetch "
+            "against a one-thread memcpy of the same bytes just before it (median [min-max] "
+            f"over rounds; memcpy at the start {base:.2f} GB/s)."
+        )
+    else:
+        head = (
+            f"median of {a['rounds']} rounds; memcpy baseline (one thread, one batch's "
+            f"bytes) {base:.2f} GB/s."
+        )
     lines = [
         f"Batches of {a['pages']} pages of {r['page_bytes'] >> 10} KiB ({a['page-size']} "
         f"tokens, {a['layers']} layers, {a['heads']} K/V heads x {a['head-dim']}, bf16, "
-        f"`page_first`), median of {a['rounds']} rounds; memcpy baseline (one thread, "
-        f"one batch's bytes) {base:.2f} GB/s.",
+        f"`page_first`), {head}",
         "",
         "| backend | backup GB/s | pages/s | prefetch GB/s (/ memcpy) | pages/s | "
         "prefetch end to end | batch_exists of a batch, p50 / p99 |",
         "|---|---|---|---|---|---|---|",
     ]
-    lines += [
-        f"| {row['backend']} | {row['backup_gbps']:.2f} | {row['backup_pages_per_s']:.0f} "
-        f"| {row['prefetch_gbps']:.2f} ({row['prefetch_gbps'] / base:.2f}) "
-        f"| {row['prefetch_pages_per_s']:.0f} | {row['prefetch_end_to_end_ms']:.1f} ms "
-        f"| {row['exists_p50_us']:.0f} / {row['exists_p99_us']:.0f} us |"
-        for row in r["rows"]
-    ]
-    lines += [
-        "",
+    for row in rows:
+        if paired:
+            q = row["prefetch_ratios"]
+            ratio = f"{row['prefetch_ratio']:.2f} [{min(q):.2f}-{max(q):.2f}]"
+        else:
+            ratio = f"{row['prefetch_gbps'] / base:.2f}"
+        lines.append(
+            f"| {row['backend']} | {row['backup_gbps']:.2f} | {row['backup_pages_per_s']:.0f} "
+            f"| {row['prefetch_gbps']:.2f} ({ratio}) "
+            f"| {row['prefetch_pages_per_s']:.0f} | {row['prefetch_end_to_end_ms']:.1f} ms "
+            f"| {row['exists_p50_us']:.0f} / {row['exists_p99_us']:.0f} us |"
+        )
+    lines.append("")
+    mooncake = [row for row in rows if "mooncake" in row["backend"]]
+    if paired and mooncake:
+        theirs = mooncake[0]["load_s"]
+        lines += [
+            f"Prefetch faster than Mooncake's in the same round: {row['backend']} "
+            f"{sum(a < b for a, b in zip(row['load_s'], theirs))} of {len(theirs)}."
+            for row in rows
+            if row["backend"].startswith("kvoffload")
+        ]
+        lines.append("")
+    lines.append(
         f"Control-path floor in the same run: kvoffloadd ping p50 {r['ping_p50_us']:.0f} us; "
         f"a plain Python unix-socket echo p50 / p99 {r['echo_p50_us']:.0f} / "
-        f"{r['echo_p99_us']:.0f} us.",
-    ]
+        f"{r['echo_p99_us']:.0f} us."
+    )
     return "\n".join(lines)
 
 
