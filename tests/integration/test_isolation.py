@@ -32,7 +32,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from hostile import as_uid, requires_root
+from hostile import as_uid, fd_count, requires_root
 from liar import Liar
 from procfigs import MIB, Hold, Measure
 
@@ -737,3 +737,58 @@ def test_a_subscriber_that_never_reads_costs_a_bounded_amount(run: Path) -> None
         f"a subscriber that never reads cost {growth[True] / MIB:.0f} MiB of heap, "
         f"a neighbour subscribed to nothing {growth[False] / MIB:.0f} MiB"
     )
+
+
+# ----------------------------------------------------- region descriptors, pipelined
+
+
+def attaches_in_flight(sock: str, rids: list[int]) -> tuple[int, int]:
+    """AttachWorker requests asking for the region's descriptor, sent back to back
+    before any reply is read: (replies, descriptors received). The descriptors are
+    closed."""
+    fd = memfd(4 * 4096, sealed=True)
+    liar = FdLiar(sock, timeout_s=30)
+    ns = liar.open("pipelined", m.KVLayout([4096])).ns
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+    for rid in rids:
+        cache = [m.CacheDesc("memfd", 4, 4096, 0)]
+        frame = encode_frame(m.AttachWorker(rid, ns, 0, cache, want_region=True))
+        assert liar.sock.sendmsg([frame], anc) == len(frame)
+    os.close(fd)
+    replies, got, buf = 0, [], b""
+    deadline = time.monotonic() + 30
+    liar.sock.settimeout(1.0)
+    while replies < len(rids) and time.monotonic() < deadline:
+        with contextlib.suppress(TimeoutError):
+            data, ancdata, _, _ = liar.sock.recvmsg(1 << 16, socket.CMSG_SPACE(64 * 4))
+            for _, _, payload in ancdata:
+                got += array.array("i", payload[: len(payload) - len(payload) % 4]).tolist()
+            buf += data
+        while len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "little"):
+            n = int.from_bytes(buf[:4], "little")
+            reply = msgspec.msgpack.decode(buf[4 : 4 + n], type=m.Reply)
+            buf = buf[4 + n :]
+            assert isinstance(reply, m.WorkerAttached), reply
+            replies += 1
+    for f in got:
+        os.close(f)
+    liar.close()
+    return replies, len(got)
+
+
+def test_each_attach_in_flight_gets_its_own_region_descriptor(run: Path) -> None:
+    """Attaches whose imports finish in the same loop turn each take the region's
+    descriptor with their own reply: none is overwritten (leaked in the daemon) and
+    the daemon holds none after they left."""
+    sock = str(run / "k.sock")
+    with start(run, "32MiB") as d:
+        with kvoffload.connect(sock) as c:
+            c.ping()
+        before = fd_count(d.pid)
+        for _ in range(3):
+            replies, fds = attaches_in_flight(sock, list(range(100, 116)))
+            assert (replies, fds) == (16, 16)
+        deadline = time.monotonic() + 10
+        while fd_count(d.pid) > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fd_count(d.pid) <= before, "descriptors the daemon kept after its clients left"

@@ -540,9 +540,9 @@ class Server:
         return m.ErrorReply(req.rid, code, message)
 
     def _queue_reply(self, c: _Client, reply: m.Reply) -> None:
-        if c.session.out_fds:  # they travel with the first byte of this reply
-            c.fd_marks.append((c.sent_bytes + len(c.outbuf), c.session.out_fds))
-            c.session.out_fds = []
+        fds = c.session.out_fds.pop(reply.rid, None) if c.session.out_fds else None
+        if fds:  # they travel with the first byte of this reply
+            c.fd_marks.append((c.sent_bytes + len(c.outbuf), fds))
         c.conn.send_into(reply, c.outbuf)
 
     def _queue_pushes(self, c: _Client) -> None:

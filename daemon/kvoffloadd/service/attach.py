@@ -221,7 +221,7 @@ class Attacher:
     def _region_for(self, s: Session, r: m.AttachWorker) -> int:
         """Trusted workers get the region's descriptor with the reply; its size."""
         if r.client_copy or (r.want_region and self.access.may_map_region(s.peer)):
-            s.out_fds = [self.region.open_fd()]
+            s.out_fds.setdefault(r.rid, []).append(self.region.open_fd())
             return self.region.geometry.region_bytes
         return 0
 

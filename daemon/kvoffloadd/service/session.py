@@ -17,7 +17,9 @@ class Session:
     gid: int
     name: str = ""
     fds: list[int] = field(default_factory=list)
-    out_fds: list[int] = field(default_factory=list)  # go out with the next reply
+    # descriptors that go out with the reply of this request id (one entry per reply:
+    # two attaches finishing in one drain each take their own)
+    out_fds: dict[int, list[int]] = field(default_factory=dict)
     snapshots: dict[int, list[bytes]] = field(default_factory=dict)  # SyncKeys, one at most
     snapshot_bytes: int = 0  # what the snapshot is charged
     namespaces: set[int] = field(default_factory=set)
