@@ -357,6 +357,19 @@ def test_key_and_id_packing() -> None:
         unpack_ids(b"1234567")
 
 
+@pytest.mark.parametrize("n", [2, 3, 56, 57, 2000])  # both sides of SMALL_UNPACK_BYTES
+def test_small_and_large_fields_unpack_alike(n: int) -> None:
+    """A step's few keys and slots are split without numpy, long fields with it: the
+    two ways give the same keys (trailing NULs kept) and the same ids."""
+    keys = [bytes([i % 256]) * 35 + b"\x00" for i in range(n)]
+    packed, kb = pack_keys(keys)
+    assert unpack_keys(packed, kb) == keys
+    ids = [i * 2**33 - 7 for i in range(n)]
+    assert m.id_list(pack_ids(ids)) == ids == unpack_ids(pack_ids(ids)).tolist()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        m.id_list(b"1234567")
+
+
 def test_error_codes_map_to_typed_exceptions() -> None:
     assert isinstance(error_for_code(ErrorCode.NO_SPACE, "x"), NoSpaceError)
     assert error_for_code(999, "x").code is ErrorCode.INTERNAL

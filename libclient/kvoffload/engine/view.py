@@ -46,7 +46,7 @@ from enum import IntEnum
 from kvoffload.namespace import Namespace, Snapshot
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import DaemonUnavailableError
-from kvoffload.protocol.messages import MAX_KEYS_PER_MESSAGE, pack_ids, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import MAX_KEYS_PER_MESSAGE, id_list, pack_ids, unpack_keys
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,10 @@ class _Batch:
         self.fails: list[bytes] = []
         self.touches: list[bytes] = []
 
-    def __bool__(self) -> bool:
-        return any(getattr(self, f) for f in self.FIELDS)
+    def __bool__(self) -> bool:  # FIELDS, spelled out: asked twice per step end
+        return bool(
+            self.claims or self.pins or self.unpins or self.commits or self.fails or self.touches
+        )
 
     def message(self, ns: int, ack_seq: int, want: int) -> m.StepBatch:
         j = b"".join
@@ -167,10 +169,10 @@ class EngineView:
 
     def on_push(self, msg: m.Reply) -> None:
         if isinstance(msg, m.LeaseGrant):
-            self.leases.extend(unpack_ids(msg.slots).tolist())
+            self.leases.extend(id_list(msg.slots))
             return
         if isinstance(msg, m.LeaseRevoke):  # unused too long: no longer ours to claim
-            gone = set(unpack_ids(msg.slots).tolist())
+            gone = set(id_list(msg.slots))
             self.leases = [slot for slot in self.leases if slot not in gone]
             self._sent_want = -1  # wish again with the next batch
             return
@@ -182,7 +184,7 @@ class EngineView:
                 for key in keys:
                     ready.pop(key, None)
             else:
-                ready.update(zip(keys, unpack_ids(e.slots).tolist()))
+                ready.update(zip(keys, id_list(e.slots)))
                 for key in keys:
                     committing.pop(key, None)
             if self.keep_events:

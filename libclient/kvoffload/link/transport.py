@@ -115,10 +115,15 @@ class Transport:
 
     def post(self, req: m.Request) -> None:
         """Queue a one-way request (rid 0); ``flush`` writes it."""
+        outbox = self._outbox
+        queued = len(outbox)
         try:
-            self._outbox += self.conn.send(req)
+            self.conn.send_into(req, outbox)  # encoded in place: no copies
         except ProtocolError as exc:
             raise self._lost(exc) from exc
+        except BaseException:
+            del outbox[queued:]  # an unencodable request leaves no partial frame
+            raise
 
     @property
     def unsent_bytes(self) -> int:

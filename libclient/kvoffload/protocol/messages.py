@@ -21,6 +21,7 @@ Rules (msgspec schema evolution, see research/aesthetics.md section 4):
 from __future__ import annotations
 
 import hashlib
+import sys
 from typing import Any
 
 import msgspec
@@ -639,12 +640,29 @@ def unpack_keys(packed: bytes, key_bytes: int) -> list[bytes]:
         )
     if key_bytes == len(packed):
         return [packed]
+    if len(packed) <= SMALL_UNPACK_BYTES:  # a step's few keys: slicing beats numpy's setup
+        return [packed[i : i + key_bytes] for i in range(0, len(packed), key_bytes)]
     # A void dtype keeps every byte (an "S" dtype would strip trailing NULs).
     keys: list[bytes] = np.frombuffer(packed, dtype=np.dtype((np.void, key_bytes))).tolist()
     return keys
 
 
 _ID_DTYPE = np.dtype("<i8")
+# Fields up to this size are split without numpy: the few keys and slots of one engine
+# step's pushes, where numpy's per-call setup costs more than the work.
+SMALL_UNPACK_BYTES = 2048
+_NATIVE_LE = sys.byteorder == "little"
+
+
+def id_list(packed: bytes) -> list[int]:
+    """``unpack_ids(packed).tolist()``, without numpy for a few ids."""
+    if len(packed) % 8:
+        raise ValueError(f"packed ids of {len(packed)} bytes are not a multiple of 8")
+    if _NATIVE_LE and len(packed) <= SMALL_UNPACK_BYTES:
+        ids: list[int] = memoryview(packed).cast("q").tolist()
+        return ids
+    out: list[int] = np.frombuffer(packed, dtype=_ID_DTYPE).tolist()
+    return out
 
 
 def pack_ids(ids: npt.ArrayLike) -> bytes:
