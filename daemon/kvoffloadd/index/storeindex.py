@@ -425,20 +425,16 @@ class StoreIndex:
         stored: list[bytes] = []
         stored_slots: list[int] = []
         writes_of, writers_pop = self._writes_of, self._writers.pop
-        last, ended = None, 0  # the client of a run of blocks, and how many it ended
+        ended: dict[int, int] = {}  # blocks each client ended: one uncharge per client
         for key, _ in blocks:
             client = writers_pop(key)
             mine = writes_of[client]
             mine.discard(key)
             if not mine:
                 del writes_of[client]
-            if client != last:  # a batch is mostly one client's: one uncharge for a run
-                if ended:
-                    self._uncharge(last, ended)  # type: ignore[arg-type]
-                last, ended = client, 0
-            ended += 1
-        if ended:
-            self._uncharge(last, ended)  # type: ignore[arg-type]
+            ended[client] = ended.get(client, 0) + 1
+        for client, n in ended.items():
+            self._uncharge(client, n)
         if not success:
             remove = self._policy.remove
             for key, _ in blocks:

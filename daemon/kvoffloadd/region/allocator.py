@@ -246,10 +246,7 @@ class SlotPool:
         return out
 
     def free(self, slot: int) -> None:
-        if self._busy[slot] > 0:
-            self.deferred.add(slot)
-            return
-        self._release(slot)
+        self.free_many((slot,))
 
     def free_many(self, slots: Sequence[int]) -> None:
         """``free`` for each of ``slots``, in order (one read of the copy counts)."""

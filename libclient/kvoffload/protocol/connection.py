@@ -231,12 +231,6 @@ class ClientConnection:
                 msg = r._decoder.decode(data[HEADER_BYTES:nbytes])
             except (msgspec.DecodeError, UnicodeDecodeError) as exc:
                 raise ProtocolError(f"undecodable frame: {exc}") from exc
-            rid = msg.rid
-            if rid and self.state is State.READY:  # the common case: a reply to a request
-                if rid not in self._outstanding:
-                    raise ProtocolError(f"reply to unknown request id {rid}")
-                self._outstanding.discard(rid)
-                return msg
             return self._check(msg)
         except ProtocolError:
             self.state = State.ERROR
