@@ -111,6 +111,21 @@ def test_two_engines_storing_one_key_at_once_end_with_one_copy() -> None:
     assert stored_events(idx, A) == [(ks(7), sa)]
 
 
+def test_one_batch_claiming_a_key_twice_keeps_one_copy_and_refuses_slots_not_leased() -> None:
+    """A batch is applied as if claim by claim: the second claim of a key is a shadow
+    copy, a slot claimed twice or not leased is refused, and every slot comes back."""
+    idx = make_index()
+    slots = idx.lease(TA, 3)
+    assert idx.claim(TA, A, ks(1, 1, 2, 3), [slots[0], slots[1], slots[0], slots[2]]) == 1
+    assert idx.leases.unclaimed(TA) == 0 and idx.leases.shadow_count(TA) == 1
+    idx.mark_written(slots, area=0)
+    idx.commit(TA, A, ks(1, 3), True)
+    assert idx.lookup(ks(1)) == 1 and idx.lookup(ks(3)) == 1 and idx.lookup(ks(2)) == 0
+    assert idx.statistics().duplicate_stores_total == 1
+    assert idx.slots.num_used == 2  # key 1 once, key 3; the shadow's slot is free again
+    assert stored_events(idx, B) == [(ks(1, 3), [slots[0], slots[2]])]
+
+
 def test_only_the_lease_holder_may_claim_or_write_its_slots() -> None:
     """Invariant 9: a lease belongs to the connection it was handed to."""
     idx = make_index()

@@ -256,6 +256,30 @@ class InProcess:
             sock.recv_into(buf)
         return p50(took) * 1e6
 
+    def engine_cycle_us(self, batch: int, n: int) -> float:
+        """Median µs per block of an engine's store cycle on the namespace's index, as
+        a step batch drives it: a lease refill of ``batch`` slots, their claims, the
+        worker's copy report, the commits, and the eviction that makes room again."""
+        index = self.server.service.namespaces[self.ns]
+        token, client = 7, 3
+
+        def cycle(i: int) -> None:
+            slots = index.lease(token, batch, client)
+            keys = [b"c%011d" % (i * batch + j) for j in range(len(slots))]
+            index.claim(token, client, keys, slots)
+            index.mark_written(slots, 0)
+            index.commit(token, client, keys, True)
+            index._drop(index._policy.evict(len(keys), set()) or [], bury=False)
+
+        for i in range(n // 10):  # warm: the pool's slots all cycled once
+            cycle(i)
+        took = []
+        for i in range(n // 10, n // 10 + n):
+            t0 = time.perf_counter()
+            cycle(i)
+            took.append(time.perf_counter() - t0)
+        return p50(took) * 1e6 / batch
+
     def close(self) -> None:
         self.sock.close()
         self.server.turn(0.0)
@@ -294,7 +318,8 @@ def echo_turn_us(n: int) -> float:
 
 def loop_costs(n: int) -> dict[str, float]:
     """µs of loop per request, in this process: echo, ping, lookup of 1,000 keys,
-    prepare and complete of 16 keys."""
+    prepare and complete of 16 keys; and µs per block of an engine's store cycle on
+    the index, for a step batch of 4 and of 17 blocks."""
     lp = InProcess()
     try:
         ns, keys = lp.ns, lp.keys
@@ -308,6 +333,8 @@ def loop_costs(n: int) -> dict[str, float]:
             rounds.append(encode_frame(m.PrepareStore(5, ns, ks, 12)))
             rounds.append(encode_frame(m.CompleteStore(6, ns, ks, 12, False)))
         out["store_round16"] = 2 * lp.per_turn(rounds, len(rounds))
+        for batch in (4, 17):  # a step's stores at N = 64 and N = 256 (16-token blocks)
+            out[f"engine_store_per_block_of_{batch}"] = lp.engine_cycle_us(batch, n // 10)
     finally:
         lp.close()
     return out

@@ -67,8 +67,7 @@ class NamespaceIndex(StoreIndex):
         self._lease_client[token] = client
         self._charge(client, len(slots))
         self.lease_ledger.add(client, len(slots) * self.slots.slot_bytes)
-        for slot in slots:
-            self._journal.leased(slot, token)
+        self._journal.leased_many(slots, token)
         return slots
 
     def reserve(self, n: int) -> None:
@@ -83,23 +82,25 @@ class NamespaceIndex(StoreIndex):
 
     def claim(self, token: int, client: int, keys: Sequence[bytes], slots: Sequence[int]) -> int:
         """An engine stores ``keys`` into its leased ``slots``; returns refused claims."""
-        get, refused, now = self._policy.get, 0, self.clock()
-        claimed = 0
+        get, leases = self._policy.get, self.leases
         if keys and len(keys[0]) != self.key_bytes:
             if self.key_bytes:
                 return len(keys)  # keys of another length: refused, counted
             self.key_bytes = len(keys[0])
-        for key, slot in zip(keys, slots):
-            if not self.leases.claim(token, slot, now):
-                refused += 1  # not (or no longer) this engine's lease
-                continue
-            claimed += 1
-            if get(key) is not None:  # stored by someone else meanwhile: a shadow copy
-                self.leases.add_shadow(token, key, slot)
+        took = leases.claim_many(token, slots[: len(keys)], self.clock())
+        new: dict[bytes, int] = {}  # key -> slot: the blocks this batch starts writing
+        for key, slot, ok in zip(keys, slots, took):
+            if not ok:
+                continue  # not (or no longer) this engine's lease: refused
+            if key in new or get(key) is not None:
+                # stored by someone else meanwhile (or twice here): a shadow copy
+                leases.add_shadow(token, key, slot)
                 self._journal.writing(slot, key, token)
                 continue
-            self._insert_writing(key, slot, client, token)
-        self.lease_ledger.give(client, claimed * self.slots.slot_bytes)
+            new[key] = slot
+        self._insert_writing(list(new), list(new.values()), client, token)
+        refused = took.count(False)
+        self.lease_ledger.give(client, (len(took) - refused) * self.slots.slot_bytes)
         return refused
 
     def expire_leases(self, now_s: float) -> list[tuple[int, list[int]]]:
@@ -120,8 +121,9 @@ class NamespaceIndex(StoreIndex):
         get, now = self._policy.get, time.monotonic()
         done: list[tuple[bytes, Block]] = []
         failed: list[tuple[bytes, Block]] = []
+        shadows = self.leases.shadow_count(token) if token else 0
         for key in dict.fromkeys(keys):
-            for shadow in self.leases.pop_shadows(token, key) if token else ():
+            for shadow in self.leases.pop_shadows(token, key) if shadows else ():
                 self._duplicates += 1
                 self._uncharge(client, 1)
                 self._free_slot(shadow)  # one copy of the key stays

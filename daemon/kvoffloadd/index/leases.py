@@ -65,7 +65,7 @@ class LeaseBook:
             self.owner = grown
         self.owner[slot] = token
 
-    def assign_many(self, slots: list[int], token: int) -> None:
+    def assign_many(self, slots: Sequence[int], token: int) -> None:
         """``assign`` for each of ``slots`` (a store's batch: one mirror write)."""
         if not slots:
             return
@@ -86,8 +86,7 @@ class LeaseBook:
             self._uid_of[token] = uid
             self._tokens_of_uid[uid] = self._tokens_of_uid.get(uid, 0) + 1
         self._count(token, len(slots))
-        for s in slots:
-            self.assign(s, token)
+        self.assign_many(slots, token)
 
     def _count(self, token: int, n: int) -> None:
         uid = self._uid_of.get(token, -1)
@@ -118,13 +117,25 @@ class LeaseBook:
 
     def claim(self, token: int, slot: int, now_s: float = 0.0) -> bool:
         """Take a granted slot out of the pool; False when it was not granted to token."""
+        return self.claim_many(token, (slot,), now_s)[0]
+
+    def claim_many(self, token: int, slots: Sequence[int], now_s: float = 0.0) -> list[bool]:
+        """``claim`` of each of ``slots`` in order: whether each was granted to ``token``."""
         pool = self._unclaimed.get(token)
-        if pool is None or slot not in pool:
-            return False
-        pool.discard(slot)
-        self._count(token, -1)
-        self._active_s[token] = now_s
-        return True
+        if pool is None:
+            return [False] * len(slots)
+        took, discard = [], pool.discard
+        for slot in slots:
+            if slot in pool:
+                discard(slot)
+                took.append(True)
+            else:
+                took.append(False)
+        n = took.count(True)
+        if n:
+            self._count(token, -n)
+            self._active_s[token] = now_s
+        return took
 
     def idle(self, now_s: float, timeout_s: float) -> list[int]:
         """Tokens holding unclaimed slots that have neither claimed nor been granted one

@@ -229,17 +229,8 @@ class StoreIndex:
             self.graves.unexempt([s for s, g in self.graves.by_slot.items() if g.key in gone])
             return None
         slots = self._allocate(need)
-        insert, slot_key = self._policy.insert, self._slot_key
-        for key, slot in zip(to_store, slots):  # _insert_writing, batched: a hot loop
-            insert(key, Block(slot))
-            slot_key[slot] = key
-        self._writers.update(dict.fromkeys(to_store, client))
-        if token:
-            self.leases.assign_many(slots, token)
-        self._journal.writing_many(slots, to_store, token)
-        self._writes_of.setdefault(client, set()).update(to_store)
+        self._insert_writing(to_store, slots, client, token)
         self._inflight_by_uid[self.uid_of(client)] += need
-        self._stores_prepared += need
         return StorePlan(to_store, slots, evicted)
 
     def _reclaim_for(self, need: int) -> None:
@@ -253,16 +244,22 @@ class StoreIndex:
             self._slot_key.extend([None] * (self.slots.capacity - len(self._slot_key)))
         return slots
 
-    def _insert_writing(self, key: bytes, slot: int, client: int, token: int) -> None:
-        """One block being written by ``client`` (prepare_store inlines this)."""
-        self._policy.insert(key, Block(slot))
-        self._slot_key[slot] = key
-        self._writers[key] = client
-        self._writes_of.setdefault(client, set()).add(key)
+    def _insert_writing(
+        self, keys: Sequence[bytes], slots: Sequence[int], client: int, token: int
+    ) -> None:
+        """Blocks being written by ``client``, new keys each (one batch: a hot loop)."""
+        if not keys:
+            return
+        insert, slot_key = self._policy.insert, self._slot_key
+        for key, slot in zip(keys, slots):
+            insert(key, Block(slot))
+            slot_key[slot] = key
+        self._writers.update(dict.fromkeys(keys, client))
         if token:
-            self.leases.assign(slot, token)
-        self._journal.writing(slot, key, token)
-        self._stores_prepared += 1
+            self.leases.assign_many(slots, token)
+        self._journal.writing_many(slots, keys, token)
+        self._writes_of.setdefault(client, set()).update(keys)
+        self._stores_prepared += len(keys)
 
     def _charge(self, client: int, n: int) -> None:
         """``client`` holds ``n`` more (or, negative, fewer) blocks in flight."""
@@ -442,20 +439,18 @@ class StoreIndex:
             self._free_slots([block.slot for _, block in blocks])
             self._store_failures += len(blocks)
             return
-        waiting_pop, written_pop, ready = self._waiting.pop, self._written.pop, self._ready
-        forget = self.leases.forget if self.leases.token_of else None
-        journal_ready = self._journal.ready
+        waiting_pop, written_pop = self._waiting.pop, self._written.pop
         for key, block in blocks:
             slot = block.slot
             waiting_pop(slot, None)
-            if forget is not None:
-                forget(slot)
             block.ref = 0
             written_pop(slot, None)
-            ready.add(key)
             stored.append(key)
             stored_slots.append(slot)
-            journal_ready(slot, key)
+        self._ready.update(stored)
+        if self.leases.token_of:
+            self.leases.forget_many(stored_slots)
+        self._journal.ready_many(stored_slots, stored)
         self._num_evictable += len(stored)
         if stored:
             self._stored += len(stored)

@@ -426,3 +426,11 @@ class SlotJournal:
     def freed_many(self, slots: Sequence[int]) -> None:
         for slot in slots:
             self.freed(slot)
+
+    def leased_many(self, slots: Sequence[int], lease: int) -> None:
+        for slot in slots:
+            self.leased(slot, lease)
+
+    def ready_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        for slot, key in zip(slots, keys):
+            self.ready(slot, key)

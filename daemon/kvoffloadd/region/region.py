@@ -353,8 +353,13 @@ class SharedOffloadRegion:
         return _RegionJournal(self, ns_id, slots)
 
     def next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
+        return self.next_seqs(1)
+
+    def next_seqs(self, n: int) -> int:
+        """Take ``n`` completion numbers in a row; returns the first."""
+        first = self._seq + 1
+        self._seq += n
+        return first
 
     def resume_seq(self, last: int) -> None:
         """Recovery: completion order goes on after the highest recovered record."""
@@ -394,7 +399,11 @@ class _RegionJournal(SlotJournal):
         return out
 
     def leased(self, slot: int, lease: int) -> None:
-        self._write([self._record(slot)], [_LEASED_RECORD.pack(SLOT_LEASED, self._ns, lease)])
+        self.leased_many((slot,), lease)
+
+    def leased_many(self, slots: Sequence[int], lease: int) -> None:
+        records = self._records(slots)
+        self._write(records, [_LEASED_RECORD.pack(SLOT_LEASED, self._ns, lease)] * len(records))
 
     def writing(self, slot: int, key: bytes, lease: int = 0) -> None:
         self.writing_many((slot,), (key,), lease)
@@ -412,12 +421,18 @@ class _RegionJournal(SlotJournal):
             mm[at : at + size] = payload
 
     def ready(self, slot: int, key: bytes) -> None:
-        i = self._record(slot)
-        table = self._region.slot_table
-        seq = self._region.next_seq()
-        table["seq"][i] = seq
-        table["crc"][i] = ready_crc(self._ns, seq, key)
-        table["state"][i] = SLOT_READY  # last: a crash before it leaves a store in flight
+        self.ready_many((slot,), (key,))
+
+    def ready_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Each field for the whole batch, the state byte last: a crash part way leaves
+        a record either still in flight or whole."""
+        records = self._records(slots)
+        table, ns = self._region.slot_table, self._ns
+        first = self._region.next_seqs(len(records))
+        seqs = range(first, first + len(records))
+        table["seq"][records] = seqs
+        table["crc"][records] = [ready_crc(ns, seq, key) for seq, key in zip(seqs, keys)]
+        table["state"][records] = SLOT_READY
 
     def buried(self, slot: int) -> None:
         self._region.slot_table["state"][self._record(slot)] = SLOT_GRAVE
