@@ -1,0 +1,122 @@
+"""The loop's clock: one reading ends a unit of work and starts the next, so a
+connection is charged its own requests' loop time and never work that is no unit
+(a completion handler, a flush, a read that was only queued).
+
+A real ``Server`` and ``Service`` in this process on a fake clock that moves a
+microsecond per reading; a watched descriptor's handler that "takes" a whole second
+runs first in a turn, then a client's ping is served in the same turn.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvoffload.protocol import encode_frame
+from kvoffload.protocol import messages as m
+from kvoffloadd.config import DaemonConfig
+from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.server.server import Server, bind_listener
+from kvoffloadd.service.service import Service
+
+HANDLER_S = 1.0  # what the handler's work costs on the fake clock
+
+
+class Clock:
+    """Moves a microsecond per reading; ``advance`` stands for work taking time."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        self.now_s += 1e-6
+        return self.now_s
+
+    def advance(self, s: float) -> None:
+        self.now_s += s
+
+
+class FirstFd:
+    """The loop's epoll, reporting ``first`` ahead of the other ready descriptors."""
+
+    def __init__(self, ep: select.epoll, first: int) -> None:
+        self._ep, self._first = ep, first
+
+    def poll(self, timeout_s: float = -1) -> list[tuple[int, int]]:
+        return sorted(self._ep.poll(timeout_s), key=lambda fe: fe[0] != self._first)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._ep, name)
+
+
+@pytest.fixture
+def loop(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[Server, Clock]]:
+    clock = Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    cfg = msgspec.convert(
+        {"instance": f"c{uuid.uuid4().hex[:8]}", "region_size": "16MiB", "extent_size": "1MiB"},
+        DaemonConfig,
+    ).validate()
+    region = SharedOffloadRegion(cfg.region_name, Geometry.plan(cfg.region_bytes, 1 << 20, 4096))
+    copier = CpuCopier(1)
+    server = Server(Service(cfg, region, copier), bind_listener(str(tmp_path / "s.sock")))
+    yield server, clock
+    for sock in (server.listener, server._sig_r, server._sig_w):
+        sock.close()
+    server._epoll.close()
+    server.budgets.close()
+    copier.close()
+    region.close()
+
+
+def test_a_unit_is_charged_its_own_time_not_a_handler_that_ran_before_it_in_the_turn(
+    loop: tuple[Server, Clock], tmp_path: Path
+) -> None:
+    server, clock = loop
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.connect(str(tmp_path / "s.sock"))
+    server.turn(0.0)  # accepted
+    client.sendall(encode_frame(m.Hello(1, m.PROTOCOL_VERSION, "clock", os.getpid())))
+    server.turn(0.0)
+    assert client.recv(65536)  # the Welcome
+
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+
+    def slow_handler(events: int) -> None:
+        wake_r.recv(16)
+        clock.advance(HANDLER_S)
+
+    server._watch(wake_r.fileno(), slow_handler)
+    server._epoll = FirstFd(server._epoll, wake_r.fileno())  # type: ignore[assignment]
+    charged: list[tuple[int, float]] = []
+    turns: list[float] = []
+    served = server.turns.served
+
+    def record_served(conn: int, cost_s: float, *args: object) -> None:
+        charged.append((conn, cost_s))
+        served(conn, cost_s, *args)  # type: ignore[arg-type]
+
+    server.turns.served = record_served  # type: ignore[method-assign]
+    server._record_turn = turns.append
+
+    wake_w.send(b"x")
+    client.sendall(encode_frame(m.Ping(2)))
+    server.turn(0.0)
+    assert client.recv(65536)  # the Pong, served in the same turn as the handler
+
+    assert turns and turns[-1] >= HANDLER_S  # the turn took the handler's second
+    assert len(charged) == 1
+    assert 0 < charged[0][1] < HANDLER_S / 1000  # the ping paid for itself alone
+    for s in (client, wake_r, wake_w):
+        s.close()
+    server.turn(0.0)  # the client's hang-up
