@@ -37,6 +37,7 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -62,6 +63,9 @@ SUPPORTED_POOLS = ("MHATokenToKVPoolHost", "MLATokenToKVPoolHost")
 COPY_MODES = ("auto", "daemon", "client")
 
 
+_PAGE_KEY = np.dtype((np.void, 32))  # a void dtype keeps trailing NUL bytes
+
+
 def page_key(key: str) -> bytes:
     """SGLang's 64-hex page hash as its 32 bytes; any other key string hashed so."""
     if len(key) == 64:
@@ -72,6 +76,23 @@ def page_key(key: str) -> bytes:
     import hashlib
 
     return hashlib.sha256(key.encode()).digest()
+
+
+def page_keys(keys: list[str]) -> list[bytes]:
+    """``page_key`` of each key. A batch of SGLang's page hashes (the usual call) is
+    decoded in one ``fromhex`` and split at C speed: a third of the per-key cost."""
+    if len(keys) >= 8:  # fewer: numpy's setup costs more than it saves
+        joined = "".join(keys)
+        if len(joined) == 64 * len(keys):
+            try:
+                raw = bytes.fromhex(joined)
+            except ValueError:
+                raw = b""
+            # fromhex skips whitespace: only a batch of 64-hex keys gives 32 bytes each
+            if len(raw) == 32 * len(keys):
+                out: list[bytes] = np.frombuffer(raw, dtype=_PAGE_KEY).tolist()
+                return out
+    return [page_key(k) for k in keys]
 
 
 class _Role:
@@ -277,7 +298,7 @@ class KVOffloadStorage(HiCacheStorage):
             if not role.acquire(deadline):
                 return 0
             try:
-                packed = [page_key(k) for k in keys]
+                packed = page_keys(keys)
                 hits = len(packed)
                 for link, mirror in zip(role.links, role.mirrors):
                     found = mirror.leading(packed[:hits])
@@ -324,7 +345,7 @@ class KVOffloadStorage(HiCacheStorage):
             if not role.acquire(deadline):
                 return [False] * n
             try:
-                packed = [page_key(k) for k in keys]
+                packed = page_keys(keys)
                 if is_store:
                     ok = [True] * n
                     for link in role.links:
