@@ -10,12 +10,16 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
+# The three virtualenvs install side by side (make test builds them with -j3); their
+# editable installs of this tree take turns, as each rewrites kvoffload.egg-info here.
+EDITABLE := flock pyproject.toml
+
 # torch==2.13.0 first: it is the CPU build, so the unpinned "torch" extra below
 # is already satisfied and never pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml libclient/kvoffload/version.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis,mooncake]'
+	$(EDITABLE) $(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis,mooncake]'
 	touch $(STAMP)
 
 # Start the daemon in the foreground with embedded defaults (1 GiB region).
@@ -31,7 +35,7 @@ VLLM_REQUIREMENTS := tests/vllm/requirements.txt
 $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENTS)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis]'
+	$(EDITABLE) $(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis]'
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
 		vllm==0.33.0 -r $(VLLM_REQUIREMENTS)
 	touch $(VLLM_STAMP)
@@ -47,7 +51,7 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQUIREMENTS)
 	@tools/ensure-sglang-build-deps
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(SGLANG_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,mooncake]'
+	$(EDITABLE) $(SGLANG_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,mooncake]'
 	$(SGLANG_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
 		sglang==0.5.23 -r $(SGLANG_REQUIREMENTS)
 	$(SGLANG_VENV)/bin/python -m kvoffloadbench.sglang_cpu --build
@@ -55,12 +59,15 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQUIREMENTS)
 
 # Everything, the vLLM and SGLang suites included (they skip in .venv, which has
 # neither engine).
-test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+# The virtualenvs install side by side, then the suites run side by side
+# (tools/test-suites: one lane per core, the longest suite first).
+test:
+	@$(MAKE) --no-print-directory -j3 $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	@tools/ensure-redis-servers
 	@tools/ensure-mooncake-libs
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
-	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang $(PYTEST_ARGS)
+	@tools/test-suites "$(BIN)/python -m pytest -q $(PYTEST_ARGS)" \
+		"$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)" \
+		"$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang $(PYTEST_ARGS)"
 
 test-sglang: $(SGLANG_STAMP)
 	@tools/ensure-mooncake-libs
