@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvoffload-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run docs test test-gpu gpu-wheels gpu-check ptx test-vllm test-sglang bench-sglang bench bench-engine bench-submit bench-canonical bench-report soak lint clean bench-region
+.PHONY: setup venvs run docs test test-gpu gpu-wheels gpu-check ptx test-vllm test-sglang bench-sglang bench bench-engine bench-submit bench-canonical bench-report soak lint clean bench-region
 
 setup: $(STAMP)
 
@@ -59,10 +59,14 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQUIREMENTS)
 
 # Everything, the vLLM and SGLang suites included (they skip in .venv, which has
 # neither engine).
+# Every virtualenv (below the stamps' definitions: prerequisites expand as read).
+venvs: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+	@:
+
 # The virtualenvs install side by side, then the suites run side by side
 # (tools/test-suites: one lane per core, the longest suite first).
 test:
-	@$(MAKE) --no-print-directory -j3 $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+	@$(MAKE) --no-print-directory -j3 venvs
 	@tools/ensure-redis-servers
 	@tools/ensure-mooncake-libs
 	@tools/test-suites "$(BIN)/python -m pytest -q $(PYTEST_ARGS)" \

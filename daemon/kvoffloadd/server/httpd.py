@@ -96,6 +96,11 @@ class HttpServer:
         self.thread = threading.Thread(target=self._run, name="kvoffload-http", daemon=True)
         self.thread.start()
 
+    @property
+    def open_connections(self) -> int:
+        """Connections holding a place now (a length read: safe from any thread)."""
+        return len(self._conns)
+
     def _run(self) -> None:
         while not self._stop:
             events = self._sel.select(1.0)
