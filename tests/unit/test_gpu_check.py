@@ -122,3 +122,26 @@ def test_what_a_part_leaves_without_a_parent_is_killed_too(tmp_path: Path) -> No
     assert rc.returncode == 0, rc.stderr
     pid = int((tmp_path / "pid").read_text())
     assert not running(pid)
+
+
+def test_every_bench_case_stores_and_loads_its_rounds_on_cpu_caches() -> None:
+    """The GPU bench's cases with memfd caches on a real daemon: each round's fresh keys
+    and the stored ones fit one namespace (same length), and store, load and both at
+    once succeed round after round, as the GPU part runs them."""
+    import kvoffload
+    from kvoffloadbench.bench_gpu import CASES, GpuCase
+    from kvoffloadbench.launch import BULK_STORES, DaemonProcess
+
+    with DaemonProcess("96MiB", settings=BULK_STORES) as d:
+        client = kvoffload.connect(d.socket_path)
+        try:
+            for label, _, pages, tp in CASES:
+                case = GpuCase(
+                    client, f"gpu-{label}", pages, blocks=4, job_blocks=2, tp=tp, device="cpu"
+                )
+                for store, load in ((True, False), (False, True), (True, True), (True, True)):
+                    assert case.run(store, load) > 0
+                case.close()
+                client.evict(f"gpu-{label}")
+        finally:
+            client.close()

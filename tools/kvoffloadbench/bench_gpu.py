@@ -126,6 +126,7 @@ class GpuCase:
         blocks: int,
         job_blocks: int = JOB_BLOCKS,
         tp: int = 0,
+        device: str = "cuda",
     ):
         import torch
 
@@ -137,8 +138,11 @@ class GpuCase:
         for rank in range(max(tp, 1)):
             local = [p // max(tp, 1) for p in pages]
             # 2x the blocks: the load half and the store half of a bidirectional run.
-            caches = [torch.ones(2 * blocks, p, dtype=torch.int8, device="cuda") for p in local]
-            torch.cuda.synchronize()
+            if device == "cuda":
+                caches = [torch.ones(2 * blocks, p, dtype=torch.int8, device="cuda") for p in local]
+                torch.cuda.synchronize()
+            else:  # the CPU side (tests): memfd caches the daemon maps
+                caches = [kvoffload.shared_kv_cache(2 * blocks, p) for p in local]
             if tp:
                 frags = head_fragments("NHD", *NHD_SHAPE, tp, rank)
                 parts = [CanonicalPart(pages[0], frags)] * len(pages)
@@ -146,25 +150,32 @@ class GpuCase:
             else:
                 self.workers.append(self.ns.attach_worker(caches))
             self.caches = caches
-        self.stored = [b"%s-stored-%08d" % (name.encode(), i) for i in range(blocks)]
+        self.stored = self.keys("stored")
         plan = self.ns.prepare_store(self.stored)
         assert plan is not None and len(plan.slots) == blocks, "region too small for bench"
         self._job = 0
-        self._finish(self._submit(True, plan.slots, self.ids(0)))
+        self._finish(self._submit(True, plan.slots, self.ids(0), plan.lease))
         self.ns.complete_store(self.stored)
         self._round = 0
+
+    def keys(self, tag: str) -> list[bytes]:
+        """The keys of one set of blocks: a namespace's keys all have one length, so
+        every ``tag`` has six characters."""
+        assert len(tag) == 6, tag
+        return [b"%s-%s-%08d" % (self.name.encode(), tag.encode(), i) for i in range(self.blocks)]
 
     def ids(self, half: int) -> np.ndarray:
         """Engine block ids in a shuffled order, so no two pages merge into one run."""
         rng = np.random.default_rng(half)
         return rng.permutation(self.blocks) + half * self.blocks
 
-    def _submit(self, store: bool, slots: list[int], ids: np.ndarray) -> int:
-        """One job of every worker (the same job id on each)."""
+    def _submit(self, store: bool, slots: list[int], ids: np.ndarray, lease: int = 0) -> int:
+        """One job of every worker (the same job id on each); a store names its plan's
+        lease, as engines do."""
         self._job += 1
         for w in self.workers:
             if store:
-                ok = w.submit_store(self._job, ids, slots)
+                ok = w.submit_store(self._job, ids, slots, lease=lease)
             else:
                 ok = w.submit_load(self._job, slots, ids)
             assert ok, w.last_error
@@ -181,7 +192,7 @@ class GpuCase:
         ``blocks`` blocks, submitted together as jobs of ``job_blocks`` blocks (an engine
         submits one job per request, so jobs queue behind each other)."""
         self._round += 1
-        fresh = [b"%s-r%d-%08d" % (self.name.encode(), self._round, i) for i in range(self.blocks)]
+        fresh = self.keys(f"r{self._round:05d}")
         splan = self.ns.prepare_store(fresh) if store else None
         lplan = self.ns.prepare_load(self.stored) if load else None
         load_ids, store_ids = self.ids(0), self.ids(1)
@@ -192,7 +203,7 @@ class GpuCase:
             if lplan is not None:
                 jobs.append(self._submit(False, lplan.slots[part], load_ids[part]))
             if splan is not None:
-                jobs.append(self._submit(True, splan.slots[part], store_ids[part]))
+                jobs.append(self._submit(True, splan.slots[part], store_ids[part], splan.lease))
         self._finish(*jobs)
         dt = time.perf_counter() - t0
         if lplan is not None:
