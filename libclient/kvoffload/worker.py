@@ -39,7 +39,7 @@ from kvoffload.cuda.driver import CudaApi
 from kvoffload.cuda.export import StoreFence, current_stream, export_cuda_caches, require_driver
 from kvoffload.datapath.canonical import CanonicalPart
 from kvoffload.datapath.client_copy import RegionMapping, describe_plain_cache
-from kvoffload.datapath.copyplan import CacheGeometry
+from kvoffload.datapath.runs import CacheGeometry
 from kvoffload.link.transport import Transport
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import DaemonUnavailableError, InvalidArgumentError, KVOffloadError

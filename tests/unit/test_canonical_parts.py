@@ -9,6 +9,7 @@ reach outside a page are refused.
 
 from __future__ import annotations
 
+import itertools
 import os
 import select
 import uuid
@@ -23,12 +24,14 @@ from hypothesis import strategies as st
 from kvoffload import shared_kv_cache
 from kvoffload.cache import describe_cache
 from kvoffload.datapath.canonical import CanonicalPart, expand
+from kvoffload.datapath.copyplan import place_caches
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import pack_ids, pack_keys
 from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.copies.seals import Sealer
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
 from kvoffloadd.service.service import Service
 from kvoffloadd.service.session import Session
@@ -244,3 +247,18 @@ def test_turns_cover_every_block_exactly_once(writers: int, f: int, slots: list[
         written.extend((r // 64).tolist())
         assert (n == 64).all()
     assert sorted(written) == sorted(page_ids.tolist())
+
+
+def test_a_slots_turn_key_is_memoized_per_workers_and_forgotten_when_one_goes() -> None:
+    """The sealer keys a slot's coverage by its parts' workers and its turn: the turn
+    period is worked out once per set of workers, and once a worker is gone no slot
+    of it gets a key (nothing vouches for its copy), memo or not."""
+    frags = np.array([[0, 0, 256]], dtype=np.int64)
+    sealer = Sealer(None, itertools.count(1), {}, lambda index, slots: None)  # type: ignore[arg-type]
+    layout = m.KVLayout(tensor_page_bytes=[512])
+    sealer.add(1, place_caches(layout, [256], [CanonicalPart(512, frags, 2, 0)]))
+    sealer.add(2, place_caches(layout, [256], [CanonicalPart(512, frags, 3, 1)]))
+    assert sealer._key(7, 1, (1, 2)) == ((1, 2), 7 % 6)
+    assert sealer._key(8, 2, (1, 2)) == ((1, 2), 16 % 6)  # from the memo
+    sealer.remove(2)
+    assert sealer._key(7, 1, (1, 2)) is None

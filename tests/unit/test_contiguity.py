@@ -18,13 +18,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.datapath.copyplan import (
-    CacheGeometry,
-    build_runs,
-    has_duplicates,
-    merge_runs,
-    place_caches,
-)
+from kvoffload.datapath.copyplan import has_duplicates, place_caches
+from kvoffload.datapath.runs import CacheGeometry, build_runs, merge_runs
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.index.leases import LeaseBook
 from kvoffloadd.region.allocator import ExtentPool, SlotPool

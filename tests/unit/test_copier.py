@@ -8,7 +8,8 @@ import select
 
 import numpy as np
 
-from kvoffload.datapath.copyplan import CacheGeometry, JobPlan, place_caches
+from kvoffload.datapath.copyplan import JobPlan, place_caches
+from kvoffload.datapath.runs import CacheGeometry
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.copies.copier import Completion, CpuCopier
 

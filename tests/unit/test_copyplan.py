@@ -10,15 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.datapath.canonical import CanonicalPart
-from kvoffload.datapath.copyplan import (
-    CacheGeometry,
-    JobPlan,
-    build_runs,
-    check_transfer,
-    merge_runs,
-    place_caches,
-)
+from kvoffload.datapath.copyplan import JobPlan, check_transfer, place_caches
 from kvoffload.datapath.memruns import copy_groups, copy_runs
+from kvoffload.datapath.runs import CacheGeometry, build_runs, merge_runs
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 

@@ -104,6 +104,20 @@ def test_the_choice_depends_on_the_run_count() -> None:
     assert kernel_runs(choice, True, addr, addr + (1 << 30), many).all()
 
 
+def test_one_size_class_is_one_choice_and_misaligned_runs_still_stay_with_dma() -> None:
+    """Runs of one size class (here 512 to 1008 bytes) are decided once, as a whole;
+    the misaligned one among them goes by DMA all the same, and asking again gives the
+    same answer (from the device's memo)."""
+    choice = link_choice()
+    n = np.array([512, 1008, 784, 512] * 64, dtype=np.int64)
+    dst = np.arange(n.size, dtype=np.int64) * 4096
+    src = dst + (1 << 30)
+    src[5] += 8
+    for _ in range(2):
+        mine = kernel_runs(choice, True, dst, src, n)
+        assert not mine[5] and mine.sum() == n.size - 1
+
+
 def test_misaligned_runs_stay_with_dma_even_always() -> None:
     n = np.array([512, 520, 512, 512], dtype=np.int64)
     dst = np.array([0, 4096, 8196, 12288], dtype=np.int64)

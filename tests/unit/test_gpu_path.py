@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.cuda.export import StoreFence, export_cuda_caches
-from kvoffload.datapath.copyplan import split_at_boundaries
+from kvoffload.datapath.runs import split_at_boundaries
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import pack_ids, pack_keys

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvoffload.datapath.client_copy import LocalCopies, RegionMapping, SlotChanged
-from kvoffload.datapath.copyplan import CacheGeometry
+from kvoffload.datapath.runs import CacheGeometry
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.index.leases import new_token

@@ -40,6 +40,7 @@ MAX_TILES = 1 << 15
 SIZES = (512, 2048, 8192, 32768, 131072, 524288, 2 << 20)
 COUNTS = (1, 16, 256, 4096)
 MODES = ("auto", "always", "off")
+MEMO_ENTRIES = 4096  # predictions a device keeps
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,24 @@ class DeviceChoice:
     # for 256 runs: the crossover the stats report
     crossover_bytes: dict[bool, int] = field(default_factory=dict)
 
+    # predictions already made: a lane asks the same few questions job after job
+    _memo: dict[tuple[bool, float, int], bool] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
     def kernel_faster(self, to_host: bool, size: float, count: int) -> bool:
-        return self.kernel[to_host].predict(size, count) < self.dma[to_host].predict(size, count)
+        key = (to_host, size, count)
+        faster = self._memo.get(key)
+        if faster is None:
+            if len(self._memo) >= MEMO_ENTRIES:
+                self._memo.clear()
+            k, d = self.kernel[to_host], self.dma[to_host]
+            faster = self._memo[key] = k.predict(size, count) < d.predict(size, count)
+        return faster
 
 
 def aligned(dst: I64, src: I64, nbytes: I64) -> Bools:
-    out: Bools = ((dst | src | nbytes) % ALIGN_BYTES) == 0
+    out: Bools = ((dst | src | nbytes) & (ALIGN_BYTES - 1)) == 0
     return out
 
 
@@ -107,8 +120,14 @@ def kernel_runs(
 ) -> Bools:
     """Which runs go to the kernel: ``choice`` None means every aligned run ("always")."""
     ok = aligned(dst, src, nbytes) & (nbytes > 0)
-    if choice is None or not ok.any():
+    n_ok = int(np.count_nonzero(ok))
+    if choice is None or n_ok == 0:
         return ok
+    sizes = nbytes if n_ok == nbytes.size else nbytes[ok]
+    lo, hi = int(sizes.min()), int(sizes.max())
+    if lo.bit_length() == hi.bit_length():  # one size class (pages, fragments): one choice
+        mean = float(lo) if lo == hi else float(sizes.mean())
+        return ok if choice.kernel_faster(to_host, mean, n_ok) else np.zeros(ok.size, dtype=bool)
     size_class = np.zeros(nbytes.size, dtype=np.int64)
     size_class[ok] = np.floor(np.log2(nbytes[ok])).astype(np.int64)
     out = np.zeros(nbytes.size, dtype=bool)
@@ -136,11 +155,9 @@ def crossover(choice_kernel: Timings, choice_dma: Timings, count: int = 256) -> 
 def tiles(dst: I64, src: I64, nbytes: I64, tile_bytes: int) -> tuple[I64, I64, I64]:
     """Runs cut into tiles of at most ``tile_bytes`` (a multiple of ALIGN_BYTES), in
     order; every byte once, each tile at its run's matching offset on both sides."""
-    if nbytes.size == 0:
+    if nbytes.size == 0 or int(nbytes.max()) <= tile_bytes:
         return dst, src, nbytes
     pieces = (nbytes + tile_bytes - 1) // tile_bytes
-    if int(pieces.max()) == 1:
-        return dst, src, nbytes
     idx = np.repeat(np.arange(nbytes.size), pieces)
     k = np.arange(idx.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     shift = k * tile_bytes
@@ -152,8 +169,7 @@ def grid_ctas(num_tiles: int, max_ctas: int) -> int:
     return max(1, min(max_ctas, -(-num_tiles // WARPS_PER_CTA)))
 
 
-def descriptors(dst: I64, src: I64, nbytes: I64) -> npt.NDArray[np.uint64]:
-    """The kernel's tile records (dst, src, nbytes), as gather.cu's ``Tile``."""
-    out = np.empty((nbytes.size, 3), dtype=np.uint64)
+def fill(out: npt.NDArray[np.uint64], dst: I64, src: I64, nbytes: I64) -> None:
+    """Write the kernel's tile records (dst, src, nbytes), as gather.cu's ``Tile``,
+    into ``out`` (a launch's descriptor buffer) in place."""
     out[:, 0], out[:, 1], out[:, 2] = dst, src, nbytes
-    return out

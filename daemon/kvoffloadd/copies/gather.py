@@ -34,7 +34,7 @@ from kvoffload.cuda.driver import (
 from kvoffloadd.copies.choice import (
     MAX_TILES,
     THREADS_PER_CTA,
-    descriptors,
+    fill,
     grid_ctas,
     tiles,
 )
@@ -129,7 +129,7 @@ class TileRing:
         for a in range(0, tn.size, self.capacity):
             n = min(self.capacity, tn.size - a)
             buf = self._buffer()
-            buf.view[:n] = descriptors(td[a : a + n], ts[a : a + n], tn[a : a + n])
+            fill(buf.view[:n], td[a : a + n], ts[a : a + n], tn[a : a + n])
             api.memcpy_async(buf.device, buf.host, n * TILE_RECORD_BYTES, stream)
             grid = grid_ctas(n, max_ctas)
             api.launch_kernel(kernel.function, grid, THREADS_PER_CTA, stream, (buf.device, n))

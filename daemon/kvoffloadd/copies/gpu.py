@@ -40,7 +40,8 @@ from kvoffload.cuda.driver import (
     driver_error,
     load_driver,
 )
-from kvoffload.datapath.copyplan import CacheGeometry, JobPlan, split_at_boundaries
+from kvoffload.datapath.copyplan import JobPlan
+from kvoffload.datapath.runs import CacheGeometry, split_at_boundaries
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
 from kvoffloadd.config import DaemonConfig

@@ -33,7 +33,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from kvoffload.datapath.copyplan import CacheGeometry
+from kvoffload.datapath.runs import CacheGeometry
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
 from kvoffloadd.loopthread import off_loop

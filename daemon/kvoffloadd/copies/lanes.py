@@ -106,22 +106,23 @@ class CopyLane:
         paths = self._paths
         if pinned and paths is not None and paths.kernel_ready and nbytes.size:
             mine = kernel_runs(paths.choice, self.to_host, dst, src, nbytes)
-            if mine.any():
+            count = int(np.count_nonzero(mine))
+            if count:
                 if self._ring is None:
                     self._ring = TileRing(api)
                 choice = paths.choice
                 assert paths.kernel is not None
                 ctas = choice.max_ctas[self.to_host] if choice else 2 * paths.kernel.multiprocessors
                 tile = choice.tile_bytes if choice else TILE_BYTES
-                self._ring.launch(
-                    paths.kernel, dst[mine], src[mine], nbytes[mine], stream, ctas, tile
-                )
+                every = count == nbytes.size  # the usual case: no masks to apply
+                runs = (dst, src, nbytes) if every else (dst[mine], src[mine], nbytes[mine])
+                self._ring.launch(paths.kernel, *runs, stream, ctas, tile)
                 self.kernel_jobs += 1
-                self.kernel_bytes += int(nbytes[mine].sum())
+                self.kernel_bytes += int(runs[2].sum())
+                if every:
+                    return
                 rest = ~mine
                 dst, src, nbytes = dst[rest], src[rest], nbytes[rest]
-                if not nbytes.size:
-                    return
         if pinned and api.has_batch:
             api.memcpy_batch_async(dst, src, nbytes, stream, self.ordinal, self.to_host)
             self.batched_jobs += 1

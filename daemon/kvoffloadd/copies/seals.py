@@ -34,7 +34,8 @@ from kvoffload.datapath.canonical import (
     covers_pages,
     turn_period,
 )
-from kvoffload.datapath.copyplan import Placement, place_caches
+from kvoffload.datapath.copyplan import place_caches
+from kvoffload.datapath.runs import Placement
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
@@ -91,6 +92,8 @@ class Sealer:
         self._on_written = on_written  # canonical slots that became written (checksums)
         self._parts: dict[int, tuple[CanonicalPart, ...]] = {}  # worker -> its caches' parts
         self._verdicts: dict[CoverageKey, bool] = {}
+        # workers of a slot's parts -> their turn period (cleared when a worker goes)
+        self._periods: dict[tuple[int, ...], int] = {}
         self._seals: dict[int, _Seal] = {}  # seal token -> its check
         self.stores_not_covered = 0
 
@@ -101,6 +104,7 @@ class Sealer:
 
     def remove(self, worker_id: int) -> None:
         self._parts.pop(worker_id, None)
+        self._periods.clear()
 
     def is_canonical(self, worker_id: int) -> bool:
         return worker_id in self._parts
@@ -121,10 +125,15 @@ class Sealer:
         return self._seal(index, whole) if whole else 0
 
     def _key(self, slot: int, f: int, workers: tuple[int, ...]) -> CoverageKey | None:
-        parts = [self._parts[w] for w in workers if w in self._parts]
-        if len(parts) != len(workers):
-            return None  # a part's worker is gone: nothing vouches for its copy
-        return workers, slot * f % turn_period(parts)
+        period = self._periods.get(workers)
+        if period is None:
+            parts = [self._parts[w] for w in workers if w in self._parts]
+            if len(parts) != len(workers):
+                return None  # a part's worker is gone: nothing vouches for its copy
+            if len(self._periods) >= MAX_COVERAGE_MEMO:
+                self._periods.clear()
+            period = self._periods[workers] = turn_period(parts)
+        return workers, slot * f % period
 
     def _seal(self, index: NamespaceIndex, whole: list[tuple[int, tuple[int, ...]]]) -> int:
         f = index.layout.block_size_factor

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvoffload.datapath.canonical import area_of
-from kvoffload.datapath.copyplan import CacheGeometry, Placement
+from kvoffload.datapath.runs import CacheGeometry, Placement
 from kvoffload.protocol.messages import JobResult
 from kvoffloadd.copies.copier import ChecksumCheck
 

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kvoffload.datapath.copyplan import Placement, place_caches
+from kvoffload.datapath.copyplan import place_caches
+from kvoffload.datapath.runs import Placement
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     ErrorCode,

@@ -46,14 +46,13 @@ import numpy as np
 
 from kvoffload.datapath.canonical import check_copy_count
 from kvoffload.datapath.copyplan import (
-    CacheGeometry,
     JobPlan,
-    JobRuns,
     check_transfer,
     check_whole_store,
     has_duplicates,
     select_caches,
 )
+from kvoffload.datapath.runs import CacheGeometry, JobRuns
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,

@@ -30,13 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.datapath.canonical import CanonicalPart
-from kvoffload.datapath.copyplan import (
-    CacheGeometry,
-    Placement,
-    build_runs,
-    check_transfer,
-    select_caches,
-)
+from kvoffload.datapath.copyplan import check_transfer, select_caches
 from kvoffload.datapath.memruns import copy_runs
 from kvoffload.datapath.regionfmt import (
     SLOT_GRAVE,
@@ -48,6 +42,7 @@ from kvoffload.datapath.regionfmt import (
     SlotMap,
     keys_match,
 )
+from kvoffload.datapath.runs import CacheGeometry, Placement, build_runs
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError, KVOffloadError
 from kvoffload.protocol.messages import KVLayout, unpack_ids

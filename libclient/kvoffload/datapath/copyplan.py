@@ -36,61 +36,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.datapath.canonical import CanonicalPart, expand
+from kvoffload.datapath.canonical import CanonicalPart
 from kvoffload.datapath.memruns import Groups, runs_as_groups
+from kvoffload.datapath.runs import CacheGeometry, JobRuns, Placement, build_runs
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 
 I64 = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """Where engine block ``b`` of one cache starts: ``offset + b * row_stride``."""
-
-    num_blocks: int
-    page_bytes: int
-    offset_bytes: int
-    row_stride_bytes: int
-
-    @property
-    def end_bytes(self) -> int:
-        """One past the last byte of the last row."""
-        return self.offset_bytes + (self.num_blocks - 1) * self.row_stride_bytes + self.page_bytes
-
-
-@dataclass(frozen=True)
-class Runs:
-    """Merged copy runs for one cache: region offsets, cache offsets, lengths."""
-
-    region: I64
-    cache: I64
-    nbytes: I64
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.nbytes.sum())
-
-
-@dataclass(frozen=True)
-class JobRuns(Runs):
-    """The merged runs of one transfer over several caches: ``which`` is the position,
-    in the transfer's list of caches, of the cache each run's ``cache`` offset is in."""
-
-    which: I64
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one cache's page lives in a rank's area: sub-block ``s`` of the cache's
-    page starts at ``tensor_offset + s * tensor_page_bytes + part_offset``. With
-    ``canon``, that is the cache's canonical page, and the worker's page scatters
-    into it (canonical.py)."""
-
-    tensor_offset: int
-    tensor_page_bytes: int
-    part_offset: int
-    canon: CanonicalPart | None = None
 
 
 def place_caches(
@@ -128,13 +80,6 @@ def place_caches(
             f"already fill the namespace layout {layout.tensor_page_bytes}"
         )
     return out
-
-
-def expand_positions(count: int, f: int, skip: int) -> tuple[I64, I64]:
-    """(slot index, sub-block index) for each of the ``count`` engine blocks of a
-    transfer that starts ``skip`` sub-blocks into its first slot."""
-    sub = np.arange(skip, skip + count, dtype=np.int64)
-    return sub // f, sub % f
 
 
 def check_transfer(
@@ -178,93 +123,14 @@ def check_whole_store(
 
 
 def has_duplicates(ids: I64) -> bool:
-    """Whether any id occurs twice (a sort, not a Python set, past a few dozen; one
+    """Whether any id occurs twice (a sort, not a Python set, past a hundred or so; one
     pass when the ids ascend, as one allocation's slots do)."""
-    if ids.size <= 32:
+    if ids.size <= 128:
         return len(set(ids.tolist())) != ids.size
     if bool((ids[1:] > ids[:-1]).all()):
         return False
     ordered = np.sort(ids)
     return bool((ordered[1:] == ordered[:-1]).any())
-
-
-def build_runs(
-    layout: KVLayout,
-    rank: int,
-    slot_offsets: I64,
-    block_ids: I64,
-    skip: int,
-    caches: list[CacheGeometry],
-    placements: list[Placement],
-    store_slots: I64 | None = None,
-) -> JobRuns:
-    """Merged copy runs of one transfer over its caches, cache by cache in order (the
-    caller validated the inputs). ``rank`` picks the rank area (0 in a canonical
-    namespace); a store into canonical pages passes its slot ids (``store_slots``),
-    which decide whose turn each block is."""
-    f = layout.block_size_factor
-    slot_idx, sub_idx = expand_positions(block_ids.size, f, skip)
-    base = slot_offsets[slot_idx] + rank * layout.rank_bytes
-    if len(placements) > 1 and all(at.canon is None for at in placements):
-        return _plain_runs(base, sub_idx, block_ids, caches, placements)
-    page_ids = None if store_slots is None else store_slots[slot_idx] * f + sub_idx
-    parts = []
-    for at, cache in zip(placements, caches):
-        region = base + at.tensor_offset + at.part_offset + sub_idx * at.tensor_page_bytes
-        cache_off = cache.offset_bytes + block_ids * cache.row_stride_bytes
-        if at.canon is None:
-            parts.append(merge_runs(region, cache_off, cache.page_bytes))
-        else:
-            parts.append(merge_runs(*expand(at.canon, region, cache_off, page_ids)))
-    which = np.repeat(np.arange(len(parts), dtype=np.int64), [r.region.size for r in parts])
-    return JobRuns(
-        np.concatenate([r.region for r in parts]),
-        np.concatenate([r.cache for r in parts]),
-        np.concatenate([r.nbytes for r in parts]),
-        which,
-    )
-
-
-def _plain_runs(
-    base: I64,
-    sub_idx: I64,
-    block_ids: I64,
-    caches: list[CacheGeometry],
-    placements: list[Placement],
-) -> JobRuns:
-    """``build_runs`` for caches without canonical mappings, all at once: one row of
-    page copies per cache (a model has one cache per layer: a loop per cache cost
-    ~27 us each), merged within rows, never across."""
-    count = block_ids.size
-    if count == 0 or not caches:
-        empty = np.zeros(0, dtype=np.int64)
-        return JobRuns(empty, empty, empty, empty)
-    rows = [
-        (
-            at.tensor_offset + at.part_offset,
-            at.tensor_page_bytes,
-            c.offset_bytes,
-            c.row_stride_bytes,
-        )
-        for at, c in zip(placements, caches)
-    ]
-    # (caches, 1) columns, broadcast against the blocks
-    offset, tensor_page, cache_offset, stride = np.array(rows, dtype=np.int64).T[:, :, None]
-    page = np.array([c.page_bytes for c in caches], dtype=np.int64)[:, None]
-    region = base + offset + sub_idx * tensor_page  # (caches, blocks)
-    cache = cache_offset + block_ids * stride
-    goes_on = (region[:, 1:] - region[:, :-1] == page) & (cache[:, 1:] - cache[:, :-1] == page)
-    if not goes_on.any():  # nothing merges (scattered blocks, or slots wider than pages)
-        which = np.repeat(np.arange(len(caches), dtype=np.int64), count)
-        return JobRuns(region.ravel(), cache.ravel(), page.ravel()[which], which)
-    starts_here = np.ones(region.shape, dtype=bool)
-    starts_here[:, 1:] = ~goes_on
-    starts = np.flatnonzero(starts_here)
-    ends = np.append(starts[1:], region.size)
-    which = starts // count
-    return JobRuns(
-        region.ravel()[starts], cache.ravel()[starts], (ends - starts) * page.ravel()[which], which
-    )
 
 
 @dataclass(frozen=True)
@@ -391,44 +257,3 @@ def select_caches(count: int, wanted: list[int]) -> list[int]:
     if len(set(wanted)) != len(wanted) or not all(0 <= i < count for i in wanted):
         raise InvalidArgumentError(f"cache indices {wanted} must be distinct and in 0..{count - 1}")
     return wanted
-
-
-def split_at_boundaries(
-    region: I64, other: I64, nbytes: I64, boundary_bytes: int
-) -> tuple[I64, I64, I64]:
-    """Cut runs so that none crosses a multiple of ``boundary_bytes`` in the region.
-
-    ``region`` holds offsets from the region's start. GPU copies need it: a batched
-    copy may not span two host registrations (pinning chunks).
-    """
-    if region.size == 0:
-        return region, other, nbytes
-    first = region // boundary_bytes
-    pieces = (region + nbytes - 1) // boundary_bytes - first + 1
-    if int(pieces.max()) == 1:
-        return region, other, nbytes
-    idx = np.repeat(np.arange(region.size), pieces)
-    k = np.arange(idx.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    start = np.maximum(region[idx], (first[idx] + k) * boundary_bytes)
-    end = np.minimum(region[idx] + nbytes[idx], (first[idx] + k + 1) * boundary_bytes)
-    shift = start - region[idx]
-    return start, other[idx] + shift, end - start
-
-
-def merge_runs(region: I64, cache: I64, nbytes: int | I64) -> Runs:
-    """Merge consecutive copies (all ``nbytes`` long, or each its own) whose region
-    and cache offsets both continue."""
-    if region.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return Runs(empty, empty, empty)
-    if isinstance(nbytes, int):
-        if region.size == 1:
-            return Runs(region, cache, np.full(1, nbytes, dtype=np.int64))
-        cont = (np.diff(region) == nbytes) & (np.diff(cache) == nbytes)
-        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-        ends = np.concatenate((starts[1:], [region.size]))
-        return Runs(region[starts], cache[starts], (ends - starts) * nbytes)
-    size = nbytes[:-1]
-    cont = (region[:-1] + size == region[1:]) & (cache[:-1] + size == cache[1:])
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    return Runs(region[starts], cache[starts], np.add.reduceat(nbytes, starts))
