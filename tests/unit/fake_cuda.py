@@ -209,6 +209,12 @@ class FakeCuda:
         self, dst: I64, src: I64, nbytes: I64, stream: int, device: int, to_host: bool
     ) -> None:
         self.calls["memcpy_batch_async"] += 1
+        host = dst if to_host else src
+        for a, n in zip(host.tolist(), nbytes.tolist()):  # as the driver: one registration
+            if any(r <= a < r + size for r, size in self.registered) and not any(
+                r <= a and a + n <= r + size for r, size in self.registered
+            ):
+                raise CudaError("cuMemcpyBatchAsync", 1, "CUDA_ERROR_INVALID_VALUE")
         with self._cv:
             ops = self._streams[stream]
             ops.extend(

@@ -361,3 +361,75 @@ def test_gpu_loads_verify_checksums_before_copying() -> None:
         assert r.svc.workers[w2].finished[0].success is False
         assert not any(t.rows.any() for t in dst)
         assert r.svc.errors_by_code["CHECKSUM_MISMATCH"] == 1
+
+
+def test_runs_that_cross_a_pinning_chunk_are_cut_there() -> None:
+    """A batched copy may not span two host registrations (the fake refuses one, as
+    the driver does): contiguous blocks into contiguous slots merge into one run
+    longer than a pinning chunk (8 MiB here), which the lane cuts where chunks meet;
+    every byte lands, both ways."""
+    page, n = 16384, 768  # 12 MiB
+    for rig in make_rig(FakeCuda()):
+        r = rig.svc.handle(rig.session(), m.OpenNamespace(1, "long", m.KVLayout([page], 1, 1)))
+        assert isinstance(r, m.NamespaceOpened)
+        src = FakeCudaTensor(rig.fake.alloc(n * page).reshape(n, page))
+        src.rows[:] = np.random.default_rng(3).integers(0, 256, src.rows.shape, dtype=np.uint8)
+        w, fence = attach(rig, r.ns, [src])
+        keys = [b"c%04d" % i for i in range(n)]
+        slots = prepare(rig, r.ns, keys)
+        assert (np.diff(slots) == 1).all(), "the test wants one run"
+        fence.record(0)
+        ids = pack_ids(np.arange(n))
+        rig.svc.handle(rig.session(), m.SubmitStore(4, w, 1, ids, pack_ids(slots)))
+        rig.drain()
+        kp, kb = pack_keys(keys)
+        rig.svc.handle(rig.session(), m.CompleteStore(5, r.ns, kp, kb, True))
+        dst = FakeCudaTensor(rig.fake.alloc(n * page).reshape(n, page))
+        w2, _ = attach(rig, r.ns, [dst])
+        lslots = prepare(rig, r.ns, keys, load=True)
+        rig.svc.handle(rig.session(), m.SubmitLoad(6, w2, 1, pack_ids(lslots), ids, 0))
+        rig.drain()
+        assert np.array_equal(dst.rows, src.rows)
+        assert rig.svc.gpu.lane_counts() == (2, 0)  # type: ignore[union-attr]
+
+
+def test_a_job_that_cannot_be_prepared_fails_alone_and_jobs_issue_in_order() -> None:
+    """Jobs are prepared on a pool, several at once, but issued in the order they came;
+    one whose preparation raises fails by itself and the lane goes on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvoffloadd.copies.copier import CompletionSink
+    from kvoffloadd.copies.lanes import CopyLane, GpuJob
+
+    fake, sink = FakeCuda(), CompletionSink()
+    src = fake.alloc(64 * 1024)
+    src[:] = np.arange(src.size, dtype=np.uint64).astype(np.uint8)
+    dst = np.zeros(src.size, dtype=np.uint8)
+    base_s, base_d = int(src.ctypes.data), int(dst.ctypes.data)
+
+    def prepare(job: GpuJob) -> None:
+        if job.token == 2:
+            raise ValueError("no runs for this one")
+        at = (job.token - 1) * 8192
+        job.dst = np.array([base_d + at], dtype=np.int64)
+        job.src = np.array([base_s + at], dtype=np.int64)
+        job.nbytes = np.array([8192], dtype=np.int64)
+
+    empty = np.zeros(0, dtype=np.int64)
+    with ThreadPoolExecutor(2) as pool:
+        lane = CopyLane(fake, 0, True, sink, lambda job: False, prepare, None, pool)
+        for token in range(1, 9):
+            lane.submit(GpuJob(token, empty, empty, empty, 0, 0, 0.0))
+        done: list[object] = []
+        end = time.monotonic() + 10
+        while len(done) < 8 and time.monotonic() < end:
+            select.select([sink.wake_fd], [], [], 1)
+            done.extend(sink.drain())
+        lane.close()
+    assert [c.token for c in done] == list(range(1, 9))  # type: ignore[attr-defined]
+    assert [c.success for c in done] == [t != 2 for t in range(1, 9)]  # type: ignore[attr-defined]
+    ok = [t for t in range(1, 9) if t != 2]
+    for t in ok:
+        at = (t - 1) * 8192
+        assert np.array_equal(dst[at : at + 8192], src[at : at + 8192])
+    sink.close()

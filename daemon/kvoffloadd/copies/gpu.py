@@ -16,8 +16,8 @@ Rules:
 - A copier thread imports (``attach``: IPC opens map memory, never on the loop); the
   table of open imports is shared with the loop, which closes them, under a lock. Only
   the loop thread calls ``submit`` and ``device_paths``; lane threads touch no metadata.
-  A transfer comes as a ``JobPlan``: its issuing thread builds the runs and cuts them
-  at pinning-chunk boundaries, off the loop.
+  A transfer comes as a ``JobPlan``: one of ``PREPARING_THREADS`` threads, shared by
+  every lane, builds its runs and cuts them at pinning-chunk boundaries, off the loop.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,10 @@ log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
 _NONE: I64 = np.zeros(0, dtype=np.int64)
+# Threads that build jobs' runs for every lane: two prepared 512-byte-fragment jobs
+# 1.5x as fast as one (numpy lets go of the GIL over large arrays); the loop and the
+# lanes' own threads need the rest of the GIL.
+PREPARING_THREADS = 2
 
 
 @dataclass
@@ -102,6 +107,7 @@ class GpuRuntime:
         # imports run on a copier thread (nothing maps on the loop), closes on the loop
         self._imports_lock = threading.Lock()
         self._lanes: dict[tuple[int, bool], CopyLane] = {}
+        self._preparers = ThreadPoolExecutor(PREPARING_THREADS, "kvoffload-gpu-prepare")
         self.paths: dict[int, DevicePaths] = {}
 
     @property
@@ -211,7 +217,14 @@ class GpuRuntime:
         if lane is None:
             paths = self.device_paths(ordinal)
             lane = CopyLane(
-                self.api, ordinal, to_host, self._sink, self._pinned, self._prepare, paths
+                self.api,
+                ordinal,
+                to_host,
+                self._sink,
+                self._pinned,
+                self._prepare,
+                paths,
+                self._preparers,
             )
             self._lanes[(ordinal, to_host)] = lane
         return lane
@@ -232,17 +245,19 @@ class GpuRuntime:
         self._lane(ordinal, to_host).submit(job)
 
     def _prepare(self, job: GpuJob) -> None:
-        """On the lane's thread: the job's runs, cut where pinning chunks meet."""
+        """On a preparing thread: the job's runs, cut where pinning chunks meet."""
         if job.plan is None:
             return
         dst, src, nbytes = job.plan.addresses()
         to_host = job.plan.is_store
         region, other = (dst, src) if to_host else (src, dst)
-        rel, other, nbytes = split_at_boundaries(
-            region - self._region_base, other, nbytes, self._boundary_bytes
-        )
-        job.region_end_bytes = int((rel + nbytes).max()) if rel.size else 0
-        region = rel + self._region_base
+        base, chunk = self._region_base, self._boundary_bytes
+        if region.size:
+            first, end = int(region.min()) - base, int((region + nbytes).max()) - base
+            job.region_end_bytes = end
+            if first // chunk != (end - 1) // chunk:  # some run crosses into another chunk
+                rel, other, nbytes = split_at_boundaries(region - base, other, nbytes, chunk)
+                region = rel + base
         job.dst, job.src = (region, other) if to_host else (other, region)
         job.nbytes = nbytes
 
@@ -261,6 +276,7 @@ class GpuRuntime:
         for lane in self._lanes.values():
             lane.close()
         self._lanes.clear()
+        self._preparers.shutdown()
         for paths in self.paths.values():
             paths.close(self.api)
         self.pinner.close()

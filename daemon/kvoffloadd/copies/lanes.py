@@ -1,15 +1,19 @@
 """GPU copy lanes: one direction on one GPU, its stream and its two threads.
 
 Rules:
-- A lane's issuing thread builds a job's runs (``prepare``, off the loop), waits on the
-  engine's store fence for a store, then enqueues the copies on the lane's stream:
+- A job's runs are built off the loop, on the runtime's preparing threads (``prepare``
+  and the kernel's share of the runs), several jobs at once: numpy lets go of the GIL
+  over large arrays, and a job of 512-byte fragments has tens of thousands of runs.
+  The lane's issuing thread takes jobs in the order they came, each once it is
+  prepared, waits on the engine's store fence for a store, then enqueues the copies
+  on the lane's stream:
   where the region part the job touches is pinned, the runs the device's calibration
   gives the gather kernel go to launches of it (``gather``, ``choice``), the rest to
   one batched copy (cuMemcpyBatchAsync) when the driver has it, else (and for unpinned
   parts) a cuMemcpyAsync loop.
 - Its completing thread posts a job's completion only after the stream passed the
   job's event, so memory is never released under a running copy, even after errors.
-- Lane threads touch no daemon metadata.
+- Lane threads and preparing threads touch no daemon metadata.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +39,7 @@ from kvoffloadd.copies.gather import TileRing
 log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
+Bools = npt.NDArray[np.bool_]
 
 
 @dataclass
@@ -47,7 +53,8 @@ class GpuJob:
     started_s: float
     check: ChecksumCheck | None = None
     corrupt: list[int] = field(default_factory=list)
-    plan: JobPlan | None = None  # built into dst/src/nbytes by the issuing thread
+    plan: JobPlan | None = None  # built into dst/src/nbytes by a preparing thread
+    kernel: Bools | None = None  # the runs the kernel moves, where it was ready
 
 
 class CopyLane:
@@ -66,12 +73,17 @@ class CopyLane:
         pinned: Callable[[GpuJob], bool],
         prepare: Callable[[GpuJob], None] = lambda job: None,
         paths: DevicePaths | None = None,
+        preparers: Executor | None = None,
     ) -> None:
+        """``preparers``: the threads that prepare jobs (None: the issuing thread)."""
         self._api, self.ordinal, self.to_host = api, ordinal, to_host
         self._sink, self._pinned, self._prepare = sink, pinned, prepare
         self._paths = paths
+        self._preparers = preparers
         self._ring: TileRing | None = None
-        self._jobs: queue.SimpleQueue[GpuJob | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[GpuJob, Future[None] | None] | None] = (
+            queue.SimpleQueue()
+        )
         # (job, completion event or 0, enqueued without error)
         self._issued: queue.SimpleQueue[tuple[GpuJob, int, bool] | None] = queue.SimpleQueue()
         self._free_events: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -84,7 +96,15 @@ class CopyLane:
         self._issuer.start()
 
     def submit(self, job: GpuJob) -> None:
-        self._jobs.put(job)
+        pool = self._preparers
+        self._jobs.put((job, pool.submit(self._prepare_job, job) if pool else None))
+
+    def _prepare_job(self, job: GpuJob) -> None:
+        """The job's runs, and which of them the kernel moves (if it is ready)."""
+        self._prepare(job)
+        paths = self._paths
+        if paths is not None and paths.kernel_ready and job.nbytes.size and self._pinned(job):
+            job.kernel = kernel_runs(paths.choice, self.to_host, job.dst, job.src, job.nbytes)
 
     def _event(self) -> int:
         try:
@@ -92,9 +112,12 @@ class CopyLane:
         except queue.Empty:
             return self._api.event_create()
 
-    def _enqueue(self, job: GpuJob, stream: int) -> None:
+    def _enqueue(self, job: GpuJob, prepared: Future[None] | None, stream: int) -> None:
         api = self._api
-        self._prepare(job)
+        if prepared is None:
+            self._prepare_job(job)
+        else:
+            prepared.result()  # its error, if any, fails the job
         if job.check is not None and job.check.expected is not None:
             job.corrupt = job.check.mismatches()  # verify the region before loading
             if job.corrupt:
@@ -104,8 +127,8 @@ class CopyLane:
         dst, src, nbytes = job.dst, job.src, job.nbytes
         pinned = self._pinned(job)
         paths = self._paths
-        if pinned and paths is not None and paths.kernel_ready and nbytes.size:
-            mine = kernel_runs(paths.choice, self.to_host, dst, src, nbytes)
+        mine = job.kernel
+        if mine is not None and paths is not None:
             count = int(np.count_nonzero(mine))
             if count:
                 if self._ring is None:
@@ -135,11 +158,12 @@ class CopyLane:
         api = self._api
         api.set_device(self.ordinal)
         stream = api.stream_create()
-        while (job := self._jobs.get()) is not None:
+        while (item := self._jobs.get()) is not None:
+            job, prepared = item
             ok = True
             event = 0
             try:
-                self._enqueue(job, stream)
+                self._enqueue(job, prepared, stream)
             except CudaError as exc:
                 log.error("GPU %d copy job %d failed: %s", self.ordinal, job.token, exc)
                 ok = False
