@@ -4,24 +4,28 @@ A test session leaves nothing behind: every temporary file and directory (the te
 the daemons' sockets, pytest's own) goes under one session directory, removed at the
 end; so do the regions this session's daemons left in /dev/shm (one killed with
 SIGKILL, or one that kept its region for a warm restart), except those a live daemon
-still holds.
+still holds. With suites side by side (tools/test-suites), the runner removes those
+regions once every suite has ended, as a region new to one suite may be another's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from kvoffloadbench.launch import DaemonProcess
+from kvoffload.client import Client
+from kvoffloadbench.launch import SHM, DaemonProcess, remove_regions_left
 from kvoffloadbench.redis_server import RedisServer
 
-SHM = "/dev/shm"
+# Set by tools/test-suites: other suites run beside this one, and their regions are
+# theirs to use until they end; the runner removes what every suite left.
+SUITES_SIDE_BY_SIDE = "KVOFFLOAD_SUITES_SIDE_BY_SIDE"
 _session: dict[str, object] = {}
 
 
@@ -45,25 +49,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(str(_session["base"]), ignore_errors=True)
     before = _session["shm"]
     assert isinstance(before, set)
-    for name in set(os.listdir(SHM)) - before:
-        if name.startswith("kvoffload-") and not _held(os.path.join(SHM, name)):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(SHM, name))
-
-
-def _held(path: str) -> bool:
-    """Whether a live daemon holds this region (its lock on the segment)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    if not os.environ.get(SUITES_SIDE_BY_SIDE):  # else tools/test-suites, once all end
+        remove_regions_left(before)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -77,6 +64,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _clients_closed_after_each_test() -> Iterator[None]:
+    """Every kvoffload client a test made (not its module's or session's fixtures) is
+    closed when the test ends: a client left open keeps a keeper thread that retries
+    its handshake every few seconds once its daemon is gone, allocating as it does,
+    and would run on under the tests that come after it."""
+    made: weakref.WeakSet[Client] = weakref.WeakSet()
+    init = Client.__init__
+
+    def tracked(self: Client, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.add(self)
+
+    Client.__init__ = tracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Client.__init__ = init  # type: ignore[method-assign]
+        for client in list(made):
+            client.close()
 
 
 @pytest.fixture(params=("redis-server", "valkey-server"), ids=("redis", "valkey"))

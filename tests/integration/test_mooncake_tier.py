@@ -163,6 +163,9 @@ def test_a_killed_master_degrades_to_misses_and_recovers(
             poll(lambda: e.ns.lookup(a) == 0, "the lost blocks to miss")
             assert e.ns.lookup(a) == 0 and e.ns.lookup(a) == 0  # and no more retries
             c = keys(b"c", 4)
+            # b's blocks fill the namespace's quota, and a block in flight to the tier
+            # is not evicted: c's store makes room once b's cascades are through
+            poll(lambda: e.tier("mooncake")["cascade_inflight_blocks"] == 0, "cascades to settle")
             before = e.tier("mooncake")["stores_total"]
             e.store(c, seed=7)
             poll(lambda: e.tier("mooncake")["stores_total"] >= before + 4, "cascades to resume")

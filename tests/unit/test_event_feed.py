@@ -56,21 +56,19 @@ def test_what_the_log_counts_is_what_it_holds_and_dropped_events_go_at_once() ->
     """A subscriber that never read grew the daemon 113 MiB over 64 store+evict cycles
     of 8,192 keys: the log counted 24 bytes per key where Python held ~100, and kept
     dropped events until more than 1,024 had gone. Events are kept packed now."""
-    import tracemalloc
+    from heap import OwnHeap
 
     keys = [b"%036d" % i for i in range(8192)]  # vLLM-length keys
     feed = EventFeed()
     feed.subscribe(1)
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
-    for i in range(64):
-        feed.emit(
-            OffloadEvent(keys, removed=bool(i % 2), slots=None if i % 2 else list(range(8192)))
-        )
-    held = tracemalloc.get_traced_memory()[0] - base
-    assert feed.pending_bytes() <= 4 << 20  # the log's bound
-    assert held <= 1.25 * feed.pending_bytes() + (64 << 10), (held, feed.pending_bytes())
-    feed.trim(0)
-    after = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
+    with OwnHeap() as heap:
+        for i in range(64):
+            feed.emit(
+                OffloadEvent(keys, removed=bool(i % 2), slots=None if i % 2 else list(range(8192)))
+            )
+        held = heap.grown_bytes()
+        assert feed.pending_bytes() <= 4 << 20  # the log's bound
+        assert held <= 1.25 * feed.pending_bytes() + (64 << 10), (held, feed.pending_bytes())
+        feed.trim(0)
+        after = heap.grown_bytes()
     assert after < 64 << 10, f"{after} bytes of dropped events still held"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import json
 import os
 import selectors
@@ -40,6 +41,33 @@ def _remove_made() -> None:
     for pid, path in _made:
         if pid == os.getpid():  # never from a forked child
             shutil.rmtree(path, ignore_errors=True)
+
+
+SHM = "/dev/shm"
+
+
+def region_held(path: str) -> bool:
+    """Whether a live daemon holds the region at ``path`` (its lock on the segment)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def remove_regions_left(before: set[str]) -> None:
+    """Remove the kvoffload regions in /dev/shm that are not in ``before`` and that no
+    live daemon holds (one killed with SIGKILL, one kept for a warm restart)."""
+    for name in set(os.listdir(SHM)) - before:
+        if name.startswith("kvoffload-") and not region_held(os.path.join(SHM, name)):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM, name))
 
 
 def toml_value(v: Any) -> str:
