@@ -62,14 +62,15 @@ venvs: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 	@:
 
 # Everything, the vLLM and SGLang suites included (they skip in .venv, which has
-# neither engine). The virtualenvs install side by side, the suites one after another.
+# neither engine). The virtualenvs install side by side, then the suites run side by
+# side (tools/test-suites: one lane per core, the longest suite first).
 test:
 	@$(MAKE) --no-print-directory -j3 venvs
 	@tools/ensure-redis-servers
 	@tools/ensure-mooncake-libs
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)
-	$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang $(PYTEST_ARGS)
+	@$(BIN)/python tools/test-suites "$(BIN)/python -m pytest -q $(PYTEST_ARGS)" \
+		"$(VLLM_VENV)/bin/python -m pytest -q tests/vllm $(PYTEST_ARGS)" \
+		"$(SGLANG_VENV)/bin/python -m pytest -q tests/sglang $(PYTEST_ARGS)"
 
 test-sglang: $(SGLANG_STAMP)
 	@tools/ensure-mooncake-libs
