@@ -363,34 +363,33 @@ def test_gpu_loads_verify_checksums_before_copying() -> None:
         assert r.svc.errors_by_code["CHECKSUM_MISMATCH"] == 1
 
 
-def test_runs_that_cross_a_pinning_chunk_are_cut_there() -> None:
+def test_runs_that_cross_a_pinning_chunk_are_cut_there(rig: Rig) -> None:
     """A batched copy may not span two host registrations (the fake refuses one, as
     the driver does): contiguous blocks into contiguous slots merge into one run
     longer than a pinning chunk (8 MiB here), which the lane cuts where chunks meet;
     every byte lands, both ways."""
     page, n = 16384, 768  # 12 MiB
-    for rig in make_rig(FakeCuda()):
-        r = rig.svc.handle(rig.session(), m.OpenNamespace(1, "long", m.KVLayout([page], 1, 1)))
-        assert isinstance(r, m.NamespaceOpened)
-        src = FakeCudaTensor(rig.fake.alloc(n * page).reshape(n, page))
-        src.rows[:] = np.random.default_rng(3).integers(0, 256, src.rows.shape, dtype=np.uint8)
-        w, fence = attach(rig, r.ns, [src])
-        keys = [b"c%04d" % i for i in range(n)]
-        slots = prepare(rig, r.ns, keys)
-        assert (np.diff(slots) == 1).all(), "the test wants one run"
-        fence.record(0)
-        ids = pack_ids(np.arange(n))
-        rig.svc.handle(rig.session(), m.SubmitStore(4, w, 1, ids, pack_ids(slots)))
-        rig.drain()
-        kp, kb = pack_keys(keys)
-        rig.svc.handle(rig.session(), m.CompleteStore(5, r.ns, kp, kb, True))
-        dst = FakeCudaTensor(rig.fake.alloc(n * page).reshape(n, page))
-        w2, _ = attach(rig, r.ns, [dst])
-        lslots = prepare(rig, r.ns, keys, load=True)
-        rig.svc.handle(rig.session(), m.SubmitLoad(6, w2, 1, pack_ids(lslots), ids, 0))
-        rig.drain()
-        assert np.array_equal(dst.rows, src.rows)
-        assert rig.svc.gpu.lane_counts() == (2, 0)  # type: ignore[union-attr]
+    r = rig.svc.handle(rig.session(), m.OpenNamespace(1, "long", m.KVLayout([page], 1, 1)))
+    assert isinstance(r, m.NamespaceOpened)
+    src = FakeCudaTensor(rig.fake.alloc(n * page).reshape(n, page))
+    src.rows[:] = np.random.default_rng(3).integers(0, 256, src.rows.shape, dtype=np.uint8)
+    w, fence = attach(rig, r.ns, [src])
+    keys = [b"c%04d" % i for i in range(n)]
+    slots = prepare(rig, r.ns, keys)
+    assert (np.diff(slots) == 1).all(), "the test wants one run"
+    fence.record(0)
+    ids = pack_ids(np.arange(n))
+    rig.svc.handle(rig.session(), m.SubmitStore(4, w, 1, ids, pack_ids(slots)))
+    rig.drain()
+    kp, kb = pack_keys(keys)
+    rig.svc.handle(rig.session(), m.CompleteStore(5, r.ns, kp, kb, True))
+    dst = FakeCudaTensor(rig.fake.alloc(n * page).reshape(n, page))
+    w2, _ = attach(rig, r.ns, [dst])
+    lslots = prepare(rig, r.ns, keys, load=True)
+    rig.svc.handle(rig.session(), m.SubmitLoad(6, w2, 1, pack_ids(lslots), ids, 0))
+    rig.drain()
+    assert np.array_equal(dst.rows, src.rows)
+    assert rig.svc.gpu.lane_counts() == (2, 0)  # type: ignore[union-attr]
 
 
 def test_a_job_that_cannot_be_prepared_fails_alone_and_jobs_issue_in_order() -> None:
