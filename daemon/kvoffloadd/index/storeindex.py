@@ -330,11 +330,13 @@ class StoreIndex:
 
     def mark_written(self, slots: Sequence[int], area: int) -> None:
         """A store copy wrote rank ``area`` of these slots whole."""
-        bit, written = 1 << area, self._written
-        for slot in slots:
-            if self._takes_copies(slot):
-                written[slot] = written.get(slot, 0) | bit
-        self.finish_ready(slots)
+        bit, written, get = 1 << area, self._written, self._written.get
+        slot_key, leased, known = self._slot_key, self.leases.token_of, len(self._slot_key)
+        for slot in slots:  # _takes_copies, inline: a job's slots, one by one
+            if (slot < known and slot_key[slot] is not None) or slot in leased:
+                written[slot] = get(slot, 0) | bit
+        if self._waiting:  # else no store of them is committed yet
+            self.finish_ready(slots)
 
     def mark_parts(
         self, slots: Sequence[int], part: int, parts: int, worker: int
