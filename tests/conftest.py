@@ -20,12 +20,9 @@ from typing import Any
 import pytest
 
 from kvoffload.client import Client
-from kvoffloadbench.launch import SHM, DaemonProcess, remove_regions_left
+from kvoffloadbench.launch import SHM, SUITES_SIDE_BY_SIDE, DaemonProcess, remove_regions_left
 from kvoffloadbench.redis_server import RedisServer
 
-# Set by tools/test-suites: other suites run beside this one, and their regions are
-# theirs to use until they end; the runner removes what every suite left.
-SUITES_SIDE_BY_SIDE = "KVOFFLOAD_SUITES_SIDE_BY_SIDE"
 _session: dict[str, object] = {}
 
 

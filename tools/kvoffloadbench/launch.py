@@ -44,6 +44,9 @@ def _remove_made() -> None:
 
 
 SHM = "/dev/shm"
+# Set by tools/test-suites for the suites it runs side by side: a region new to one
+# suite may be another's, so the runner, not each suite, removes what they left.
+SUITES_SIDE_BY_SIDE = "KVOFFLOAD_SUITES_SIDE_BY_SIDE"
 
 
 def region_held(path: str) -> bool:

@@ -236,9 +236,6 @@ def split_at_boundaries(
     """
     if region.size == 0:
         return region, other, nbytes
-    lowest, highest = int(region.min()), int((region + nbytes).max()) - 1
-    if lowest // boundary_bytes == highest // boundary_bytes:  # all in one chunk
-        return region, other, nbytes
     first = region // boundary_bytes
     pieces = (region + nbytes - 1) // boundary_bytes - first + 1
     if int(pieces.max()) == 1:
