@@ -14,9 +14,10 @@ across runs:
   taken once they stopped moving (``held``), and the test's ``during`` runs (another
   tenant trying to work while the attacker holds);
 - after: once the attacker's process is gone and the daemon's descriptors came back;
-- the canary: a client in its own process pinging without pause, from before the
-  attack until after it; its worst round trip is what another client waited. With a
-  metrics port, ``/healthz`` is probed as a kubelet would, and non-200 answers counted.
+- the canary (canary.py): a client in its own process pinging without pause, from
+  before the attack until after it; its worst round trip, less what the machine kept
+  the daemon and it waiting for a CPU, is what another client waited. With a metrics
+  port, ``/healthz`` is probed as a kubelet would, and non-200 answers counted.
 
 It prints one line (``pytest -s``). The attacker is a forked child that drops to
 another uid (as ``hostile.as_uid``): it imports nothing new, and its exceptions come
@@ -25,13 +26,10 @@ back as text. Every child is reaped, or killed, whatever the test does.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import os
 import pickle
 import select
-import signal
-import struct
 import threading
 import time
 import traceback
@@ -40,11 +38,11 @@ from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import Any, TypeVar
 
+from canary import ROUND_TRIP_LIMIT_S, Canary
+from children import fork, reap, receive, send
 from hostile import NOBODY, requires_root
-from liar import Liar
 
 import kvoffload
-from kvoffload.protocol import messages as m
 from kvoffloadbench.launch import DaemonProcess, wait_prefault
 
 MIB = 1 << 20
@@ -57,8 +55,6 @@ SETTLE_DEADLINE_S = 10.0
 AFTER_FD_SLACK = 4  # descriptors the daemon may still hold once the attacker left
 HEALTH_EVERY_S = 0.1
 HEALTH_TIMEOUT_S = 3.0  # the DaemonSet's probe timeoutSeconds
-CANARY_GIVE_UP_S = 60.0  # a ping unanswered this long ends the canary (reported)
-ROUND_TRIP_LIMIT_S = 0.100  # DESIGN.md invariant 15: another client's worst round trip
 
 
 @dataclass(frozen=True)
@@ -104,47 +100,6 @@ def _mib(n: int) -> str:
     return f"{n / MIB:.1f}" if abs(n) < 10 * MIB else f"{n / MIB:.0f}"
 
 
-# --------------------------------------------------------------- child processes
-
-
-def _send(fd: int, tag: bytes, payload: bytes = b"") -> None:
-    data = tag + struct.pack("<Q", len(payload)) + payload
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
-    out = b""
-    while len(out) < n:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise TimeoutError("the child did not answer in time")
-        chunk = os.read(fd, n - len(out))
-        if not chunk:
-            raise EOFError("the child went away without a word")
-        out += chunk
-    return out
-
-
-def _receive(fd: int, deadline: float) -> tuple[bytes, bytes]:
-    head = _read_exactly(fd, 9, deadline)
-    (n,) = struct.unpack("<Q", head[1:])
-    return head[:1], _read_exactly(fd, n, deadline)
-
-
-def reap(pid: int, deadline_s: float = 5.0) -> None:
-    """Wait for a child for ``deadline_s``, then kill it."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return
-        time.sleep(0.01)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-
-
 class Hold:
     """The attacker's side: ``hold()`` says it holds what it took, and returns once
     the test has measured (running ``poll`` meanwhile, if given)."""
@@ -153,7 +108,7 @@ class Hold:
         self._ctl, self._release = ctl, release
 
     def __call__(self, poll: Callable[[], object] | None = None, timeout_s: float = 120.0) -> None:
-        _send(self._ctl, b"H")
+        send(self._ctl, b"H")
         deadline = time.monotonic() + timeout_s
         while not select.select([self._release], [], [], 0.01 if poll else 1.0)[0]:
             if time.monotonic() > deadline:
@@ -161,38 +116,6 @@ class Hold:
             if poll is not None:
                 poll()
         os.read(self._release, 1)  # b"R", or b"" when the test went away
-
-
-def _canary(path: str, stop: int, out: int) -> None:
-    """The canary's process: ping without pause until told to stop."""
-    worst_s, pings, error = 0.0, 0, ""
-    t0 = time.perf_counter()
-    try:
-        liar = Liar(path, timeout_s=CANARY_GIVE_UP_S)
-        ping = m.Ping(0)
-        while not select.select([stop], [], [], 0)[0]:
-            t0 = time.perf_counter()
-            liar.call(ping)
-            worst_s = max(worst_s, time.perf_counter() - t0)
-            pings += 1
-            if pings == 1:
-                _send(out, b"S")
-    except BaseException as exc:  # the daemon cut it off, or stalled past giving up
-        worst_s = max(worst_s, time.perf_counter() - t0)
-        error = repr(exc)
-        if pings == 0:
-            _send(out, b"S")
-    _send(out, b"D", pickle.dumps((worst_s, pings, error)))
-
-
-def _fork(child: Callable[[], None]) -> int:
-    pid = os.fork()
-    if pid == 0:  # never returns into the test
-        try:
-            child()
-        finally:
-            os._exit(0)
-    return pid
 
 
 def _healthz(port: int) -> int:
@@ -220,9 +143,7 @@ class Measure:
         self.daemon = daemon
         self.metrics_port = metrics_port
         self.before = self.peak = self.held = self.after = Figures()
-        self.canary_worst_s = 0.0
-        self.canary_pings = 0
-        self.canary_error = ""
+        self.canary: Canary | None = None  # pinging from before the attack until after it
         self.health_probes = 0
         self.health_bad = 0
         self.during_result: Any = None
@@ -231,8 +152,6 @@ class Measure:
         self._stop = threading.Event()
         self._peak_lock = threading.Lock()  # the sampler's and the settling's peaks
         self._threads: list[threading.Thread] = []
-        self._canary_pid = 0
-        self._canary_stop = self._canary_out = -1
 
     # ------------------------------------------------------------ the test's side
 
@@ -270,14 +189,14 @@ class Measure:
                 result: Any = ("ok", fn(Hold(ctl_w, rel_r)))
             except BaseException:
                 result = ("error", traceback.format_exc())
-            _send(ctl_w, b"D", pickle.dumps(result))
+            send(ctl_w, b"D", pickle.dumps(result))
 
-        pid = _fork(child)
+        pid = fork(child)
         os.close(ctl_w)
         os.close(rel_r)
         try:
             deadline = time.monotonic() + timeout_s
-            while (got := _receive(ctl_r, deadline))[0] == b"H":
+            while (got := receive(ctl_r, deadline))[0] == b"H":
                 self.held = self._settled()
                 if during is not None:
                     self.during_result = during()
@@ -293,11 +212,9 @@ class Measure:
         return result
 
     def assert_round_trips(self, limit_s: float = ROUND_TRIP_LIMIT_S) -> None:
-        """Invariant 15: the canary never waited ``limit_s`` or longer."""
-        assert not self.canary_error, f"{self.name}: the canary failed: {self.canary_error}"
-        assert self.canary_worst_s < limit_s, (
-            f"{self.name}: another client waited {self.canary_worst_s * 1e3:.0f} ms for a ping"
-        )
+        """Invariant 15: the canary never waited ``limit_s`` or longer (canary.py)."""
+        assert self.canary is not None, f"{self.name}: no canary ran"
+        self.canary.check(self.name, limit_s)
 
     def assert_healthy(self) -> None:
         assert self.health_probes > 0, f"{self.name}: /healthz was never probed"
@@ -310,7 +227,7 @@ class Measure:
     def __enter__(self) -> Measure:
         with kvoffload.connect(self.daemon.socket_path) as c:
             wait_prefault(c, deadline_s=60)
-        self._start_canary()
+        self.canary = Canary(self.daemon.socket_path, self.daemon.pid, pause_s=0.0)
         try:
             self.before = self.peak = self._settled()
             self._spawn(self._sample)
@@ -348,10 +265,8 @@ class Measure:
             f"fds {trio(lambda f: f.fds, False)},",
             f"maps {trio(lambda f: f.maps, False)},",
             f"threads {trio(lambda f: f.threads, False)} (before->peak->after);",
-            f"canary worst {self.canary_worst_s * 1e3:.1f} ms over {self.canary_pings} pings",
+            self.canary.line() if self.canary else "no canary",
         ]
-        if self.canary_error:
-            parts.append(f"(ended: {self.canary_error})")
         line = " ".join(parts)
         if self.metrics_port:
             line += f"; /healthz not 200: {self.health_bad} of {self.health_probes}"
@@ -359,43 +274,12 @@ class Measure:
 
     # ------------------------------------------------------------ internals
 
-    def _start_canary(self) -> None:
-        stop_r, self._canary_stop = os.pipe()
-        self._canary_out, out_w = os.pipe()
-        path = self.daemon.socket_path
-
-        def child() -> None:
-            os.close(self._canary_stop)
-            os.close(self._canary_out)
-            _canary(path, stop_r, out_w)
-
-        self._canary_pid = _fork(child)
-        os.close(stop_r)
-        os.close(out_w)
-        tag, _ = _receive(self._canary_out, time.monotonic() + 20)
-        assert tag == b"S", "the canary never started"
-
-    def _stop_canary(self) -> None:
-        if not self._canary_pid:
-            return
-        try:
-            with contextlib.suppress(OSError):  # it may have ended already
-                os.write(self._canary_stop, b"x")
-            _, payload = _receive(self._canary_out, time.monotonic() + CANARY_GIVE_UP_S + 10)
-            self.canary_worst_s, self.canary_pings, self.canary_error = pickle.loads(payload)
-        except (OSError, EOFError, TimeoutError) as exc:
-            self.canary_error = f"no report from the canary: {exc!r}"
-        finally:
-            os.close(self._canary_stop)
-            os.close(self._canary_out)
-            reap(self._canary_pid)
-            self._canary_pid = 0
-
     def _finish(self) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(HEALTH_TIMEOUT_S + 5)
-        self._stop_canary()
+        if self.canary is not None:
+            self.canary.stop()
 
     def _spawn(self, target: Callable[[], None]) -> None:
         t = threading.Thread(target=target, daemon=True)

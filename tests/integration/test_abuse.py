@@ -15,13 +15,13 @@ import shutil
 import socket
 import struct
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from canary import Canary
 from helpers import poll
 from hostile import NOBODY, as_uid, fd_count, requires_root, rss_bytes
 
@@ -29,33 +29,10 @@ import kvoffload
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
 from kvoffloadbench.launch import DaemonProcess
+from kvoffloadd.service.budgets import FD_TABLE_MAX
 
 MIB = 1 << 20
 RSS_SLACK_BYTES = 32 * MIB  # what a daemon may keep after the abuser left
-STALL_LIMIT_S = 0.25  # the worst round trip the canary may see (measured: 5-75 ms)
-
-
-class Canary(threading.Thread):
-    """A client pinging without pause; remembers its worst round trip."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(daemon=True)
-        self.client = kvoffload.connect(path)
-        self.worst_s = 0.0
-        self.pings = 0
-        self._done = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        while not self._done.is_set():
-            self.worst_s = max(self.worst_s, self.client.ping())
-            self.pings += 1
-            time.sleep(0.001)
-
-    def stop(self) -> None:
-        self._done.set()
-        self.join(30)
-        self.client.close()
 
 
 @pytest.fixture
@@ -77,16 +54,14 @@ def limited_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     assert d.stop() == 0
 
 
-def abuse(name: str, d: DaemonProcess, attack: Callable[[], object], stall_limit_s: float) -> None:
+def abuse(name: str, d: DaemonProcess, attack: Callable[[], object]) -> None:
     """Run ``attack`` against ``d`` with a canary; check and print the figures."""
-    canary = Canary(d.socket_path)
+    canary = Canary(d.socket_path, d.pid)
     time.sleep(0.05)
     rss0, fds0 = rss_bytes(d.pid), fd_count(d.pid)
     held = attack()
     rss1, fds1 = rss_bytes(d.pid), fd_count(d.pid)
     assert d.alive(), f"{name}: the daemon died"
-    pings = canary.pings
-    poll(lambda: canary.pings > pings + 10, f"{name}: the canary served during the abuse")
     for s in held if isinstance(held, list) else [held]:  # the abuser goes away
         s.close()
     poll(lambda: fd_count(d.pid) <= fds0 + 2, f"{name}: descriptors back", deadline_s=20)
@@ -96,9 +71,9 @@ def abuse(name: str, d: DaemonProcess, attack: Callable[[], object], stall_limit
     canary.stop()
     print(
         f"\n{name}: RSS {rss0 / MIB:.0f} -> {rss1 / MIB:.0f} -> {rss2 / MIB:.0f} MiB, fds "
-        f"{fds0} -> {fds1} -> {fds2}, worst canary round trip {canary.worst_s * 1e3:.1f} ms"
+        f"{fds0} -> {fds1} -> {fds2}, {canary.line()}"
     )
-    assert canary.worst_s < stall_limit_s, f"{name}: the canary stalled {canary.worst_s:.2f} s"
+    canary.check(name)
     with kvoffload.connect(d.socket_path) as c:
         assert c.ping() > 0
 
@@ -125,7 +100,7 @@ def test_a_connection_flood_at_the_descriptor_limit_is_shed(limited_daemon: Daem
         time.sleep(0.5)
         return socks
 
-    abuse("1,100 connections at a 1,024 limit", limited_daemon, flood, STALL_LIMIT_S)
+    abuse("1,100 connections at a 1,024 limit", limited_daemon, flood)
     with kvoffload.connect(limited_daemon.socket_path) as c:
         assert c.stats()["budgets"]["clients_shed_total"] > 0
 
@@ -148,7 +123,25 @@ def test_descriptors_parked_with_scm_rights_are_charged_and_cut_off(daemon: Daem
         time.sleep(0.3)
         return socks
 
-    abuse("20 x 1,000 parked descriptors", daemon, park, STALL_LIMIT_S)
+    abuse("20 x 1,000 parked descriptors", daemon, park)
+
+
+def test_the_descriptor_table_is_grown_to_the_limit_at_start(daemon: DaemonProcess) -> None:
+    """Grown later, by descriptors peers send, each doubling of the table waits for an RCU
+    grace period inside the loop's recvmsg (20-30 ms each; 20,000 parked descriptors
+    stalled the canary 84-133 ms)."""
+    with kvoffload.connect(daemon.socket_path) as c:
+        limit = c.stats()["budgets"]["fd_limit"]
+    assert fd_table_size(daemon.pid) >= min(limit, FD_TABLE_MAX)
+
+
+def fd_table_size(pid: int) -> int:
+    """How many descriptors the process's table holds now (``FDSize``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("FDSize:"):
+                return int(line.split()[1])
+    raise AssertionError("no FDSize in /proc/<pid>/status")
 
 
 def test_partial_frames_stay_within_the_buffer_budget(daemon: DaemonProcess) -> None:
@@ -165,7 +158,7 @@ def test_partial_frames_stay_within_the_buffer_budget(daemon: DaemonProcess) -> 
         return socks
 
     rss0 = rss_bytes(daemon.pid)
-    abuse("40 unfinished 16 MiB frames", daemon, start_frames, STALL_LIMIT_S)
+    abuse("40 unfinished 16 MiB frames", daemon, start_frames)
     assert rss_bytes(daemon.pid) - rss0 < 400 * MIB
 
 
@@ -192,7 +185,7 @@ def test_clients_that_never_read_are_paused_not_fed(daemon: DaemonProcess) -> No
             return socks
 
         rss0 = rss_bytes(daemon.pid)
-        abuse(f"31 non-reading clients, {reply_bytes} B replies", daemon, pipeline, STALL_LIMIT_S)
+        abuse(f"31 non-reading clients, {reply_bytes} B replies", daemon, pipeline)
         assert rss_bytes(daemon.pid) - rss0 < 200 * MIB
         del stats
 
@@ -207,7 +200,7 @@ def test_a_request_of_a_million_keys_is_refused_before_it_holds_the_loop(
         time.sleep(0.3)
         return s
 
-    abuse("a lookup of 1,000,000 keys", daemon, huge, STALL_LIMIT_S)
+    abuse("a lookup of 1,000,000 keys", daemon, huge)
     with kvoffload.connect(daemon.socket_path) as c:
         assert c.stats()["errors"].get("INVALID_ARGUMENT", 0) >= 1
 
@@ -259,7 +252,7 @@ def test_idle_connections_to_the_metrics_port_are_bounded() -> None:
             assert len(os.listdir(f"/proc/{d.pid}/task")) < 16  # no thread per connection
             return socks
 
-        abuse("1,100 idle metrics connections", d, flood, STALL_LIMIT_S)
+        abuse("1,100 idle metrics connections", d, flood)
         import urllib.request
 
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:

@@ -191,6 +191,39 @@ def test_a_newcomer_goes_first_for_a_short_lead_only_past_a_client_busy_for_long
     assert worst_s < LEAD_S + 0.005, f"the tenant waited {worst_s * 1e3:.0f} ms"
 
 
+def test_connections_new_to_the_loop_take_turns_with_their_uids_busy_one_at_once() -> None:
+    """An engine's connection has kept the loop busy for a second (a large usage); then
+    a process of the same uid opens 30 connections with 1 ms units of work. Starting at
+    nothing, each would be served until it had used as much as the engine had (the
+    engine waited 1.8 s); they start where the uid's queue stands, so the engine waits
+    for one round of them at most: the 31 connections of the uid share it equally."""
+    clock = Clock()
+    q = TurnQueue(clock)
+    engine, unit_s = 1000, 0.001
+    for _ in range(1000):  # busy: a 0.5 ms unit every millisecond
+        q.wake(engine, 1 << 10, TENANT)
+        assert q.next() == engine
+        clock.now += unit_s
+        q.served(engine, unit_s / 2, more=0)
+    assert q.usage_s(engine) > 0.1
+    for c in range(1, 31):
+        q.wake(c, 1 << 10, TENANT)
+    q.wake(engine, 1 << 10)
+    waits = []
+    woken = clock.now
+    for _ in range(3000):
+        c = q.next()
+        assert c is not None
+        clock.now += unit_s
+        q.served(c, unit_s, more=0 if c == engine else 1 << 10)
+        if c == engine:
+            waits.append(clock.now - woken)
+            q.wake(engine, 1 << 10)
+            woken = clock.now
+    assert max(waits) <= 31 * unit_s, f"the engine waited {max(waits) * 1e3:.0f} ms"
+    assert len(waits) >= 3000 // 31 - 1  # its share: one unit in 31
+
+
 def test_usage_decays_the_same_across_a_rescale_and_what_decayed_to_nothing_is_forgotten() -> None:
     """Usage is kept weighed by a weight that doubles every half-life and is rescaled
     past ``RESCALE_AT`` (every ~16 s): what it reads, and whom it serves first, are as if

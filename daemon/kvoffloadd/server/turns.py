@@ -16,6 +16,13 @@ floods the loop with, large requests or small (DESIGN.md invariant 15: opening m
 connections buys no more of the loop); uids that keep it busy share it equally, and so
 do the connections of one uid.
 
+A connection that comes with work starts no lower than where its uid's queue stands:
+the usage (plus estimate) of the unit of that uid served last. Otherwise a connection
+new to the loop, at nothing, would be served alone until it had used as much as the
+uid's busy ones had, and a process that opens 30 connections of an engine's uid would
+hold that engine's next request behind 30 times its usage (110 ms measured). So they
+take turns at once.
+
 A uid that comes (back) with work starts no further than ``LEAD_S`` behind the least
 usage of the uids active now (waiting, or served within ``ACTIVE_S``): a client that has
 been pinging without pause for seconds has a large usage, and a newcomer starting from
@@ -74,6 +81,9 @@ class TurnQueue:
         self._uid_usage: dict[int, float] = {}  # uid -> usage, weighed
         self._uid_served_at_s: dict[int, float] = {}  # uid -> when a unit of it last ended
         self._uid_of: dict[int, int] = {}
+        # uid -> the key (usage + estimate, weighed) of its unit served last: where a
+        # connection of it coming with work starts, at least
+        self._uid_clock: dict[int, float] = {}
         self._epoch_s = clock()  # when the weight was 1
         self._weight = 1.0
         self._weighed_at_s = self._epoch_s
@@ -94,6 +104,9 @@ class TurnQueue:
             }
             self._uid_served_at_s = {
                 uid: t for uid, t in self._uid_served_at_s.items() if uid in self._uid_usage
+            }
+            self._uid_clock = {
+                uid: t / w for uid, t in self._uid_clock.items() if uid in self._uid_usage
             }
             for uid, heap in self._waiting.items():  # a monotone map keeps each a heap
                 self._waiting[uid] = [(key / w, n, c) for key, n, c in heap]
@@ -116,8 +129,12 @@ class TurnQueue:
         self.queued.add(conn)
         now_s = self._clock()
         w = self._weigh(now_s)
-        key = self._usage.get(conn, 0.0) + estimate_s(nbytes) * w
         uid = self._uid_of.get(conn, -1)
+        used = self._usage.get(conn, 0.0)
+        start = self._uid_clock.get(uid, 0.0)
+        if start > used:  # new to the loop, or idle while its uid's queue moved on
+            self._usage[conn] = used = start
+        key = used + estimate_s(nbytes) * w
         if uid not in self._waiting:
             self._start_near_the_active(uid, now_s, w)
         heap = self._waiting.setdefault(uid, [])
@@ -150,11 +167,12 @@ class TurnQueue:
             else:
                 uid = min(waiting, key=lambda u: (uid_usage.get(u, 0.0), u))
             heap = waiting[uid]
-            _, _, conn = heapq.heappop(heap)
+            key, _, conn = heapq.heappop(heap)
             if not heap:
                 del waiting[uid]
             if conn in self.queued:
                 self.queued.discard(conn)
+                self._uid_clock[uid] = key
                 return conn
         return None
 

@@ -8,7 +8,12 @@ over a limit. This module keeps what is not anyone's holding:
   reserve descriptor: at EMFILE it frees the reserve, accepts the newest connection
   and closes it at once (shed), so the loop never dies of ``accept``. Connections are
   capped at ``max_clients`` and at what the limit leaves after a reserve; descriptors
-  peers make the daemon hold at what is left after that (``fd_budget``).
+  peers make the daemon hold at what is left after that (``fd_budget``). The process's
+  descriptor table is grown to the limit at start (``size_fd_table``): the kernel grows
+  it by doubling as descriptors arrive, and in a process with threads each doubling
+  waits for an RCU grace period (20-30 ms each on a 2-vCPU VM), on the loop thread,
+  inside the ``recvmsg`` or ``accept`` that crossed it. The table costs 8 bytes per
+  descriptor (4 MiB at systemd's 524,288).
 - Loop time. Connections with work are served one unit at a time, fairly by the loop
   time each used (``kvoffloadd.server.turns``); a turn serves at most ``TURN_S`` of
   work in total, whoever the connections are, and none for a connection with more
@@ -29,6 +34,23 @@ PAUSE_OUTPUT_BYTES = 1 << 20
 MAX_OUTPUT_BYTES_PER_CLIENT = 32 << 20
 FD_RESERVE = 64  # for the region, tiers, metrics, logs and the shedding itself
 TRIM_AFTER_BYTES = 32 << 20
+FD_TABLE_MAX = 1 << 20  # the kernel's default fs.nr_open: no table grows past it
+
+
+def size_fd_table(fd_limit: int) -> None:
+    """Grow the descriptor table to hold ``fd_limit`` descriptors now, once (it never
+    shrinks), by duplicating a descriptor to the highest number and closing it."""
+    top = min(fd_limit, FD_TABLE_MAX) - 1
+    if top < 64:  # within the table every process starts with
+        return
+    fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.dup2(fd, top, inheritable=False)
+        os.close(top)
+    except OSError:
+        pass  # the limit was lowered under us: the table grows as it would have
+    finally:
+        os.close(fd)
 
 
 def _libc_trim() -> object:
@@ -56,6 +78,7 @@ class BudgetStatistics:
 class Budgets:
     def __init__(self, max_clients: int, fd_limit: int) -> None:
         self.fd_limit = fd_limit
+        size_fd_table(fd_limit)
         room = max(8, fd_limit - FD_RESERVE)
         # each client: its socket, plus a share of the held-descriptor budget
         self.max_clients = max(1, min(max_clients, room // 2))
