@@ -82,3 +82,25 @@ def test_planned_transfers_copy_their_groups_inline_or_split_by_slots() -> None:
             assert done[0].success and all(np.array_equal(a, b) for a, b in zip(back, caches))
     finally:
         copier.close()
+
+
+def test_a_large_transfer_is_split_across_threads_only_when_they_would_idle() -> None:
+    """Split, each of a job's parts pays the per-cache cost of building and starting its
+    copies; with a job queued per thread already, the threads are kept busy whole
+    (32 caches of 32 KiB pages, 16 blocks a job: 0.80 -> 0.90-0.98 of memcpy)."""
+    import threading
+
+    copier = CpuCopier(2)
+    release = threading.Event()
+    try:
+        caches = [np.zeros((64, 32 << 10), dtype=np.uint8) for _ in range(32)]
+        plan = plan_of(np.zeros(64 * 32 * (32 << 10), dtype=np.uint8), caches, 64, True)
+        _, ranges = copier._slot_ranges(1, plan, None)
+        assert ranges == [(0, 32), (32, 64)]  # idle threads: one range each
+        for token in range(2, 6):  # both threads busy, two tasks waiting
+            copier.run_task(token, release.wait)
+        _, ranges = copier._slot_ranges(6, plan, None)
+        assert ranges == [(0, 64)]
+    finally:
+        release.set()
+        copier.close()

@@ -9,8 +9,10 @@ Rules:
 - A transfer of at most ``INLINE_BYTES`` (without checksums) is copied at once on the
   loop thread: two thread wake-ups would cost more than the copy. Its completion still
   goes through the sink, like every other.
-- A larger one is split into ranges of whole slots, one per thread; it completes when
-  every part has. Jobs given as address arrays (``submit``) are split by bytes, runs
+- A larger one is split into ranges of whole slots, one per thread, unless a job per
+  thread is queued already: the threads are busy with whole jobs then, and each part
+  would pay the per-cache cost of building and starting its copies again. A split job
+  completes when every part has. Jobs given as address arrays (``submit``) are split by bytes, runs
   longer than ``CHUNK_BYTES`` cut first, so one huge run still spreads.
 - Completions go into a ``CompletionSink`` (a deque and an eventfd) shared with the GPU
   copy lanes; one eventfd write wakes the loop, which calls ``drain()``: completions
@@ -175,7 +177,9 @@ class CopyThreads:
         thread (one range for a small transfer, or a verified load, which checks
         everything before it copies anything)."""
         slots = int(plan.slot_offsets.size)
-        parts = min(len(self._threads), slots) if plan.most_bytes >= self.MIN_SPLIT_BYTES else 1
+        threads = len(self._threads)
+        split = plan.most_bytes >= self.MIN_SPLIT_BYTES and self._queue.qsize() < threads
+        parts = min(threads, slots) if split else 1
         if check is not None and check.expected is not None:
             parts = 1
         parts = max(parts, 1)
