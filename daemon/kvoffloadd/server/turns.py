@@ -16,12 +16,15 @@ floods the loop with, large requests or small (DESIGN.md invariant 15: opening m
 connections buys no more of the loop); uids that keep it busy share it equally, and so
 do the connections of one uid.
 
-A connection that comes with work starts no lower than where its uid's queue stands:
-the usage (plus estimate) of the unit of that uid served last. Otherwise a connection
-new to the loop, at nothing, would be served alone until it had used as much as the
-uid's busy ones had, and a process that opens 30 connections of an engine's uid would
-hold that engine's next request behind 30 times its usage (110 ms measured). So they
-take turns at once.
+A connection that comes back with work starts no further than ``CONN_LEAD_S`` ahead of
+where its uid's queue stands (the usage, plus estimate, of the unit of that uid served
+last), and one new to the loop as far behind it. Starting at nothing, a new connection would be
+served alone until it had used as much as the uid's busy ones had, and a process that
+opens 30 connections of an engine's uid would hold that engine's next request behind
+30 times its usage (110 ms measured): they take turns at once instead. The lead lets a
+light client of a busy uid (a ping among 30 connections that keep the loop busy) go
+next, not after a round of theirs; newcomers start behind, or each would take a lead's
+worth before everyone else.
 
 A uid that comes (back) with work starts no further than ``LEAD_S`` behind the least
 usage of the uids active now (waiting, or served within ``ACTIVE_S``): a client that has
@@ -56,6 +59,7 @@ BASE_COST_S = 20e-6  # a request's estimated cost, plus per byte of it:
 COST_PER_BYTE_S = 20e-9  # (a 1 MiB engine batch: about 20 ms)
 HALF_LIFE_S = 0.5  # a connection's usage halves in this long
 LEAD_S = 0.01  # how far behind the active uids' least usage a uid coming with work starts
+CONN_LEAD_S = 0.001  # how far ahead of its uid's queue a connection coming with work starts
 ACTIVE_S = 0.05  # a uid served this recently is active (its client is between requests)
 WEIGH_EVERY_S = 0.001  # how stale the weight of new usage may be (0.14% at most)
 RESCALE_AT = 2.0**32  # the weight at which all usage is rescaled (every 16 s)
@@ -81,9 +85,10 @@ class TurnQueue:
         self._uid_usage: dict[int, float] = {}  # uid -> usage, weighed
         self._uid_served_at_s: dict[int, float] = {}  # uid -> when a unit of it last ended
         self._uid_of: dict[int, int] = {}
-        # uid -> the key (usage + estimate, weighed) of its unit served last: where a
-        # connection of it coming with work starts, at least
+        # uid -> the key (usage + estimate, weighed) of its unit served last, or where
+        # a unit served without the queue ended, if later: where its queue stands
         self._uid_clock: dict[int, float] = {}
+        self._popped = -1  # the connection ``next`` returned, until it is ``served``
         self._epoch_s = clock()  # when the weight was 1
         self._weight = 1.0
         self._weighed_at_s = self._epoch_s
@@ -130,10 +135,12 @@ class TurnQueue:
         now_s = self._clock()
         w = self._weigh(now_s)
         uid = self._uid_of.get(conn, -1)
-        used = self._usage.get(conn, 0.0)
-        start = self._uid_clock.get(uid, 0.0)
-        if start > used:  # new to the loop, or idle while its uid's queue moved on
-            self._usage[conn] = used = start
+        clock = self._uid_clock.get(uid, 0.0)
+        used = self._usage.get(conn)
+        if used is None:  # new to the loop: a lead behind where its uid's queue stands
+            self._usage[conn] = used = clock + CONN_LEAD_S * w
+        elif clock - CONN_LEAD_S * w > used:  # idle while its uid's queue moved on
+            self._usage[conn] = used = clock - CONN_LEAD_S * w
         key = used + estimate_s(nbytes) * w
         if uid not in self._waiting:
             self._start_near_the_active(uid, now_s, w)
@@ -173,6 +180,7 @@ class TurnQueue:
             if conn in self.queued:
                 self.queued.discard(conn)
                 self._uid_clock[uid] = key
+                self._popped = conn
                 return conn
         return None
 
@@ -198,9 +206,12 @@ class TurnQueue:
             w = self._weigh(now_s)
         used = cost_s * w
         usage, uid_usage = self._usage, self._uid_usage
-        usage[conn] = usage.get(conn, 0.0) + used
+        usage[conn] = ended = usage.get(conn, 0.0) + used
         uid_usage[uid] = uid_usage.get(uid, 0.0) + used
         self._uid_served_at_s[uid] = now_s
+        if conn != self._popped and ended > self._uid_clock.get(uid, 0.0):
+            self._uid_clock[uid] = ended  # served without the queue (inline)
+        self._popped = -1
         if more:
             self.wake(conn, more)
 
