@@ -12,8 +12,8 @@ Rules:
 - A larger one is split into ranges of whole slots, one per thread, unless a job per
   thread is queued already: the threads are busy with whole jobs then, and each part
   would pay the per-cache cost of building and starting its copies again. A split job
-  completes when every part has. Jobs given as address arrays (``submit``) are split by bytes, runs
-  longer than ``CHUNK_BYTES`` cut first, so one huge run still spreads.
+  completes when every part has. Jobs given as address arrays (``submit``) are split
+  by bytes, runs longer than ``CHUNK_BYTES`` cut first, so one huge run still spreads.
 - Completions go into a ``CompletionSink`` (a deque and an eventfd) shared with the GPU
   copy lanes; one eventfd write wakes the loop, which calls ``drain()``: completions
   are processed on the loop thread only.

@@ -18,13 +18,13 @@ do the connections of one uid.
 
 A connection that comes back with work starts no further than ``CONN_LEAD_S`` ahead of
 where its uid's queue stands (the usage, plus estimate, of the unit of that uid served
-last), and one new to the loop as far behind it. Starting at nothing, a new connection would be
-served alone until it had used as much as the uid's busy ones had, and a process that
-opens 30 connections of an engine's uid would hold that engine's next request behind
-30 times its usage (110 ms measured): they take turns at once instead. The lead lets a
-light client of a busy uid (a ping among 30 connections that keep the loop busy) go
-next, not after a round of theirs; newcomers start behind, or each would take a lead's
-worth before everyone else.
+last), and one new to the loop as far behind it. Starting at nothing, a new connection
+would be served alone until it had used as much as the uid's busy ones had, and a
+process that opens 30 connections of an engine's uid would hold that engine's next
+request behind 30 times its usage (110 ms measured): they take turns at once instead.
+The lead lets a light client of a busy uid (a ping among 30 connections that keep the
+loop busy) go next, not after a round of theirs; newcomers start behind, or each would
+take a lead's worth before everyone else.
 
 A uid that comes (back) with work starts no further than ``LEAD_S`` behind the least
 usage of the uids active now (waiting, or served within ``ACTIVE_S``): a client that has
