@@ -216,19 +216,18 @@ def test_a_refused_uid_is_disconnected_at_once(tmp_path: Path) -> None:
     sock = str(run / "k.sock")
     with DaemonProcess("32MiB", "--config", str(cfg), socket_path=sock) as d:
 
-        def knock() -> tuple[bytes, float]:
+        def knock() -> bytes:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.settimeout(5)
+            s.settimeout(5)  # a guard: the daemon answers before the Hello, then closes
             s.connect(sock)
-            t0 = time.monotonic()
             data = b""
             while chunk := s.recv(4096):
                 data += chunk
-            return data, time.monotonic() - t0
+            return data
 
-        data, took_s = as_uid(knock, NOBODY, gid=0)  # gid 0 reaches the 0660 socket
+        data = as_uid(knock, NOBODY, gid=0)  # gid 0 reaches the 0660 socket
         reply = msgspec.msgpack.decode(data[4:], type=m.Reply)
-        assert isinstance(reply, m.ErrorReply) and reply.code == 5 and took_s < 2
+        assert isinstance(reply, m.ErrorReply) and reply.code == 5  # refused, then closed
         with kvoffload.connect(sock) as c:
             assert c.stats()["clients"]["connected"] == 1  # only us
         assert d.stop() == 0

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 
 import msgspec
 import pytest
+from canary import Canary
 
 import kvoffload
 from kvoffload.protocol import messages as m
@@ -78,7 +78,7 @@ def test_truncated_frame_then_disconnect_is_harmless(daemon: DaemonProcess) -> N
     s.sendall(HELLO[:-2])
     s.close()
     c = kvoffload.connect(daemon.socket_path)
-    assert c.ping() < 5
+    c.ping()  # the connection is still served
     c.close()
 
 
@@ -145,20 +145,23 @@ def test_unsealed_or_foreign_cache_is_refused(daemon: DaemonProcess) -> None:
         ns.attach_worker([kvoffload.shared_kv_cache(8, 2048)])
     with pytest.raises(kvoffload.InvalidArgumentError, match="rank"):
         ns.attach_worker([kvoffload.shared_kv_cache(8, 4096)], rank=1)
-    assert c.ping() < 5
+    c.ping()  # the connection is still served
     c.close()
 
 
 def test_slow_reader_does_not_stall_others(daemon: DaemonProcess) -> None:
-    """A client that pipelines requests and never reads does not block another client."""
+    """A client that pipelines requests and never reads does not block another client
+    (invariant 15, measured by the canary)."""
+    canary = Canary(daemon.socket_path, daemon.pid)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(daemon.socket_path)
     s.sendall(HELLO + b"".join(encode_frame(m.GetStats(i)) for i in range(2, 2000)))
     c = kvoffload.connect(daemon.socket_path)
-    t0 = time.monotonic()
-    for _ in range(50):
+    for _ in range(500):  # while the daemon serves the reader's 2,000 requests, then pauses it
         c.ping()
-    assert time.monotonic() - t0 < 5
+    canary.stop()
+    print(f"\nslow reader: {canary.line()}")
+    canary.check("slow reader")
     s.close()
     c.close()
 

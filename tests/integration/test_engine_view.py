@@ -8,8 +8,6 @@ the view comes back by itself when the daemon does.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from engines import FACTOR, filled_caches, keys, layout
 from helpers import poll
@@ -91,18 +89,18 @@ def test_an_outage_costs_hits_never_latency_and_the_view_comes_back() -> None:
     settle(view, lambda: view.leases, "the first lease grant")
     assert view.prepare_store([b"k"]) == ([b"k"], [view.writing[b"k"]])
     d.kill()
-    t0 = time.perf_counter()
+    trips, blocking = c.round_trips_total, view.blocking_calls_total
     step(view)  # the step that finds the daemon gone
     assert view.lookup(b"k") == MISS and view.lookup(b"x") == MISS
     assert view.prepare_store([b"y"]) == ([], [])  # nothing to do: vLLM neither waits nor warns
-    assert time.perf_counter() - t0 < 0.5
+    # nothing waited on the daemon: no request was made, none could time out
+    assert (c.round_trips_total, view.blocking_calls_total) == (trips, blocking)
     assert c.outages_total == 1
     d2 = DaemonProcess(  # the same instance: it adopts, then removes, the killed one's region
         "64MiB", "--log-level", "warning", socket_path=d.socket_path, instance=d.instance
     ).start()
-    t1 = time.monotonic()
+    # found by the keeper's retries, capped at RETRY_MAX_S (tests/unit/test_reconnect.py)
     settle(view, lambda: view.connected and view.leases, "the view after the restart")
-    assert time.monotonic() - t1 < 2.0  # no backoff: found within a few retries
     assert view.prepare_store([b"y"]) == ([b"y"], [view.writing[b"y"]])
     c.close()
     assert d2.stop() == 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 from concurrent.futures import ProcessPoolExecutor
 
 import engines
@@ -109,7 +108,7 @@ def test_daemon_down_means_misses_then_reconnect() -> None:
     assert plan is not None
     assert d.stop() == 0
 
-    t0 = time.monotonic()
+    trips = client.round_trips_total
     assert ns.lookup(key) == 0
     assert ns.prepare_store(key) is None
     assert w.submit_store(9, [0], plan.slots) is False
@@ -119,7 +118,9 @@ def test_daemon_down_means_misses_then_reconnect() -> None:
     assert ns.take_events() == []
     with pytest.raises(kvoffload.DaemonUnavailableError):
         ns.prepare_load(key)
-    assert time.monotonic() - t0 < 2.0, "calls must fail fast while the daemon is down"
+    # No hang: at most the first call went out (and found the socket closed); every
+    # other failed at once, without a request that could wait for an answer.
+    assert client.round_trips_total - trips <= 1
 
     d2 = DaemonProcess(
         "64MiB", "--log-level", "warning", instance=d.instance, socket_path=d.socket_path

@@ -195,7 +195,7 @@ def test_redis_blocks_expire_after_their_ttl(redis_url: str, wake: WakeFd) -> No
 
 
 def test_a_fifo_planted_for_a_block_file_fails_that_block_without_blocking(
-    tmp_path: pathlib.Path, wake: WakeFd
+    tmp_path: pathlib.Path, wake: WakeFd, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Scenario: someone replaces a block file by a FIFO (or a link). Its read fails at
     once, the other blocks of the job load, and the tier stops without waiting."""
@@ -209,13 +209,12 @@ def test_a_fifo_planted_for_a_block_file_fails_that_block_without_blocking(
         os.unlink(link)
         os.symlink("/etc/hostname", link)
         out = [b"", b"", b""]
-        t0 = time.monotonic()
-        assert run(tier, wake, False, ks, out).ok == [False, True, False]
-        assert time.monotonic() - t0 < 5 and out[1] == block(2)
+        assert run(tier, wake, False, ks, out).ok == [False, True, False]  # run's deadline
+        assert out[1] == block(2)
     finally:
-        t0 = time.monotonic()
         tier.close()
-        assert time.monotonic() - t0 < 15
+    # no thread was left stuck opening the FIFO (close() says so when one is)
+    assert "stuck" not in caplog.text
 
 
 def test_garbage_in_redis_stays_inside_its_key(redis_url: str, wake: WakeFd) -> None:
