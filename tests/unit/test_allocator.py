@@ -89,3 +89,49 @@ def test_any_unused_extent_goes_back_and_its_chunk_is_a_hole_until_refilled() ->
         a.free(s)
     assert a.release_chunk(2) and a.release_chunk(1)
     assert a.extents == [0] and a.capacity == 4  # holes on top are trimmed
+
+
+def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes() -> None:
+    """``num_used`` and ``num_extents`` are kept as slots and extents change (a lease on
+    a node's region must not add up thousands of extents): a seeded random walk over
+    every operation that changes them, recounted after each step."""
+    rng = np.random.default_rng(7)
+    pool = ExtentPool(8, EXT)
+    a = SlotPool(pool, owner=0, slot_bytes=4096)
+    held: set[int] = set()
+    busy: set[int] = set()
+    for _ in range(3000):
+        op = int(rng.integers(6))
+        if op <= 1 and a.num_free:
+            held.update(a.allocate(int(rng.integers(1, min(6, a.num_free) + 1))))
+        elif op == 2 and held:
+            gone = [int(s) for s in rng.choice(sorted(held), int(rng.integers(1, 4)))]
+            gone = list(dict.fromkeys(gone))
+            a.free_many(gone)
+            held.difference_update(gone)
+        elif op == 3 and held and not busy:
+            slot = int(rng.choice(sorted(held)))
+            a.mark_busy(np.array([slot]))
+            a.free(slot)  # deferred until its copy drains
+            held.discard(slot)
+            busy.add(slot)
+        elif op == 4 and busy:
+            a.unmark_busy(np.array(sorted(busy)))
+            busy.clear()
+        elif op == 5:
+            for chunk in a.owned_chunks():
+                a.release_chunk(chunk)
+            a.release_free_tail()
+        assert a.num_used == sum(a._used_per_extent) == len(held) + len(busy)
+        assert a.num_extents == len(a.extents) - a.extents.count(None)
+        assert a.num_extents == sum(o == 0 for o in pool.owner)
+        assert a.capacity == len(a.extents) * a.slots_per_extent
+        if op == 5:  # what a warm restart's adoption of the same state counts
+            b = SlotPool(pool, owner=0, slot_bytes=4096)
+            b.adopt(a.extents, held | busy)
+            assert (b.num_used, b.num_extents, b.capacity, b.num_free) == (
+                a.num_used,
+                a.num_extents,
+                a.capacity,
+                a.num_free,
+            )

@@ -11,12 +11,19 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from kvoffload.datapath.regionfmt import FORMAT_VERSION, HEADER, MAGIC, SLOT_DTYPE, SLOT_READY
+from kvoffload.datapath.regionfmt import (
+    FORMAT_VERSION,
+    HEADER,
+    MAGIC,
+    SLOT_DTYPE,
+    SLOT_READY,
+    ready_crc,
+)
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_keys, unpack_ids
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
-from kvoffloadd.region.region import Geometry, RegionError, SharedOffloadRegion
+from kvoffloadd.region.region import _READY_LOOP_MAX, Geometry, RegionError, SharedOffloadRegion
 from kvoffloadd.service.service import Service
 
 MIB = 1 << 20
@@ -52,9 +59,15 @@ def store(svc: Service, sid: int, ns: int, keys: list[bytes]) -> m.Reply | None:
     return r
 
 
-def test_header_and_slot_table_describe_completed_stores(service: Service) -> None:
-    ns = open_ns(service, 1, "a", 512 * 1024)
-    keys = [b"key-%04d" % i for i in range(3)]
+@pytest.mark.parametrize(
+    ("page", "n"),
+    [(512 * 1024, 3), (16384, _READY_LOOP_MAX + 8)],  # records one by one, then per field
+)
+def test_header_and_slot_table_describe_completed_stores(
+    service: Service, page: int, n: int
+) -> None:
+    ns = open_ns(service, 1, "a", page)
+    keys = [b"key-%04d" % i for i in range(n)]
     store(service, 1, ns, keys)
     shm = posix_ipc.SharedMemory(service.region.name)  # size 0: never resize it
     with mmap.mmap(shm.fd, shm.size, prot=mmap.PROT_READ) as mm:
@@ -67,9 +80,12 @@ def test_header_and_slot_table_describe_completed_stores(service: Service) -> No
         ready = table[table["state"] == SLOT_READY]
         got = sorted(bytes(r["key"])[: r["key_len"]] for r in ready)
         assert got == keys
-        assert sorted(ready["seq"].tolist()) == [1, 2, 3]
+        assert sorted(ready["seq"].tolist()) == list(range(1, n + 1))
+        for r in ready:  # what recovery checks of each record
+            key = bytes(r["key"])[: r["key_len"]]
+            assert r["ns"] == ns and r["crc"] == ready_crc(ns, int(r["seq"]), key)
         ext = np.frombuffer(mm, "<u4", g.num_extents * 4, g.extent_table).reshape(-1, 4)
-        assert ext[0, 0] == ns and ext[0, 1] == 512 * 1024
+        assert ext[0, 0] == ns and ext[0, 1] == page
         del table, ready, ext
 
 

@@ -198,6 +198,9 @@ class SlotPool:
         self._fresh = 0  # ids below this have been handed out at least once (or freed)
         self._free: list[int] = []
         self._used_per_extent: list[int] = []
+        self._num_used = 0  # sum(_used_per_extent), kept as it changes
+        self._num_extents = 0  # owned chunks (holes not counted), set by _extents_changed
+        self._capacity = 0  # len(extents) * slots_per_extent, set by _extents_changed
         self._busy: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # copies per slot
         self._storing: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # store copies
         self.deferred: set[int] = set()
@@ -207,21 +210,21 @@ class SlotPool:
     @property
     def capacity(self) -> int:
         """Slot ids in use by the chunk list (holes included)."""
-        return len(self.extents) * self.slots_per_extent
+        return self._capacity
 
     @property
     def num_extents(self) -> int:
         """Extents the namespace owns (holes not counted)."""
-        return len(self.extents) - self.extents.count(None)
+        return self._num_extents
 
     @property
     def num_used(self) -> int:
-        return sum(self._used_per_extent)
+        return self._num_used
 
     @property
     def num_free(self) -> int:
-        own = self.capacity - self._fresh + len(self._free)
-        return own + self.pool.num_free * self.slots_per_extent
+        own = self._capacity - self._fresh + len(self._free)
+        return own + self.pool._num_free * self.slots_per_extent
 
     def allocate(self, n: int) -> list[int]:
         """Hand out ``n`` slot ids; the caller checked ``num_free`` first."""
@@ -243,6 +246,7 @@ class SlotPool:
         used, spe = self._used_per_extent, self.slots_per_extent
         for slot in out:
             used[slot // spe] += 1
+        self._num_used += n
         return out
 
     def free(self, slot: int) -> None:
@@ -251,15 +255,18 @@ class SlotPool:
     def free_many(self, slots: Sequence[int]) -> None:
         """``free`` for each of ``slots``, in order (one read of the copy counts)."""
         used, spe, free, busy = self._used_per_extent, self.slots_per_extent, self._free, self._busy
+        freed = len(free)
         for slot in slots:
             if busy[slot] > 0:
                 self.deferred.add(slot)
             else:
                 used[slot // spe] -= 1
                 free.append(slot)
+        self._num_used -= len(free) - freed
 
     def _release(self, slot: int) -> None:
         self._used_per_extent[slot // self.slots_per_extent] -= 1
+        self._num_used -= 1
         self._free.append(slot)
 
     def is_busy(self, slot: int) -> bool:
@@ -309,7 +316,9 @@ class SlotPool:
         self._extent_array = np.asarray(
             [-1 if e is None else e for e in self.extents], dtype=np.int64
         )
-        self._has_holes = None in self.extents
+        self._num_extents = len(self.extents) - self.extents.count(None)
+        self._capacity = len(self.extents) * self.slots_per_extent
+        self._has_holes = self._num_extents < len(self.extents)
         self._busy = _resized(self._busy, self.capacity)
         self._storing = _resized(self._storing, self.capacity)
 
@@ -318,9 +327,11 @@ class SlotPool:
         a hole; warm restart). ``used`` lies in owned chunks."""
         self.extents = list(extents)
         spe = self.slots_per_extent
+        self._capacity = len(self.extents) * spe  # before _extents_changed: used below
         self._used_per_extent = [0] * len(extents)
         for slot in used:
             self._used_per_extent[slot // spe] += 1
+        self._num_used = len(used)
         self._fresh = self.capacity
         self._free = [
             s

@@ -371,6 +371,11 @@ _EMPTY_RECORD = bytes(SLOT_RECORD_BYTES)
 _WRITING_RECORD = struct.Struct("<BBxxI8x64sQ8x")  # seq 0, key padded with NULs
 _LEASED_RECORD = struct.Struct("<BxxxI8x64xQ8x")
 assert _WRITING_RECORD.size == _LEASED_RECORD.size == SLOT_RECORD_BYTES == SLOT_DTYPE.itemsize
+_FIELDS = SLOT_DTYPE.fields
+assert _FIELDS is not None
+_SEQ_FIELD, _SEQ_OFFSET = struct.Struct("<Q"), int(_FIELDS["seq"][1])
+_CRC_FIELD, _CRC_OFFSET = struct.Struct("<I"), int(_FIELDS["crc"][1])
+_READY_LOOP_MAX = 32  # records a READY batch writes one by one; numpy's per field above
 
 
 class _RegionJournal(SlotJournal):
@@ -424,15 +429,25 @@ class _RegionJournal(SlotJournal):
         self.ready_many((slot,), (key,))
 
     def ready_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        """Each field for the whole batch, the state byte last: a crash part way leaves
-        a record either still in flight or whole."""
+        """Each record's sequence number and CRC, then its state byte: a crash part way
+        leaves every record either still in flight or whole."""
         records = self._records(slots)
-        table, ns = self._region.slot_table, self._ns
-        first = self._region.next_seqs(len(records))
-        seqs = range(first, first + len(records))
-        table["seq"][records] = seqs
-        table["crc"][records] = [ready_crc(ns, seq, key) for seq, key in zip(seqs, keys)]
-        table["state"][records] = SLOT_READY
+        ns, first = self._ns, self._region.next_seqs(len(records))
+        if len(records) > _READY_LOOP_MAX:  # each field for the whole batch, state last
+            table = self._region.slot_table
+            seqs = range(first, first + len(records))
+            table["seq"][records] = seqs
+            table["crc"][records] = [ready_crc(ns, seq, key) for seq, key in zip(seqs, keys)]
+            table["state"][records] = SLOT_READY
+            return
+        # an engine step's few records: straight into the mapping, no numpy call
+        mm, base, size = self._region._mm, self._region.geometry.slot_table, SLOT_RECORD_BYTES
+        put_seq, put_crc = _SEQ_FIELD.pack_into, _CRC_FIELD.pack_into
+        for seq, (rec, key) in enumerate(zip(records, keys), first):
+            at = base + rec * size
+            put_seq(mm, at + _SEQ_OFFSET, seq)
+            put_crc(mm, at + _CRC_OFFSET, ready_crc(ns, seq, key))
+            mm[at] = SLOT_READY
 
     def buried(self, slot: int) -> None:
         self._region.slot_table["state"][self._record(slot)] = SLOT_GRAVE

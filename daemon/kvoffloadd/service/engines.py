@@ -45,7 +45,7 @@ import msgspec
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import pack_ids, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import id_list, pack_ids, unpack_keys
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.ledger import Ledger
 from kvoffloadd.service.session import Session
@@ -113,7 +113,7 @@ class EngineChannel:
         def keys(packed: bytes) -> list[bytes]:
             return unpack_keys(packed, kb) if packed else []
 
-        claimed, slots = keys(r.claim_keys), unpack_ids(r.claim_slots).tolist()
+        claimed, slots = keys(r.claim_keys), id_list(r.claim_slots)
         if len(claimed) != len(slots):
             raise InvalidArgumentError(f"{len(claimed)} claimed keys for {len(slots)} slots")
         if claimed:
