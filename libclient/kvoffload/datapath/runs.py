@@ -132,6 +132,34 @@ def _runs_by_cache(
     )
 
 
+def _no_runs() -> JobRuns:
+    empty = np.zeros(0, dtype=np.int64)
+    return JobRuns(empty, empty, empty, empty)
+
+
+def _page_grid(
+    base: I64,
+    sub_idx: I64,
+    block_ids: I64,
+    caches: list[CacheGeometry],
+    placements: list[Placement],
+) -> tuple[I64, I64]:
+    """Where each block's page of each cache lies, in the region and in the cache:
+    two (caches, blocks) arrays, a row of constants per cache broadcast against the
+    blocks."""
+    rows = [
+        (
+            at.tensor_offset + at.part_offset,
+            at.tensor_page_bytes,
+            c.offset_bytes,
+            c.row_stride_bytes,
+        )
+        for at, c in zip(placements, caches)
+    ]
+    offset, tensor_page, cache_offset, stride = np.array(rows, dtype=np.int64).T[:, :, None]
+    return base + offset + sub_idx * tensor_page, cache_offset + block_ids * stride
+
+
 def _plain_runs(
     base: I64,
     sub_idx: I64,
@@ -144,22 +172,9 @@ def _plain_runs(
     ~27 us each), merged within rows, never across."""
     count = block_ids.size
     if count == 0 or not caches:
-        empty = np.zeros(0, dtype=np.int64)
-        return JobRuns(empty, empty, empty, empty)
-    rows = [
-        (
-            at.tensor_offset + at.part_offset,
-            at.tensor_page_bytes,
-            c.offset_bytes,
-            c.row_stride_bytes,
-        )
-        for at, c in zip(placements, caches)
-    ]
-    # (caches, 1) columns, broadcast against the blocks
-    offset, tensor_page, cache_offset, stride = np.array(rows, dtype=np.int64).T[:, :, None]
+        return _no_runs()
+    region, cache = _page_grid(base, sub_idx, block_ids, caches, placements)
     page = np.array([c.page_bytes for c in caches], dtype=np.int64)[:, None]
-    region = base + offset + sub_idx * tensor_page  # (caches, blocks)
-    cache = cache_offset + block_ids * stride
     goes_on = (region[:, 1:] - region[:, :-1] == page) & (cache[:, 1:] - cache[:, :-1] == page)
     if not goes_on.any():  # nothing merges (scattered blocks, or slots wider than pages)
         which = np.repeat(np.arange(len(caches), dtype=np.int64), count)
@@ -199,20 +214,8 @@ def _canonical_runs(
     frags = np.stack([p.frags for p in parts if p is not None])  # (caches, frags, 3)
     c, b, n = len(caches), int(block_ids.size), frags.shape[1]
     if b * n == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return JobRuns(empty, empty, empty, empty)
-    rows = [
-        (
-            at.tensor_offset + at.part_offset,
-            at.tensor_page_bytes,
-            g.offset_bytes,
-            g.row_stride_bytes,
-        )
-        for at, g in zip(placements, caches)
-    ]
-    offset, tensor_page, cache_offset, stride = np.array(rows, dtype=np.int64).T[:, :, None]
-    region_page = base + offset + sub_idx * tensor_page  # (caches, blocks)
-    cache_page = cache_offset + block_ids * stride
+        return _no_runs()
+    region_page, cache_page = _page_grid(base, sub_idx, block_ids, caches, placements)
     # flat, cache by cache, block by block, fragment by fragment (as the loop orders them)
     region = (region_page[:, :, None] + frags[:, None, :, 1]).ravel()
     cache = (cache_page[:, :, None] + frags[:, None, :, 0]).ravel()
