@@ -92,16 +92,18 @@ def test_any_unused_extent_goes_back_and_its_chunk_is_a_hole_until_refilled() ->
 
 
 def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes() -> None:
-    """``num_used`` and ``num_extents`` are kept as slots and extents change (a lease on
-    a node's region must not add up thousands of extents): a seeded random walk over
-    every operation that changes them, recounted after each step."""
+    """``num_used``, ``num_extents`` and the per-chunk arrays are kept as slots and
+    extents change (a lease on a node's region must not add up, or rebuild, thousands
+    of extents): a seeded random walk over every operation that changes them,
+    recounted after each step."""
     rng = np.random.default_rng(7)
     pool = ExtentPool(8, EXT)
     a = SlotPool(pool, owner=0, slot_bytes=4096)
     held: set[int] = set()
     busy: set[int] = set()
     for _ in range(3000):
-        op = int(rng.integers(6))
+        op = int(rng.integers(8))
+        op = 2 if op >= 6 else op  # frees as often as allocations: holes come and go
         if op <= 1 and a.num_free:
             held.update(a.allocate(int(rng.integers(1, min(6, a.num_free) + 1))))
         elif op == 2 and held:
@@ -126,6 +128,11 @@ def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes() -> No
         assert a.num_extents == len(a.extents) - a.extents.count(None)
         assert a.num_extents == sum(o == 0 for o in pool.owner)
         assert a.capacity == len(a.extents) * a.slots_per_extent
+        # the arrays a grow extends in place (doubling): right up to the chunk list
+        chunks = [-1 if e is None else e for e in a.extents]
+        assert a._extent_array[: len(chunks)].tolist() == chunks
+        assert a._busy.size >= a.capacity and a._storing.size >= a.capacity
+        assert a.is_valid(np.array(sorted(held), dtype=np.int64))
         if op == 5:  # what a warm restart's adoption of the same state counts
             b = SlotPool(pool, owner=0, slot_bytes=4096)
             b.adopt(a.extents, held | busy)

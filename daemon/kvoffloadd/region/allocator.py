@@ -37,10 +37,12 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+
+_N = TypeVar("_N", bound=np.generic)
 
 # (extent, owner or None, slot_bytes, index of the extent among its owner's extents)
 ExtentListener = Callable[[int, "int | None", int, int], None]
@@ -298,19 +300,28 @@ class SlotPool:
                 self._release(s)
 
     def _grow(self) -> None:
-        """One more extent: into the lowest hole, else at the top (fresh ids)."""
-        hole = self.extents.index(None) if None in self.extents else len(self.extents)
+        """One more extent: into the lowest hole, else at the top (fresh ids). Only its
+        own entries change: the per-chunk and per-slot arrays grow by doubling (entries
+        past the chunk list are -1 and 0), so filling a namespace of many extents costs
+        no rebuild per extent."""
+        hole = self.extents.index(None) if self._has_holes else len(self.extents)
         ext = self.pool.take(self.owner, self.slot_bytes, hole)
         if ext is None:
             raise AssertionError("extent pool exhausted during allocate")
+        spe = self.slots_per_extent
         if hole == len(self.extents):
             self.extents.append(ext)
             self._used_per_extent.append(0)
+            self._capacity += spe
         else:  # every id above ``_fresh`` is fresh: a hole's ids go on the free list
             self.extents[hole] = ext
-            spe = self.slots_per_extent
             self._free.extend(range((hole + 1) * spe - 1, hole * spe - 1, -1))
-        self._extents_changed()
+        self._num_extents += 1
+        self._has_holes = self._num_extents < len(self.extents)
+        self._extent_array = _with_room(self._extent_array, len(self.extents), -1)
+        self._extent_array[hole] = ext
+        self._busy = _with_room(self._busy, self._capacity, 0)
+        self._storing = _with_room(self._storing, self._capacity, 0)
 
     def _extents_changed(self) -> None:
         self._extent_array = np.asarray(
@@ -412,6 +423,16 @@ class SlotPool:
         if ok and self._has_holes:
             return bool((self._extent_array[slots // self.slots_per_extent] >= 0).all())
         return ok
+
+
+def _with_room(a: npt.NDArray[_N], size: int, fill: int) -> npt.NDArray[_N]:
+    """``a`` if it has ``size`` entries, else a copy at least twice as large, its new
+    entries ``fill``."""
+    if a.size >= size:
+        return a
+    out = np.full(max(size, 2 * a.size), fill, dtype=a.dtype)
+    out[: a.size] = a
+    return out
 
 
 def _resized(counts: npt.NDArray[np.int32], size: int) -> npt.NDArray[np.int32]:
