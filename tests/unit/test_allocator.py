@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvoffloadd.region.allocator import ExtentPool, SlotPool
+from kvoffloadd.region.allocator import ExtentPool
+from kvoffloadd.region.slots import SlotPool
 
 EXT = 4 * 4096
 
@@ -83,21 +84,23 @@ def test_any_unused_extent_goes_back_and_its_chunk_is_a_hole_until_refilled() ->
     assert a.allocate(1) == [2]  # the free id of an owned chunk first
     b = SlotPool(pool, 1, 4096)
     assert b.allocate(1) == [0] and pool.owner[1] == 1  # extent 1 serves b now
-    assert a.allocate(2) == [4, 5]  # a's hole refills from another extent
+    refill = a.allocate(2)  # a's hole refills from another extent: two of its ids
+    assert len(set(refill)) == 2 and set(refill) <= set(range(4, 8))
     assert a.extents == [0, 3, 2] and a.is_valid(np.array([5]))
-    for s in (4, 5, *range(8, 12)):
+    for s in (*refill, *range(8, 12)):
         a.free(s)
     assert a.release_chunk(2) and a.release_chunk(1)
     assert a.extents == [0] and a.capacity == 4  # holes on top are trimmed
 
 
-def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes() -> None:
+@pytest.mark.parametrize("extents", [8, 64])  # 64: enough released ids to compact the list
+def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes(extents: int) -> None:
     """``num_used``, ``num_extents`` and the per-chunk arrays are kept as slots and
     extents change (a lease on a node's region must not add up, or rebuild, thousands
     of extents): a seeded random walk over every operation that changes them,
     recounted after each step."""
     rng = np.random.default_rng(7)
-    pool = ExtentPool(8, EXT)
+    pool = ExtentPool(extents, EXT)
     a = SlotPool(pool, owner=0, slot_bytes=4096)
     held: set[int] = set()
     busy: set[int] = set()
@@ -105,7 +108,10 @@ def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes() -> No
         op = int(rng.integers(8))
         op = 2 if op >= 6 else op  # frees as often as allocations: holes come and go
         if op <= 1 and a.num_free:
-            held.update(a.allocate(int(rng.integers(1, min(6, a.num_free) + 1))))
+            got = a.allocate(int(rng.integers(1, min(6, a.num_free) + 1)))
+            assert len(set(got)) == len(got) and not set(got) & (held | busy)
+            assert a.is_valid(np.array(got, dtype=np.int64))  # in an owned chunk
+            held.update(got)
         elif op == 2 and held:
             gone = [int(s) for s in rng.choice(sorted(held), int(rng.integers(1, 4)))]
             gone = list(dict.fromkeys(gone))
@@ -121,12 +127,14 @@ def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes() -> No
             a.unmark_busy(np.array(sorted(busy)))
             busy.clear()
         elif op == 5:
-            for chunk in a.owned_chunks():
-                a.release_chunk(chunk)
-            a.release_free_tail()
+            if rng.integers(2):  # reclaim: any unused chunk goes back
+                for chunk in a.owned_chunks():
+                    a.release_chunk(chunk)
+            a.release_free_tail()  # housekeeping: the unused top ones
         assert a.num_used == sum(a._used_per_extent) == len(held) + len(busy)
         assert a.num_extents == len(a.extents) - a.extents.count(None)
         assert a.num_extents == sum(o == 0 for o in pool.owner)
+        assert pool._free[0] == sorted(pool._free[0], reverse=True)  # lowest taken first
         assert a.capacity == len(a.extents) * a.slots_per_extent
         # the arrays a grow extends in place (doubling): right up to the chunk list
         chunks = [-1 if e is None else e for e in a.extents]
@@ -142,3 +150,23 @@ def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes() -> No
                 a.capacity,
                 a.num_free,
             )
+
+
+def test_released_chunks_leave_no_id_behind_and_the_free_list_is_compacted() -> None:
+    """Releasing a chunk costs its own ids, not a pass over the namespace's free list
+    (a million entries on a node-sized region): its ids stay listed as tombstones,
+    never handed out, and the list is compacted once they are half of it."""
+    pool = ExtentPool(64, EXT)
+    a = SlotPool(pool, owner=0, slot_bytes=4096)  # 4 slots per extent
+    a.free_many(a.allocate(256))
+    for chunk in range(1, 40):
+        assert a.release_chunk(chunk)
+    assert len(a._free) < 256  # compacted on the way (tombstones were half of it)
+    kept = {s for c in (0, *range(40, 64)) for s in range(4 * c, 4 * c + 4)}
+    assert a.num_free == len(kept) + 39 * 4  # the released extents are the pool's again
+    assert set(a.allocate(len(kept))) == kept  # exactly the owned chunks' ids
+    refill = a.allocate(8)  # then holes, refilled from the pool
+    assert len(set(refill)) == 8 and a.num_extents == 27
+    assert all(a.extents[s // 4] is not None for s in refill)
+    a.free_many(refill)
+    assert a.release_free_tail() == 0  # the top chunk is in use

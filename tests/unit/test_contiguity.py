@@ -22,7 +22,8 @@ from kvoffload.datapath.copyplan import has_duplicates, place_caches
 from kvoffload.datapath.runs import CacheGeometry, build_runs, merge_runs
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.index.leases import LeaseBook
-from kvoffloadd.region.allocator import ExtentPool, SlotPool
+from kvoffloadd.region.allocator import ExtentPool
+from kvoffloadd.region.slots import SlotPool
 
 EXT = 8 * 4096
 

@@ -17,7 +17,8 @@ from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.index.events import unpacked
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.index.leases import new_token
-from kvoffloadd.region.allocator import ExtentPool, SlotPool
+from kvoffloadd.region.allocator import ExtentPool
+from kvoffloadd.region.slots import SlotPool
 
 A, B = 1, 2  # two engines (connections) sharing the namespace
 TA, TB = new_token(), new_token()

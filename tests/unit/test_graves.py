@@ -12,7 +12,8 @@ from test_index_story import CopyingIndex, ks
 from kvoffload.protocol.errors import NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.index.events import unpacked
-from kvoffloadd.region.allocator import ExtentPool, SlotPool
+from kvoffloadd.region.allocator import ExtentPool
+from kvoffloadd.region.slots import SlotPool
 
 A, B = 1, 2  # two engines, both with key mirrors
 

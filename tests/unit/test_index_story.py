@@ -12,7 +12,8 @@ from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLe
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.index.index import NamespaceIndex, OffloadEvent
 from kvoffloadd.index.policies import POLICIES
-from kvoffloadd.region.allocator import ExtentPool, SlotPool
+from kvoffloadd.region.allocator import ExtentPool
+from kvoffloadd.region.slots import SlotPool
 
 CLIENT = 1
 

@@ -20,8 +20,8 @@ from kvoffload.datapath.runs import CacheGeometry
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.index.leases import new_token
-from kvoffloadd.region.allocator import SlotPool
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.region.slots import SlotPool
 
 PAGE = 4096
 BLOCKS = 16

@@ -371,7 +371,8 @@ def test_the_slot_records_a_store_writes_are_the_table_layout_field_by_field() -
     """Scenario: records written as packed bytes (leased, writing, ready, freed) read
     back through the region's slot table dtype with exactly the fields recovery reads."""
     from kvoffload.datapath.regionfmt import SLOT_FREE, SLOT_LEASED, SLOT_WRITING
-    from kvoffloadd.region.allocator import ExtentPool, SlotPool
+    from kvoffloadd.region.allocator import ExtentPool
+    from kvoffloadd.region.slots import SlotPool
 
     cfg = config()
     region = SharedOffloadRegion(cfg.region_name, geometry(cfg))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fake_node import gpu_uuid, two_socket_node, write
 
-from kvoffloadd.region.allocator import ExtentPool, SlotPool
+from kvoffloadd.region.allocator import ExtentPool
 from kvoffloadd.region.placement import (
     ChunkStates,
     ExtentPlacement,
@@ -21,6 +21,7 @@ from kvoffloadd.region.placement import (
     plan_region,
     split_threads,
 )
+from kvoffloadd.region.slots import SlotPool
 from kvoffloadd.region.topology import parse_list, read_topology, usable_cpus
 
 GIB = 1 << 30

@@ -12,7 +12,8 @@ from test_index_story import CopyingIndex, ks
 
 from kvoffload.protocol.messages import KEY_ABSENT, KEY_PROMOTING, KEY_READY, KVLayout
 from kvoffloadd.index.index import NamespaceIndex
-from kvoffloadd.region.allocator import ExtentPool, SlotPool
+from kvoffloadd.region.allocator import ExtentPool
+from kvoffloadd.region.slots import SlotPool
 from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
 from kvoffloadd.tiers.tiering import (
     MAX_PROMOTION_JOB_BLOCKS,

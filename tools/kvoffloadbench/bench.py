@@ -176,7 +176,8 @@ def filled_index(keys: list[bytes]) -> Any:
     """An in-process namespace index (no daemon) holding ``keys`` as stored blocks."""
     from kvoffload.protocol.messages import KVLayout
     from kvoffloadd.index.index import NamespaceIndex
-    from kvoffloadd.region.allocator import ExtentPool, SlotPool
+    from kvoffloadd.region.allocator import ExtentPool
+    from kvoffloadd.region.slots import SlotPool
 
     pool = ExtentPool(len(keys) // 1024 + 1, 1024 * 4096)
     idx = NamespaceIndex(0, "m", KVLayout([4096]), "f", SlotPool(pool, 0, 4096))

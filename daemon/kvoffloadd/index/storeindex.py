@@ -51,7 +51,7 @@ from kvoffloadd.index.graves import Graveyard
 from kvoffloadd.index.leases import LeaseBook
 from kvoffloadd.index.policies import Block, make_policy
 from kvoffloadd.ledger import Limits, Line
-from kvoffloadd.region.allocator import SlotJournal, SlotPool
+from kvoffloadd.region.slots import SlotJournal, SlotPool
 
 
 @dataclass(frozen=True)

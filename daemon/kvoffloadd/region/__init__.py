@@ -7,8 +7,9 @@ Rules:
 - Nothing found under a region's name is trusted: a segment is adopted only if it is
   ours, private, whole and of today's format and geometry (``segment``,
   ``regionstate``), and every record read back is validated before use (``recovery``).
-- Extents belong to one namespace or to nobody; slots are cut from a namespace's
-  extents (``allocator``); a slot with a copy running is never reused. New extents
+- Extents belong to one namespace or to nobody (``allocator``); slots are cut from a
+  namespace's extents (``slots``); a slot with a copy running is never reused, and no
+  slot call costs the namespace's size. New extents
   are ready ones first, on the namespace's NUMA node where its GPUs share one
   (``placement``).
 - A region never surprises its host: before a page is taken it must fit every limit

@@ -62,7 +62,7 @@ from kvoffload.datapath.regionfmt import (
     ready_crc,
 )
 from kvoffloadd.region import kernel, segment
-from kvoffloadd.region.allocator import ExtentPool, SlotJournal, SlotPool
+from kvoffloadd.region.allocator import ExtentPool
 from kvoffloadd.region.pinning import RegionPinner
 from kvoffloadd.region.placement import (
     ChunkStates,
@@ -75,6 +75,7 @@ from kvoffloadd.region.placement import (
 from kvoffloadd.region.populate import Populator
 from kvoffloadd.region.progress import node_statistics, population_statistics
 from kvoffloadd.region.segment import Geometry, RegionError, default_extent_bytes, header_fields
+from kvoffloadd.region.slots import SlotJournal, SlotPool
 from kvoffloadd.region.topology import Topology
 from kvoffloadd.trust import UntrustedError
 

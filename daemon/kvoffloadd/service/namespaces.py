@@ -51,9 +51,9 @@ from kvoffload.protocol.errors import (
 )
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.index.index import NamespaceIndex
-from kvoffloadd.region.allocator import SlotPool
 from kvoffloadd.region.recovery import read_namespaces
 from kvoffloadd.region.region import SharedOffloadRegion
+from kvoffloadd.region.slots import SlotPool
 
 log = logging.getLogger(__name__)
 
