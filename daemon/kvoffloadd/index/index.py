@@ -118,8 +118,7 @@ class NamespaceIndex(StoreIndex):
 
     def commit(self, token: int, client: int, keys: Sequence[bytes], success: bool) -> None:
         """An engine's completion of its stores: lenient (see the module docstring)."""
-        get, writer, now = self._policy.get, self._writers.get, time.monotonic()
-        written, all_ranks, storing = self._written.get, self._all_ranks, self.slots.is_storing
+        get, now = self._policy.get, time.monotonic()
         done: list[tuple[bytes, Block]] = []
         failed: list[tuple[bytes, Block]] = []
         shadows = self.leases.shadow_count(token) if token else 0
@@ -129,12 +128,12 @@ class NamespaceIndex(StoreIndex):
                 self._uncharge(client, 1)
                 self._free_slot(shadow)  # one copy of the key stays
             block = get(key)
-            if block is None or block.ref != -1 or writer(key) != client:
+            if block is None or block.ref != -1 or self._writers.get(key) != client:
                 continue  # not this engine's store (or of an earlier connection)
             slot = block.slot
             if not success or slot in self._void:
                 failed.append((key, block))
-            elif written(slot) == all_ranks and not storing(slot):  # _whole, inline
+            elif self._whole(slot):
                 done.append((key, block))
             else:
                 self._waiting[slot] = now + self.commit_timeout_s

@@ -88,7 +88,7 @@ class SlotPool:
     @property
     def num_free(self) -> int:
         own = self._capacity - self._fresh + len(self._free) - self._num_stale
-        return own + self.pool._num_free * self.slots_per_extent
+        return own + self.pool.num_free * self.slots_per_extent
 
     def allocate(self, n: int) -> list[int]:
         """Hand out ``n`` slot ids; the caller checked ``num_free`` first."""
@@ -221,27 +221,28 @@ class SlotPool:
         self._busy = _with_room(self._busy, self._capacity, 0)
         self._storing = _with_room(self._storing, self._capacity, 0)
 
-    def _extents_changed(self) -> None:
+    def _recount(self) -> None:
+        """The per-chunk state from the chunk list, in one pass (an adoption)."""
         self._extent_array = np.asarray(
             [-1 if e is None else e for e in self.extents], dtype=np.int64
         )
         self._num_extents = len(self.extents) - self.extents.count(None)
         self._capacity = len(self.extents) * self.slots_per_extent
         self._has_holes = self._num_extents < len(self.extents)
-        self._busy = _resized(self._busy, self.capacity)
-        self._storing = _resized(self._storing, self.capacity)
+        self._busy = _with_room(self._busy, self._capacity, 0)
+        self._storing = _with_room(self._storing, self._capacity, 0)
 
     def adopt(self, extents: Sequence[int | None], used: set[int]) -> None:
         """Take over extents a previous daemon gave this namespace, by chunk (None:
         a hole; warm restart). ``used`` lies in owned chunks."""
         self.extents = list(extents)
         spe = self.slots_per_extent
-        self._capacity = len(self.extents) * spe  # before _extents_changed: used below
         self._used_per_extent = [0] * len(extents)
         for slot in used:
             self._used_per_extent[slot // spe] += 1
         self._num_used = len(used)
         self._stale, self._num_stale = {}, 0
+        self._recount()
         self._fresh = self.capacity
         self._free = [
             s
@@ -249,7 +250,6 @@ class SlotPool:
             if s not in used and self.extents[s // spe] is not None
         ]
         self._trim_holes()
-        self._extents_changed()
 
     def chunk_slots(self, chunk: int) -> range:
         """Slot ids of one chunk."""
@@ -353,13 +353,6 @@ def _with_room(a: npt.NDArray[_N], size: int, fill: int) -> npt.NDArray[_N]:
         return a
     out = np.full(max(size, 2 * a.size), fill, dtype=a.dtype)
     out[: a.size] = a
-    return out
-
-
-def _resized(counts: npt.NDArray[np.int32], size: int) -> npt.NDArray[np.int32]:
-    out = np.zeros(size, dtype=np.int32)
-    keep = min(size, counts.size)
-    out[:keep] = counts[:keep]
     return out
 
 
