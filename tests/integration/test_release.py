@@ -21,7 +21,7 @@ ROOT = Path(__file__).parents[2]
 # What the build reads: the packages, their metadata, what the sdist carries.
 SOURCES = ("daemon", "libclient", "tools", "pyproject.toml", "README.md", "MANIFEST.in")
 SHIPPED = ("systemd", "deploy", "docs", "CHANGELOG.md")
-IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist")
+IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist", "*.so")
 
 
 def run(*argv: str | Path, timeout_s: float = 120.0) -> str:
@@ -45,10 +45,15 @@ def test_the_wheel_installs_into_a_fresh_virtualenv_and_serves(tmp_path: Path) -
             shutil.copy(path, src / name)
     dist = tmp_path / "dist"
     run(sys.executable, "-m", "build", "--outdir", dist, src)
-    wheel = dist / f"kvoffload-{__version__}-py3-none-any.whl"
     sdist = dist / f"kvoffload-{__version__}.tar.gz"
-    assert sorted(p.name for p in dist.iterdir()) == sorted([wheel.name, sdist.name])
+    # the C copy loop makes it a wheel for this interpreter and platform
+    wheels = sorted(dist.glob(f"kvoffload-{__version__}-cp3*-linux_*.whl"))
+    assert len(wheels) == 1 and sorted(p.name for p in dist.iterdir()) == sorted(
+        [wheels[0].name, sdist.name]
+    ), sorted(p.name for p in dist.iterdir())
+    wheel = wheels[0]
     listing = run("tar", "tzf", sdist)
+    assert f"kvoffload-{__version__}/libclient/kvoffload/datapath/_copyrun.c" in listing
     for name in ("systemd/kvoffloadd.service", "systemd/kvoffloadd.toml.example", "CHANGELOG.md"):
         assert f"kvoffload-{__version__}/{name}" in listing, f"the sdist lacks {name}"
 
@@ -74,6 +79,8 @@ def test_the_wheel_installs_into_a_fresh_virtualenv_and_serves(tmp_path: Path) -
         "import kvoffload.vllm, kvoffload.sglang, kvoffload.vllm.identity, "
         "kvoffload.sglang.identity",
     )
+    native = "from kvoffload.datapath import memruns; print(memruns.NATIVE)"
+    assert run(bin_ / "python", "-c", native).strip() == "True", "the wheel lacks the C copy loop"
 
     with DaemonProcess("64MiB", "--no-prefault", command=[str(bin_ / "kvoffloadd")]) as d:
         assert f"listening on {d.socket_path}" in d.banner

@@ -3,20 +3,50 @@
 - Every group expands back to exactly the runs it was made of, in order.
 - Runs that step alike become one group: one per cache for a job with a cache per layer.
 - Copying the groups writes the same bytes as copying each run with memmove, for
-  runs in any order, of mixed lengths and with negative steps.
+  runs in any order, of mixed lengths and with negative steps: through the C copy loop
+  and through the Python path it stands in for (``python_path``).
+- The C loop is built wherever a compiler is; it streams long runs at any alignment
+  and length, moves overlapping runs as memmove does, and refuses malformed vectors
+  with a clear error before it copies anything.
 """
 
 from __future__ import annotations
 
+import array
 import ctypes
+import shutil
+from collections.abc import Iterator
 
 import numpy as np
-from hypothesis import given, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvoffload.datapath.memruns import GROUP_MIN_RUNS, Groups, copy_groups, copy_runs, group_runs
+from kvoffload.datapath import memruns
+from kvoffload.datapath.memruns import (
+    GROUP_MIN_RUNS,
+    STREAM_MIN_BYTES,
+    Groups,
+    copy_groups,
+    copy_runs,
+    group_runs,
+)
 
 PAGE = 64
+
+
+@pytest.fixture(params=["native", "python"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each copy test runs through the C loop (where built) and the Python path."""
+    if request.param == "native" and not memruns.NATIVE:
+        pytest.skip("the C copy loop is not built here")
+    saved = memruns._native
+    if request.param == "python":
+        memruns._native = None
+    try:
+        yield request.param
+    finally:
+        memruns._native = saved
 
 
 def expand(g: Groups) -> list[tuple[int, int, int]]:
@@ -60,9 +90,12 @@ def test_runs_that_step_alike_are_one_group_per_cache() -> None:
     assert group_runs(*arrays(odd)).rows == [3, 2, 1]
 
 
-@settings(max_examples=150, deadline=None)
+# the fixture only picks the path: the same for every example
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.data())
-def test_grouped_copies_write_what_one_by_one_copies_write(data: st.DataObject) -> None:
+def test_grouped_copies_write_what_one_by_one_copies_write(path: str, data: st.DataObject) -> None:
     slots = data.draw(st.integers(1, 24))
     order = data.draw(st.permutations(range(slots)))
     lengths = data.draw(
@@ -86,7 +119,7 @@ def test_grouped_copies_write_what_one_by_one_copies_write(data: st.DataObject) 
     assert np.array_equal(got, want)
 
 
-def test_copy_runs_groups_only_jobs_of_many_runs() -> None:
+def test_copy_runs_groups_only_jobs_of_many_runs(path: str) -> None:
     """Below GROUP_MIN_RUNS the runs go one by one; at and above, as groups: the
     same bytes either way (a cache per layer, a page per block, strided slots)."""
     for blocks in (GROUP_MIN_RUNS // 4, GROUP_MIN_RUNS):
@@ -109,7 +142,69 @@ def test_copy_runs_groups_only_jobs_of_many_runs() -> None:
         assert np.array_equal(got, want)
 
 
-def test_no_runs_copy_nothing() -> None:
+def test_no_runs_copy_nothing(path: str) -> None:
     empty = np.zeros(0, dtype=np.int64)
     assert group_runs(empty, empty, empty).rows == []
     copy_runs(empty, empty, empty)
+
+
+def test_the_c_copy_loop_is_built_where_a_compiler_is() -> None:
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the Python path copies")
+    assert memruns.NATIVE, "kvoffload.datapath._copyrun did not build: pip install -e ."
+
+
+@pytest.mark.parametrize("path", ["native"], indirect=True)
+@pytest.mark.parametrize(
+    "length", [STREAM_MIN_BYTES - 1, STREAM_MIN_BYTES, 3 * STREAM_MIN_BYTES + 37]
+)
+@pytest.mark.parametrize("misalign", [0, 1, 15, 17])
+def test_long_runs_stream_at_any_alignment_and_length(
+    path: str, length: int, misalign: int
+) -> None:
+    rng = np.random.default_rng(length + misalign)
+    src = rng.integers(0, 256, 2 * length + 64, dtype=np.uint8)
+    got = np.zeros(2 * length + 128, dtype=np.uint8)
+    base, sbase = int(got.ctypes.data) + misalign, int(src.ctypes.data) + 3
+    # two runs swapped: the second source half lands first
+    runs = [(base, sbase + length, length), (base + length + 7, sbase, length)]
+    copy_runs(*arrays(runs))
+    want = np.zeros_like(got)
+    want[misalign : misalign + length] = src[3 + length : 3 + 2 * length]
+    want[misalign + length + 7 : misalign + 2 * length + 7] = src[3 : 3 + length]
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("path", ["native"], indirect=True)
+def test_overlapping_runs_move_as_memmove_does(path: str) -> None:
+    n = 2 * STREAM_MIN_BYTES
+    buf = np.arange(n + 4096, dtype=np.uint32).view(np.uint8)[: n + 4096].copy()
+    want = buf.copy()
+    at = int(buf.ctypes.data)
+    copy_runs(*arrays([(at + 4096, at, n)]))  # forward overlap
+    ctypes.memmove(int(want.ctypes.data) + 4096, int(want.ctypes.data), n)
+    assert np.array_equal(buf, want)
+
+
+@pytest.mark.parametrize("path", ["native"], indirect=True)
+def test_the_c_loop_refuses_malformed_vectors_before_copying(path: str) -> None:
+    native = memruns._native
+    assert native is not None
+    src = np.full(64, 7, dtype=np.uint8)
+    got = np.zeros(64, dtype=np.uint8)
+    d = np.array([got.ctypes.data], dtype=np.int64)
+    s = np.array([src.ctypes.data], dtype=np.int64)
+    with pytest.raises(ValueError, match="differ in length"):
+        native.copy_runs(d, s, np.array([8, 8], dtype=np.int64), 0)
+    with pytest.raises(TypeError, match="int64"):
+        native.copy_runs(d, s, np.array([8], dtype=np.int32), 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="negative run length"):
+        native.copy_runs(d, s, np.array([-1], dtype=np.int64), 0)
+    one = array.array("q", [1])
+    with pytest.raises(ValueError, match="negative row count"):
+        native.copy_groups(d, s, one, array.array("q", [-2]), one, one, 0)
+    with pytest.raises(ValueError, match="stream_min_bytes"):
+        native.copy_runs(d, s, np.array([8], dtype=np.int64), -1)
+    assert not got.any()
+    native.copy_runs(d, s, np.array([8], dtype=np.int64), 0)
+    assert got[:8].tolist() == [7] * 8 and not got[8:].any()
