@@ -118,6 +118,9 @@ def test_report_renders_every_section_from_saved_figures(tmp_path: pathlib.Path)
     assert "| disk | 2 | 1.00 GB/s | 3.00 GB/s | 0.75 (of 4.00 GB/s) | 0.25 | 2.00 ms |" in md
     assert "| mooncake |  | 2.00 GB/s | 6.00 GB/s |  | 0.50 | 1.50 ms |" in md
     assert "| load, 2 MiB blocks | 6.00 GB/s | 0.50 (target >= 0.8) |" in md
-    assert "| ping p50 / p99 | 30.0 / 60.0 us | 1.50 x the floor; target p50 <= 1.3 x |" in md
+    assert (
+        "| ping p50 / p99, one CPU | 30.0 / 60.0 us | 1.50 x the floor; target p50 <= 1.3 x |" in md
+    )
+    assert "client and server apart" not in md  # figures saved before the placements
     assert "| redis |  | not measured | redis-server is not installed |" in md
     assert "the GPU sweep did not run" in md and "seed 7" in md and "abc1234" in md

@@ -27,7 +27,7 @@ from kvoffload.engine.view import EngineView
 
 from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .bench_tiers import TIER_THREADS, run_tiers, tier_rows
-from .echo_floor import EchoPeer, interleaved, percentiles_us
+from .echo_floor import EchoPeer, interleaved, percentiles_us, placed
 from .launch import BULK_STORES, DaemonProcess, wait_prefault
 
 MIB = 1 << 20
@@ -227,14 +227,6 @@ def run(
         r["store_32x32k_gbps"], r["load_32x32k_gbps"] = st, ld
 
         n = 2000 if quick else 10000
-        # the floor and the ping in alternating blocks: a neighbour's burst hits both
-        echo = EchoPeer()
-        try:
-            took = interleaved({"echo": echo.round_trip, "ping": client.ping}, n)
-        finally:
-            echo.close()
-        r["echo_p50_us"], r["echo_p99_us"] = percentiles_us(took["echo"])
-        r["ping_p50_us"], r["ping_p99_us"] = percentiles_us(took["ping"])
         ns = client.namespace("ctl", kvoffload.KVLayout(tensor_page_bytes=[16384]))
         w = ns.attach_worker([kvoffload.shared_kv_cache(1000, 16384)])
         keys = [b"ctl-%08d" % i for i in range(1000)]
@@ -244,22 +236,19 @@ def run(
         w.wait([1])
         ns.complete_store(keys)
         assert ns.lookup(keys) == 1000
-        lk = latencies(lambda: ns.lookup(keys), n // 2)
-        r["lookup1000_p50_us"], r["lookup1000_p99_us"] = pct(lk, 0.5) * 1e6, pct(lk, 0.99) * 1e6
+        echo = EchoPeer()
+        try:
+            # the floor and the daemon pinned alike (echo_floor.placed): on one CPU
+            # (the work's cost; the targets' rows), then client and server apart
+            for apart, suffix in ((False, ""), (True, "_apart")):
+                with placed([echo.proc.pid, d.pid], apart) as made:
+                    if made:
+                        r.update(control_path(client, echo, ns, keys, n, suffix))
+        finally:
+            echo.close()
         r["mirror_lookup_us"], r["set_lookup_us"] = mirror_lookup_us(
             ns, keys, 200 if quick else 1000
         )
-        k16 = [[b"rnd-%04d-%03d" % (i, j) for j in range(16)] for i in range(n // 4)]
-        it = iter(k16)
-
-        def store_round() -> None:
-            ks = next(it)
-            ns.prepare_store(ks)
-            ns.complete_store(ks, success=False)
-
-        sr = latencies(store_round, len(k16))
-        r["store_round16_p50_us"] = pct(sr, 0.5) * 1e6
-        r["store_round16_p99_us"] = pct(sr, 0.99) * 1e6
         r["lookup_calls_per_s_8_clients"] = concurrent_lookups(
             d.socket_path, 8, 2.0 if quick else 4.0
         )
@@ -267,6 +256,67 @@ def run(
     r["index_bytes_per_block"] = index_bytes_per_block(50_000 if quick else 200_000)
     r.update(run_tiers(quick, tier_threads))
     return r
+
+
+def control_path(
+    client: kvoffload.Client,
+    echo: EchoPeer,
+    ns: kvoffload.Namespace,
+    keys: list[bytes],
+    n: int,
+    suffix: str,
+) -> dict[str, float]:
+    """Echo and ping p50/p99 (in alternating blocks: a neighbour's burst hits both),
+    a lookup of the 1,000 stored ``keys`` and a store round of 16 new keys."""
+    out: dict[str, float] = {}
+    took = interleaved({"echo": echo.round_trip, "ping": client.ping}, n)
+    out["echo_p50_us" + suffix], out["echo_p99_us" + suffix] = percentiles_us(took["echo"])
+    out["ping_p50_us" + suffix], out["ping_p99_us" + suffix] = percentiles_us(took["ping"])
+    lk = latencies(lambda: ns.lookup(keys), n // 2)
+    out["lookup1000_p50_us" + suffix] = pct(lk, 0.5) * 1e6
+    out["lookup1000_p99_us" + suffix] = pct(lk, 0.99) * 1e6
+    tag = b"rap" if suffix else b"rnd"  # new keys of the namespace's 12 bytes
+    k16 = iter([[b"%s-%04d-%03d" % (tag, i, j) for j in range(16)] for i in range(n // 4)])
+
+    def store_round() -> None:
+        ks = next(k16)
+        ns.prepare_store(ks)
+        ns.complete_store(ks, success=False)
+
+    sr = latencies(store_round, n // 4)
+    out["store_round16_p50_us" + suffix] = pct(sr, 0.5) * 1e6
+    out["store_round16_p99_us" + suffix] = pct(sr, 0.99) * 1e6
+    return out
+
+
+def control_rows(r: dict[str, Any], suffix: str, where: str) -> list[tuple[str, str, str]]:
+    """The control-path rows of one placement (targets on the one-CPU rows)."""
+    if "ping_p50_us" + suffix not in r:
+        return []
+    target = not suffix
+
+    def us(key: str) -> str:
+        return f"{r[key + '_p50_us' + suffix]:.1f} / {r[key + '_p99_us' + suffix]:.1f} us"
+
+    ratio = r["ping_p50_us" + suffix] / r["echo_p50_us" + suffix]
+    return [
+        (f"unix-socket echo p50 / p99 (floor), {where}", us("echo"), "plain Python, no daemon"),
+        (
+            f"ping p50 / p99, {where}",
+            us("ping"),
+            f"{ratio:.2f} x the floor" + ("; target p50 <= 1.3 x" if target else ""),
+        ),
+        (
+            f"lookup 1000 keys p50 / p99, {where}",
+            us("lookup1000"),
+            "target p50 <= 100" if target else "",
+        ),
+        (
+            f"store round, 16 keys p50 / p99, {where}",
+            us("store_round16"),
+            "target p50 <= 148" if target else "",
+        ),
+    ]
 
 
 def cpu_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -289,27 +339,9 @@ def cpu_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         note = f"; memcpy then {near:.2f} GB/s" if near != base else ""
         ratio = r[key] / near
         rows.append((label, f"{r[key]:.2f} GB/s", f"{ratio:.2f} (target >= {target}{note})"))
+    rows += control_rows(r, "", "one CPU")
+    rows += control_rows(r, "_apart", "client and server apart")
     rows += [
-        (
-            "unix-socket echo p50 / p99 (floor)",
-            f"{r['echo_p50_us']:.1f} / {r['echo_p99_us']:.1f} us",
-            "plain Python, no daemon",
-        ),
-        (
-            "ping p50 / p99",
-            f"{r['ping_p50_us']:.1f} / {r['ping_p99_us']:.1f} us",
-            f"{r['ping_p50_us'] / r['echo_p50_us']:.2f} x the floor; target p50 <= 1.3 x",
-        ),
-        (
-            "lookup 1000 keys p50 / p99",
-            f"{r['lookup1000_p50_us']:.1f} / {r['lookup1000_p99_us']:.1f} us",
-            "target p50 <= 100",
-        ),
-        (
-            "store round, 16 keys p50 / p99",
-            f"{r['store_round16_p50_us']:.1f} / {r['store_round16_p99_us']:.1f} us",
-            "target p50 <= 148",
-        ),
         (
             "lookup calls/s, 8 clients",
             f"{r['lookup_calls_per_s_8_clients']:.0f}",

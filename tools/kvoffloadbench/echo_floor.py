@@ -7,17 +7,26 @@ virtual machine with slow wake-ups the floor alone can exceed the 30 us target.
 ``interleaved`` times the echo and the call it is the floor of in alternating blocks,
 so that what a neighbour on the machine does hits both alike (DESIGN.md section 6:
 ping p50 <= 1.3 x the echo in the same run).
+
+``placed`` pins the client and the servers for a measurement, the same way for the
+floor and the daemon. Left to the scheduler, one server would share the client's CPU
+and another not, and on a virtual machine a wake-up on another CPU can cost several
+times a whole round trip on one (measured: 2 vCPUs, echo p50 20 us on one CPU, 110-180
+us across two), so the ratio said where the scheduler put each, not what either costs.
+On one CPU a round trip is the client's and the server's work plus two switches: the
+cost of the work. Across two it adds the machine's cross-CPU wake-up to both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 _SERVER = """
 import selectors, socket, sys
@@ -109,3 +118,36 @@ def echo_round_trip_us(n: int, deadline_s: float = 10.0) -> tuple[float, float]:
         return percentiles_us(interleaved({"echo": peer.round_trip}, n, n)["echo"])
     finally:
         peer.close()
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return []
+
+
+@contextlib.contextmanager
+def placed(server_pids: Sequence[int], apart: bool) -> Iterator[bool]:
+    """Pin the calling thread to one CPU and every thread of ``server_pids`` to the same
+    CPU (``apart`` False) or to another (True); put everything back afterwards. Yields
+    whether the placement was made (apart needs two CPUs this process may use)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if apart and len(allowed) < 2:
+        yield False
+        return
+    mine = allowed[0]
+    theirs = allowed[1] if apart else mine
+    saved: list[tuple[int, set[int]]] = [(0, set(allowed))]
+    try:
+        os.sched_setaffinity(0, {mine})
+        for pid in server_pids:
+            for tid in _threads(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    saved.append((tid, os.sched_getaffinity(tid)))
+                    os.sched_setaffinity(tid, {theirs})
+        yield True
+    finally:
+        for tid, cpus in saved:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, cpus)
