@@ -1,9 +1,11 @@
-"""Caches the daemon copies through by descriptor (``memfd_io``): unsealable memfds,
-as SGLang's ``shm`` host pool is, are never mapped by the daemon.
+"""Caches the daemon copies by descriptor (``memfd_io``): unsealable memfds, as
+SGLang's ``shm`` host pool is, that the daemon copies without trusting their size.
 
 The attack: a client registers its memfd, then shrinks it (``ftruncate``) before or
-while the daemon copies. Mapped, that would kill the daemon with SIGBUS; copied with
-``preadv``/``pwritev`` it is a short count: that job fails and the daemon lives.
+while the daemon copies. A plain memmove would die of SIGBUS there. Every test runs
+against both of the daemon's ways to copy (``copy_path``): the guarded C copy (the
+fault jumps back out of the copy) and system calls (where the C loop is not built:
+a short count). Either way that job fails and the daemon lives.
 """
 
 from __future__ import annotations
@@ -12,15 +14,31 @@ import mmap
 import os
 import socket
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from hostile import NOBODY, as_uid, requires_root
 
 import kvoffload
+from kvoffload.datapath import memruns
 from kvoffload.protocol.messages import CacheDesc
 from kvoffload.sglang.link import Deadline, PageLink, PoolWorker
 from kvoffloadbench.launch import DaemonProcess
+
+
+@pytest.fixture(params=["guarded", "syscalls"])
+def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
+    """A fresh daemon copying descriptor caches by the guarded C loop or by syscalls."""
+    if request.param == "guarded" and not memruns.NATIVE:
+        pytest.skip("the C copy loop is not built here")
+    env = dict(os.environ)
+    if request.param == "syscalls":
+        env["KVOFFLOAD_NO_NATIVE_COPY"] = "1"
+    with DaemonProcess("64MiB", "--log-level", "warning", env=env) as d:
+        yield d
+        assert d.stop() == 0
+
 
 PAGE = 64 * 1024
 PAGES = 32

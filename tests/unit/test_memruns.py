@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import array
 import ctypes
+import mmap
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -208,3 +213,70 @@ def test_the_c_loop_refuses_malformed_vectors_before_copying(path: str) -> None:
     assert not got.any()
     native.copy_runs(d, s, np.array([8], dtype=np.int64), 0)
     assert got[:8].tolist() == [7] * 8 and not got[8:].any()
+
+
+def shrunk_memfd(nbytes: int) -> tuple[int, mmap.mmap]:
+    """A mapped memfd of ``nbytes``, then shrunk to one page under its mapping."""
+    fd = os.memfd_create("shrunk", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    mm = mmap.mmap(fd, nbytes)
+    mm[:] = b"\x05" * nbytes
+    os.ftruncate(fd, mmap.PAGESIZE)
+    return fd, mm
+
+
+@pytest.mark.parametrize("path", ["native"], indirect=True)
+@pytest.mark.parametrize("direction", ["from", "into"])
+def test_a_guarded_copy_survives_memory_that_vanished(path: str, direction: str) -> None:
+    """The memfd shrank under its mapping: a guarded copy from or into the vanished
+    pages returns False (the runs before the fault copied); this process lives on,
+    and the next guarded copy works."""
+    n = 8 * STREAM_MIN_BYTES
+    fd, mm = shrunk_memfd(n)
+    try:
+        at = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        mine = np.zeros(n, dtype=np.uint8)
+        here = int(mine.ctypes.data)
+        first = (here, at, mmap.PAGESIZE) if direction == "from" else (at, here, mmap.PAGESIZE)
+        rest = (
+            (here + n // 2, at + n // 2, n // 2)
+            if direction == "from"
+            else (at + n // 2, here + n // 2, n // 2)
+        )
+        assert memruns.copy_runs_guarded(*arrays([first, rest])) is False
+        if direction == "from":
+            assert mine[: mmap.PAGESIZE].tolist() == [5] * mmap.PAGESIZE  # before the fault
+        assert memruns.copy_runs_guarded(*arrays([first])) is True
+    finally:
+        del at
+        mm.close()
+        os.close(fd)
+
+
+def test_a_fault_outside_a_guarded_copy_still_ends_the_process() -> None:
+    """The guard catches faults only on a guarded copy's thread while it copies: the
+    same vanished memory read by a plain copy, after a guarded one installed the
+    handler, kills the process with SIGBUS as before."""
+    if not memruns.NATIVE:
+        pytest.skip("the C copy loop is not built here")
+    code = f"""
+import sys
+sys.path[:0] = {sys.path!r}
+import ctypes, mmap, os
+import numpy as np
+from kvoffload.datapath import memruns
+fd = os.memfd_create("shrunk")
+os.ftruncate(fd, 1 << 20)
+mm = mmap.mmap(fd, 1 << 20)
+os.ftruncate(fd, 0)
+at = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+buf = np.zeros(1 << 20, dtype=np.uint8)
+v = lambda *x: np.array(x, dtype=np.int64)
+assert memruns.copy_runs_guarded(v(buf.ctypes.data), v(at), v(1 << 20)) is False
+print("guarded ok", flush=True)
+memruns.copy_runs(v(buf.ctypes.data), v(at), v(1 << 20))
+print("survived", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "guarded ok\n", proc.stderr
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr[-2000:])

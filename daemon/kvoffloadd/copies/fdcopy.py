@@ -1,18 +1,20 @@
-"""Caches the daemon copies through by descriptor and syscall: ``memfd_io``.
+"""Caches the daemon copies without trusting their size: ``memfd_io``.
 
 Some engines' host memory is a memfd that cannot be sealed (SGLang's ``shm``
-host-pool allocator creates it without ``MFD_ALLOW_SEALING``). A mapping of it that
-the daemon touches is unsafe: the engine could shrink the memfd under a running
-memmove and the daemon would die of SIGBUS. So the daemon's own code never touches
-that memory; only the kernel copies into and out of it, inside system calls, where a
-page that is gone makes the call fail with a short count or ``EFAULT`` (a fault in
-a kernel copy is fixed up, never a signal):
+host-pool allocator creates it without ``MFD_ALLOW_SEALING``). A plain copy through a
+mapping of it is unsafe: the engine could shrink the memfd under a running memmove
+and the daemon would die of SIGBUS. So only two things touch that memory:
 
-- a store reads the memfd (``preadv`` on its descriptor) into the region's slots;
-- a load reads the region's file (``preadv`` on the daemon's own descriptor of the
-  region) into the daemon's mapping of the memfd. Reads take no inode lock, so two
-  threads copy twice as fast; writing the memfd with ``pwritev`` serialises on its
-  inode (3.6 GB/s with one or two threads here, against 8.5 for this).
+- the guarded C copy (``_copyrun.copy_runs_guarded``), where it was built: a fault on
+  the copying thread during the copy jumps back out of it and fails the part. It
+  copies as the mapped caches' copies do, long runs streamed past the cache
+  (`make bench-sglang`: 2 vCPUs, the kernel's copies reached 0.4-0.7 of memcpy);
+- else the kernel, inside system calls, where a page that is gone makes the call
+  fail with a short count or ``EFAULT`` (a fault in a kernel copy is fixed up, never
+  a signal): a store reads the memfd (``preadv`` on its descriptor) into the region's
+  slots; a load reads the region's file (``preadv`` on the daemon's own descriptor of
+  the region) into the daemon's mapping of the memfd (reads take no inode lock;
+  ``pwritev`` to the memfd serialises on its inode).
 
 Either way a shrink fails that job, nothing else.
 
@@ -22,14 +24,15 @@ Rules:
   device file), opened read-write, regular, and at least as long as every row the
   descriptor claims (``imports``: one duplicate descriptor and one mapping of the
   claimed rows per file; the engine's descriptor is closed).
-- The mapping of the memfd is used as a system-call buffer only: no Python, numpy or
-  memmove access ever reads or writes it (checksums cover region bytes only).
+- The mapping of the memfd is read and written by the guarded copy or as a
+  system-call buffer only: no Python, numpy or memmove access ever touches it
+  (checksums cover region bytes only).
 - The loop thread validates the job exactly as for mapped caches and hands over its
   ``JobPlan`` (``submit_planned``), split into ranges of whole slots, one per thread;
   each thread builds its range's runs, whose cache addresses are offsets into the
   memfd (``base_address`` 0), and reads them.
-- Loads keep to the job's ``deadline_ns``: no syscall starts after it (checked before
-  each one, runs cut to ``CHUNK_BYTES``), so an engine that gave up on a load at its
+- Loads keep to the job's ``deadline_ns``: no copy call starts after it (checked
+  before each one, runs cut to ``CHUNK_BYTES``), so an engine that gave up on a load at its
   deadline does not get bytes in pages it has reused.
 - Completions go into the CPU copier's ``CompletionSink``: the loop handles them as
   any other copy's. No daemon metadata is touched here.
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload.datapath import memruns
 from kvoffload.datapath.copyplan import JobPlan
 from kvoffloadd.copies.copier import (
     ChecksumCheck,
@@ -81,9 +85,10 @@ class _PlanPart:
 
 @dataclass(frozen=True)
 class _Part:
-    """Runs of one job: read ``nbytes`` from ``fds`` at ``offsets`` into ``buffers``."""
+    """Runs of one job: read ``nbytes`` from ``fds`` at ``offsets`` into ``buffers``
+    (``fds`` None: copy from the addresses ``offsets``, guarded)."""
 
-    fds: I64
+    fds: I64 | None
     offsets: I64
     buffers: I64
     nbytes: I64
@@ -96,10 +101,18 @@ class FdCopier(CopyThreads):
 
     CHUNK_BYTES = 1024 * 1024
 
-    def __init__(self, threads: int, sink: CompletionSink, region_fd: int, region_address: int):
+    def __init__(
+        self,
+        threads: int,
+        sink: CompletionSink,
+        region_fd: int,
+        region_address: int,
+        guarded: bool = True,
+    ) -> None:
         self.sink = sink
         self.region_fd = region_fd  # the daemon's own descriptor of the region (loads)
         self.region_address = region_address
+        self.guarded = guarded and memruns.NATIVE  # copies by the guarded C loop
         super().__init__(threads, "kvoffload-fdcopy")
 
     def submit_planned(
@@ -121,6 +134,12 @@ class FdCopier(CopyThreads):
         from the region's file into the daemon's mapping of the memfd (loads)."""
         runs = item.plan.runs(item.first, item.end)
         offsets, nbytes = runs.cache, runs.nbytes
+        if self.guarded:  # addresses in the mappings on both sides
+            maps = np.array([c.map_address for c in item.caches], dtype=np.int64)
+            region, mine = runs.region + item.plan.region_base, offsets + maps[runs.which]
+            src, dst = (mine, region) if item.plan.is_store else (region, mine)
+            dst, src, nbytes = chunk_runs(dst, src, nbytes, self.CHUNK_BYTES)
+            return _Part(None, src, dst, nbytes, item.deadline_ns, int(runs.nbytes.size))
         if item.plan.is_store:
             fds = np.array([c.fd for c in item.caches], dtype=np.int64)[runs.which]
             src, dst = offsets, runs.region + item.plan.region_base
@@ -155,8 +174,10 @@ def _chunk(src: I64, dst: I64, nbytes: I64, fds: I64, chunk: int) -> tuple[I64, 
 
 
 def copy_part(part: _Part) -> bool:
-    """Run one part's reads; False on a short count, a fault or a passed deadline."""
+    """Run one part's copies; False on a short count, a fault or a passed deadline."""
     fds, offsets, buffers, nbytes = part.fds, part.offsets, part.buffers, part.nbytes
+    if fds is None:
+        return _copy_guarded(part)
     # Runs that continue each other in the same file go in one syscall.
     cont = (fds[1:] == fds[:-1]) & (offsets[1:] == offsets[:-1] + nbytes[:-1])
     starts = [0, *(np.flatnonzero(~cont) + 1).tolist(), int(nbytes.size)]
@@ -171,4 +192,17 @@ def copy_part(part: _Part) -> bool:
             ]
             if os.preadv(int(fds[s]), bufs, int(offsets[s])) != int(nbytes[s:e].sum()):
                 return False
+    return True
+
+
+def _copy_guarded(part: _Part) -> bool:
+    """The part's runs by the guarded C copy, ``IOV_MAX`` runs per call."""
+    copy = memruns.copy_runs_guarded
+    for s in range(0, int(part.nbytes.size), IOV_MAX):
+        if part.deadline_ns and time.monotonic_ns() > part.deadline_ns:
+            return False
+        e = s + IOV_MAX
+        if not copy(part.buffers[s:e], part.offsets[s:e], part.nbytes[s:e]):
+            log.warning("a descriptor cache's memory vanished under a copy: its job fails")
+            return False
     return True

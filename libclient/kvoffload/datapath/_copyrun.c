@@ -11,9 +11,18 @@
  * - Overlapping source and destination are memmove'd (never streamed).
  * - Every streamed store is fenced before the call returns: whoever is told a copy is
  *   done sees its bytes.
+ * - ``copy_runs_guarded`` survives memory that vanishes under it (a memfd its owner
+ *   shrank): a SIGBUS or SIGSEGV raised on the copying thread while it copies jumps
+ *   back out of the copy, which returns False. The handler is installed on first use
+ *   (and again if something replaced it); a fault on any other thread, or outside a
+ *   guarded copy, goes to whatever handler was there before (by default: the process
+ *   dies, as it would have). The guard is a thread-local pointer of the initial-exec
+ *   model, so the handler reads it without allocating.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -60,6 +69,50 @@ static void fence(void) {
 #if KVO_STREAMS
     _mm_sfence();
 #endif
+}
+
+static __thread sigjmp_buf *guard __attribute__((tls_model("initial-exec")));
+static struct sigaction previous[2]; /* SIGBUS, SIGSEGV as they were before ours */
+static const int guarded_signals[2] = {SIGBUS, SIGSEGV};
+
+static void on_fault(int sig, siginfo_t *info, void *context) {
+    sigjmp_buf *g = guard;
+    if (g != NULL)
+        siglongjmp(*g, 1);
+    const struct sigaction *was = &previous[sig == SIGBUS ? 0 : 1];
+    if (was->sa_flags & SA_SIGINFO) {
+        was->sa_sigaction(sig, info, context);
+    } else if (was->sa_handler == SIG_DFL || was->sa_handler == SIG_IGN) {
+        /* back to the default: the faulting instruction runs again and ends the process */
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigaction(sig, &dfl, NULL);
+    } else {
+        was->sa_handler(sig);
+    }
+}
+
+/* Ours in place for both signals (called with the GIL held: one thread at a time). */
+static int install_fault_handler(void) {
+    for (int i = 0; i < 2; i++) {
+        struct sigaction now;
+        if (sigaction(guarded_signals[i], NULL, &now) < 0)
+            goto fail;
+        if ((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_fault)
+            continue;
+        struct sigaction ours;
+        memset(&ours, 0, sizeof ours);
+        ours.sa_sigaction = on_fault;
+        ours.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+        sigemptyset(&ours.sa_mask);
+        if (sigaction(guarded_signals[i], &ours, &previous[i]) < 0)
+            goto fail;
+    }
+    return 0;
+fail:
+    PyErr_SetFromErrno(PyExc_OSError);
+    return -1;
 }
 
 /* The buffers as int64 vectors of one length; 0 on success, -1 with an exception. */
@@ -142,6 +195,48 @@ static PyObject *copy_runs(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(copy_runs_guarded_doc,
+"copy_runs_guarded(dst, src, nbytes, stream_min_bytes) -> bool\n\n"
+"copy_runs, but False where memory vanished under the copy (SIGBUS, SIGSEGV on this\n"
+"thread while it copied): the runs before the fault are copied, the rest not.");
+
+static PyObject *copy_runs_guarded(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer v[3];
+    Py_ssize_t len;
+    size_t stream_min;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "copy_runs_guarded takes dst, src, nbytes, stream_min_bytes");
+        return NULL;
+    }
+    if (stream_min_of(args[3], &stream_min) < 0 || install_fault_handler() < 0 ||
+        int64_vectors(args, v, 3, &len) < 0)
+        return NULL;
+    const int64_t *dst = v[0].buf, *src = v[1].buf, *n = v[2].buf;
+    int ok = nonnegative(n, len, "run length") == 0;
+    volatile int faulted = 0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        sigjmp_buf env;
+        if (sigsetjmp(env, 1) == 0) {
+            guard = &env;
+            for (Py_ssize_t i = 0; i < len; i++)
+                copy_one((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i],
+                         (size_t)n[i], stream_min);
+        } else {
+            faulted = 1;
+        }
+        guard = NULL;
+        fence();
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&v[i]);
+    if (!ok)
+        return NULL;
+    return PyBool_FromLong(!faulted);
+}
+
 PyDoc_STRVAR(copy_groups_doc,
 "copy_groups(dst, src, nbytes, rows, dst_step, src_step, stream_min_bytes)\n\n"
 "For every group i, copy rows[i] rows of nbytes[i] bytes: row r from\n"
@@ -182,6 +277,8 @@ static PyObject *copy_groups(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyMethodDef methods[] = {
     {"copy_runs", (PyCFunction)(void (*)(void))copy_runs, METH_FASTCALL, copy_runs_doc},
     {"copy_groups", (PyCFunction)(void (*)(void))copy_groups, METH_FASTCALL, copy_groups_doc},
+    {"copy_runs_guarded", (PyCFunction)(void (*)(void))copy_runs_guarded, METH_FASTCALL,
+     copy_runs_guarded_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,3 +20,6 @@ def copy_groups(
     stream_min_bytes: int,
     /,
 ) -> None: ...
+def copy_runs_guarded(
+    dst: Buffer, src: Buffer, nbytes: Buffer, stream_min_bytes: int, /
+) -> bool: ...

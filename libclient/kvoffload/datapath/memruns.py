@@ -22,7 +22,8 @@ Rules:
   once, and runs of ``STREAM_MIN_BYTES`` or more written with non-temporal stores. A
   32 KiB page copied by ``memmove`` goes through ``rep movsb`` or a cached loop at about
   half of one large memcpy (glibc streams only copies near the L3 size); streamed, at
-  0.9 of it (2 vCPUs). Without it, the numpy and ``memmove`` path below.
+  0.9 of it (2 vCPUs). Without it (or with ``KVOFFLOAD_NO_NATIVE_COPY=1`` in the
+  environment), the numpy and ``memmove`` path below.
 - A fresh mapping that copies will touch has its page tables filled in the background
   first (``populate_async``): the pages exist already (the region's, or an engine's
   memfd), but a copy that first touches them pays a page fault per 4 KiB.
@@ -34,6 +35,7 @@ import array
 import ctypes
 import logging
 import mmap
+import os
 import threading
 from dataclasses import dataclass
 
@@ -43,6 +45,8 @@ import numpy.typing as npt
 try:
     from kvoffload.datapath import _copyrun as _native
 except ImportError:  # built where a compiler was found at install time
+    _native = None  # type: ignore[assignment]
+if os.environ.get("KVOFFLOAD_NO_NATIVE_COPY"):  # the Python path, as where not built
     _native = None  # type: ignore[assignment]
 
 I64 = npt.NDArray[np.int64]
@@ -160,6 +164,13 @@ def copy_runs(dst: I64, src: I64, nbytes: I64) -> None:
         _native.copy_runs(_vector(dst), _vector(src), _vector(nbytes), STREAM_MIN_BYTES)
         return
     copy_groups(runs_as_groups(dst, src, nbytes))
+
+
+def copy_runs_guarded(dst: I64, src: I64, nbytes: I64) -> bool:
+    """Copy the runs by the C loop, surviving memory that vanishes under it: False if
+    a fault stopped the copy (the C loop must be built: ``NATIVE``)."""
+    assert _native is not None, "copy_runs_guarded needs kvoffload.datapath._copyrun"
+    return _native.copy_runs_guarded(_vector(dst), _vector(src), _vector(nbytes), STREAM_MIN_BYTES)
 
 
 def _vector(values: I64 | list[int]) -> I64 | array.array[int]:
