@@ -142,12 +142,12 @@ class MappedCache:
 
 @dataclass
 class DescriptorCache:
-    """An unsealable memfd cache, copied through by system calls only (``fdcopy``)."""
+    """An unsealable memfd cache, copied by the guarded C copy or system calls (``fdcopy``)."""
 
     geometry: CacheGeometry
     mapping: FileMapping
     base_address: int = 0  # runs address the descriptor by file offset
-    map_address: int = field(init=False)  # file offset 0 in the load buffer mapping
+    map_address: int = field(init=False)  # file offset 0 in the mapping of the rows
     fd: int = field(init=False)
 
     def __post_init__(self) -> None:
