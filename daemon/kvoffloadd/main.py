@@ -360,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         if server.service.tiering is not None:
             server.service.tiering.close()
         copier.close()
+        if server.service.transfers.fd_copier is not None:  # done before the region goes
+            server.service.transfers.fd_copier.close()
         region.close(unlink=not cfg.keep_region)
         state.release(forget=not cfg.keep_region)
         server.listener.close()

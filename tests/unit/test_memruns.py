@@ -253,12 +253,21 @@ def test_a_guarded_copy_survives_memory_that_vanished(path: str, direction: str)
         os.close(fd)
 
 
-def test_a_fault_outside_a_guarded_copy_still_ends_the_process() -> None:
+@pytest.mark.parametrize("faulthandler_after", [False, True])
+def test_a_fault_outside_a_guarded_copy_still_ends_the_process(faulthandler_after: bool) -> None:
     """The guard catches faults only on a guarded copy's thread while it copies: the
     same vanished memory read by a plain copy, after a guarded one installed the
-    handler, kills the process with SIGBUS as before."""
+    handler, kills the process with SIGBUS as before; also when Python's faulthandler
+    was enabled after the handler and the next guarded copy put the handler back in
+    front of it (the two hand the signal to each other once, then the process ends)."""
     if not memruns.NATIVE:
         pytest.skip("the C copy loop is not built here")
+    later = (
+        "import faulthandler; faulthandler.enable()\n"
+        "assert memruns.copy_runs_guarded(v(buf.ctypes.data), v(at), v(1 << 20)) is False\n"
+        if faulthandler_after
+        else ""
+    )
     code = f"""
 import sys
 sys.path[:0] = {sys.path!r}
@@ -273,10 +282,11 @@ at = ctypes.addressof(ctypes.c_char.from_buffer(mm))
 buf = np.zeros(1 << 20, dtype=np.uint8)
 v = lambda *x: np.array(x, dtype=np.int64)
 assert memruns.copy_runs_guarded(v(buf.ctypes.data), v(at), v(1 << 20)) is False
-print("guarded ok", flush=True)
+{later}print("guarded ok", flush=True)
 memruns.copy_runs(v(buf.ctypes.data), v(at), v(1 << 20))
 print("survived", flush=True)
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout == "guarded ok\n", proc.stderr
     assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.count("Fatal Python error") <= 2, proc.stderr[-2000:]

@@ -195,14 +195,29 @@ def copy_part(part: _Part) -> bool:
     return True
 
 
+GUARDED_CALL_BYTES = 8 * 1024 * 1024  # a load's deadline is checked at least this often
+_WARN_EVERY_S = 60.0
+_warned_s = -_WARN_EVERY_S
+
+
 def _copy_guarded(part: _Part) -> bool:
-    """The part's runs by the guarded C copy, ``IOV_MAX`` runs per call."""
-    copy = memruns.copy_runs_guarded
-    for s in range(0, int(part.nbytes.size), IOV_MAX):
+    """The part's runs by the guarded C copy, at most ``IOV_MAX`` runs and about
+    ``GUARDED_CALL_BYTES`` per call (runs are at most ``CHUNK_BYTES``)."""
+    global _warned_s
+    copy, n = memruns.copy_runs_guarded, int(part.nbytes.size)
+    ends = np.cumsum(part.nbytes)
+    s = 0
+    while s < n:
         if part.deadline_ns and time.monotonic_ns() > part.deadline_ns:
             return False
-        e = s + IOV_MAX
+        start_bytes = int(ends[s - 1]) if s else 0
+        e = int(np.searchsorted(ends, start_bytes + GUARDED_CALL_BYTES, side="right"))
+        e = min(max(e, s + 1), s + IOV_MAX, n)
         if not copy(part.buffers[s:e], part.offsets[s:e], part.nbytes[s:e]):
-            log.warning("a descriptor cache's memory vanished under a copy: its job fails")
+            now = time.monotonic()
+            if now - _warned_s >= _WARN_EVERY_S:  # an engine that shrinks its pool once
+                _warned_s = now  # fails every job after: one line a minute, not each
+                log.warning("a descriptor cache's memory vanished under a copy: its job fails")
             return False
+        s = e
     return True

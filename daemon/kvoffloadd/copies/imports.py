@@ -13,11 +13,14 @@ Rules:
   is what the service charges to the peer before anything is mapped (``charges``).
 - A copier thread maps (``run_import``): nothing maps on the loop thread.
 - Nothing is pre-faulted: a copy faults only the pages it touches. A file whose claimed
-  span has a hole (a page the engine never touched) is refused, so the daemon never
-  allocates an engine's memory on its own account (``kvoffload.shared_kv_cache`` and
-  SGLang's shm host pool pre-fault theirs).
+  span has a hole (a page the engine never touched) at import is refused
+  (``kvoffload.shared_kv_cache`` and SGLang's shm host pool pre-fault theirs). A hole
+  an unsealable file gets later (the engine shrinks and regrows it) is filled by the
+  daemon's next copy through it, charged to the daemon's memory: at most the span
+  mapped, which the ledger charged to the peer at import (``mapped_bytes``).
 - ``memfd_io`` files keep one duplicate descriptor per file, for system-call copies
-  (``fdcopy``); their mapping is a system-call buffer only.
+  where the C copy loop is not built (``fdcopy``); their mapping is touched by the
+  guarded copy or system calls only.
 - A mapping and its descriptor close when the last cache using them closes, on a
   copier thread (unmapping what copies touched is page-table work); the engine's
   descriptors are closed by the import, whatever happens.

@@ -12,12 +12,13 @@
  * - Every streamed store is fenced before the call returns: whoever is told a copy is
  *   done sees its bytes.
  * - ``copy_runs_guarded`` survives memory that vanishes under it (a memfd its owner
- *   shrank): a SIGBUS or SIGSEGV raised on the copying thread while it copies jumps
- *   back out of the copy, which returns False. The handler is installed on first use
- *   (and again if something replaced it); a fault on any other thread, or outside a
- *   guarded copy, goes to whatever handler was there before (by default: the process
- *   dies, as it would have). The guard is a thread-local pointer of the initial-exec
- *   model, so the handler reads it without allocating.
+ *   shrank): a SIGBUS or SIGSEGV that the copying thread's own access raised while it
+ *   copies (si_code > 0: from the kernel, never a kill) jumps back out of the copy,
+ *   which returns False. The handler is installed on first use (and again if something
+ *   replaced it); any other fault or signal goes to whatever handler was there before
+ *   (by default: the process dies, as it would have), and one that comes back to ours
+ *   from there ends the process. The guard is a thread-local pointer of the
+ *   initial-exec model, so the handler reads it without allocating.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,7 +35,8 @@
 #endif
 
 static void copy_one(char *dst, const char *src, size_t n, size_t stream_min) {
-    if ((dst < src + n) && (src < dst + n)) {
+    uintptr_t d = (uintptr_t)dst, s = (uintptr_t)src;
+    if (d < s + n && s < d + n) {
         memmove(dst, src, n);
         return;
     }
@@ -71,26 +73,44 @@ static void fence(void) {
 #endif
 }
 
-static __thread sigjmp_buf *guard __attribute__((tls_model("initial-exec")));
+/* Set while this thread runs a guarded copy; volatile, so the stores around the copy
+ * are never dropped or moved across it. */
+static __thread sigjmp_buf *volatile guard __attribute__((tls_model("initial-exec")));
+/* Set while this thread's handler runs the previous one: a previous handler that hands
+ * the signal back (Python's faulthandler re-raises it) ends the process, not a loop. */
+static __thread volatile int chaining __attribute__((tls_model("initial-exec")));
 static struct sigaction previous[2]; /* SIGBUS, SIGSEGV as they were before ours */
 static const int guarded_signals[2] = {SIGBUS, SIGSEGV};
 
+static void die_of(int sig) {
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigaction(sig, &dfl, NULL);
+    raise(sig); /* not blocked (SA_NODEFER): delivered, and the default ends the process */
+}
+
 static void on_fault(int sig, siginfo_t *info, void *context) {
     sigjmp_buf *g = guard;
-    if (g != NULL)
+    /* only a fault the copy itself took (si_code > 0: from the kernel, not a kill) */
+    if (g != NULL && info != NULL && info->si_code > 0)
         siglongjmp(*g, 1);
+    if (chaining) {
+        die_of(sig);
+        return;
+    }
     const struct sigaction *was = &previous[sig == SIGBUS ? 0 : 1];
+    chaining = 1;
     if (was->sa_flags & SA_SIGINFO) {
         was->sa_sigaction(sig, info, context);
+    } else if (was->sa_handler == SIG_IGN && info != NULL && info->si_code <= 0) {
+        /* a signal sent to an ignoring process: ignored, as before */
     } else if (was->sa_handler == SIG_DFL || was->sa_handler == SIG_IGN) {
-        /* back to the default: the faulting instruction runs again and ends the process */
-        struct sigaction dfl;
-        memset(&dfl, 0, sizeof dfl);
-        dfl.sa_handler = SIG_DFL;
-        sigaction(sig, &dfl, NULL);
+        die_of(sig);
     } else {
         was->sa_handler(sig);
     }
+    chaining = 0;
 }
 
 /* Ours in place for both signals (called with the GIL held: one thread at a time). */
@@ -122,7 +142,11 @@ static int int64_vectors(PyObject *const *args, Py_buffer *views, int count, Py_
         if (PyObject_GetBuffer(args[i], &views[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
             goto fail;
         const char *f = views[i].format ? views[i].format : "B";
-        if (*f == '<' || *f == '=' || *f == '@')
+#if PY_LITTLE_ENDIAN
+        if (*f == '<')
+            f++;
+#endif
+        if (*f == '=' || *f == '@')
             f++;
         if (views[i].itemsize != 8 || (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
             PyErr_Format(PyExc_TypeError, "argument %d is not a vector of int64", i + 1);

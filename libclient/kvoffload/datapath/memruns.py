@@ -44,7 +44,8 @@ import numpy.typing as npt
 
 try:
     from kvoffload.datapath import _copyrun as _native
-except ImportError:  # built where a compiler was found at install time
+except ImportError as exc:  # built where a compiler was found at install time
+    logging.getLogger(__name__).info("no C copy loop (%s): copies take the Python path", exc)
     _native = None  # type: ignore[assignment]
 if os.environ.get("KVOFFLOAD_NO_NATIVE_COPY"):  # the Python path, as where not built
     _native = None  # type: ignore[assignment]
@@ -174,11 +175,12 @@ def copy_runs_guarded(dst: I64, src: I64, nbytes: I64) -> bool:
 
 
 def _vector(values: I64 | list[int]) -> I64 | array.array[int]:
-    """``values`` as a contiguous int64 buffer, without a copy where it is one."""
+    """``values`` as a contiguous int64 buffer, without a copy where it is one; integers
+    that int64 cannot hold exactly are refused."""
     if isinstance(values, list):
         return array.array("q", values)
     if values.dtype != np.int64 or not values.flags.c_contiguous:
-        return np.ascontiguousarray(values, dtype=np.int64)
+        return np.ascontiguousarray(values.astype(np.int64, casting="safe", copy=False))
     return values
 
 
