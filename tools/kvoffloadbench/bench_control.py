@@ -11,16 +11,20 @@ this breaks one request down, for working on the loop and the client library:
   call, for the library's calls and for a raw socket sending pre-encoded frames.
 - **wall p50**, interleaved: blocks of echoes, raw pings and library calls alternate,
   so a neighbour's burst hits all of them alike.
+- Placement: every thread of the echo server and of the daemon pinned to the client's
+  CPU, as ``make bench``'s target rows are (``echo_floor.placed``); ``--apart`` puts
+  them on another CPU.
 - ``--profile``: the daemon's loop under cProfile (a runner that wraps
   ``Server.serve_forever``), printed as function calls per request and the top
   functions by own time.
 
-    python -m kvoffloadbench.bench_control [--n 20000] [--profile ping|lookup|store]
+    python -m kvoffloadbench.bench_control [--n 20000] [--apart] [--profile ping|lookup|store]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pstats
 import socket
@@ -170,34 +174,50 @@ def store_rounds(ns: kvoffload.Namespace) -> Callable[[], None]:
     return store_round
 
 
-def measure(n: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    echo = Echo()
-    with DaemonProcess("256MiB", "--log-level", "warning", settings=BULK_STORES) as d:
-        client = kvoffload.connect(d.socket_path)
-        ns, keys = filled(client)
-        raw = RawPing(d.socket_path)
-        frame, buf = raw.frame, bytearray(65536)
-
-        def echo_rt() -> None:
-            echo.round_trip(frame, buf)
-
-        # daemon loop CPU per request against the echo server's per echo
-        e0 = run_ns(echo.proc.pid)
-        for _ in range(n):
-            echo_rt()
-        out["echo_server_cpu_us"] = (run_ns(echo.proc.pid) - e0) / n / 1e3
-        out["raw_ping"] = per_call(raw.round_trip, n, d.pid)
-        out["echo"] = per_call(echo_rt, n, d.pid)
-        out["ping"] = per_call(client.ping, n, d.pid)
-        out["lookup1000"] = per_call(lambda: ns.lookup(keys), n // 4, d.pid)
-        out["store_round16"] = per_call(store_rounds(ns), n // 8, d.pid)
-        out["wall_interleaved"] = interleaved(
-            {"echo": echo_rt, "raw_ping": raw.round_trip, "ping": client.ping}, n
+def measure(n: int, apart: bool = False) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        echo = Echo()
+        stack.callback(echo.close)
+        d = stack.enter_context(
+            DaemonProcess("256MiB", "--log-level", "warning", settings=BULK_STORES)
         )
-        raw.sock.close()
-        client.close()
-    echo.close()
+        client = kvoffload.connect(d.socket_path)
+        stack.callback(client.close)
+        ns, keys = filled(client)
+        if not stack.enter_context(echo_floor.placed([echo.proc.pid, d.pid], apart)):
+            raise SystemExit("--apart needs two CPUs this process may use")
+        return _measured(n, echo, d, client, ns, keys)
+
+
+def _measured(
+    n: int,
+    echo: Echo,
+    d: DaemonProcess,
+    client: kvoffload.Client,
+    ns: kvoffload.Namespace,
+    keys: list[bytes],
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    raw = RawPing(d.socket_path)
+    frame, buf = raw.frame, bytearray(65536)
+
+    def echo_rt() -> None:
+        echo.round_trip(frame, buf)
+
+    # daemon loop CPU per request against the echo server's per echo
+    e0 = run_ns(echo.proc.pid)
+    for _ in range(n):
+        echo_rt()
+    out["echo_server_cpu_us"] = (run_ns(echo.proc.pid) - e0) / n / 1e3
+    out["raw_ping"] = per_call(raw.round_trip, n, d.pid)
+    out["echo"] = per_call(echo_rt, n, d.pid)
+    out["ping"] = per_call(client.ping, n, d.pid)
+    out["lookup1000"] = per_call(lambda: ns.lookup(keys), n // 4, d.pid)
+    out["store_round16"] = per_call(store_rounds(ns), n // 8, d.pid)
+    out["wall_interleaved"] = interleaved(
+        {"echo": echo_rt, "raw_ping": raw.round_trip, "ping": client.ping}, n
+    )
+    raw.sock.close()
     return out
 
 
@@ -397,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", choices=["ping", "raw", "lookup", "store"])
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--loop", action="store_true", help="the loop in this process only")
+    p.add_argument("--apart", action="store_true", help="servers on another CPU than the client")
     args = p.parse_args(argv)
     if args.loop:
         costs = loop_costs(args.n)
@@ -407,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.profile:
         print(profile(args.profile, args.n, args.top))
     else:
-        print(report(measure(args.n)))
+        print(report(measure(args.n, args.apart)))
     return 0
 
 
