@@ -25,6 +25,7 @@ import numpy as np
 import kvoffload
 from kvoffload.engine.view import EngineView
 
+from .bench_control import filled, store_rounds
 from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .bench_tiers import TIER_THREADS, run_tiers, tier_rows
 from .echo_floor import EchoPeer, interleaved, percentiles_us, placed
@@ -227,15 +228,7 @@ def run(
         r["store_32x32k_gbps"], r["load_32x32k_gbps"] = st, ld
 
         n = 2000 if quick else 10000
-        ns = client.namespace("ctl", kvoffload.KVLayout(tensor_page_bytes=[16384]))
-        w = ns.attach_worker([kvoffload.shared_kv_cache(1000, 16384)])
-        keys = [b"ctl-%08d" % i for i in range(1000)]
-        plan = ns.prepare_store(keys)
-        assert plan is not None
-        w.submit_store(1, np.arange(1000), plan.slots)
-        w.wait([1])
-        ns.complete_store(keys)
-        assert ns.lookup(keys) == 1000
+        ns, keys = filled(client)
         echo = EchoPeer()
         try:
             # the floor and the daemon pinned alike (echo_floor.placed): on one CPU
@@ -275,15 +268,7 @@ def control_path(
     lk = latencies(lambda: ns.lookup(keys), n // 2)
     out["lookup1000_p50_us" + suffix] = pct(lk, 0.5) * 1e6
     out["lookup1000_p99_us" + suffix] = pct(lk, 0.99) * 1e6
-    tag = b"rap" if suffix else b"rnd"  # new keys of the namespace's 12 bytes
-    k16 = iter([[b"%s-%04d-%03d" % (tag, i, j) for j in range(16)] for i in range(n // 4)])
-
-    def store_round() -> None:
-        ks = next(k16)
-        ns.prepare_store(ks)
-        ns.complete_store(ks, success=False)
-
-    sr = latencies(store_round, n // 4)
+    sr = latencies(store_rounds(ns), n // 4)
     out["store_round16_p50_us" + suffix] = pct(sr, 0.5) * 1e6
     out["store_round16_p99_us" + suffix] = pct(sr, 0.99) * 1e6
     return out

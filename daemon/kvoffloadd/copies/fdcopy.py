@@ -101,18 +101,11 @@ class FdCopier(CopyThreads):
 
     CHUNK_BYTES = 1024 * 1024
 
-    def __init__(
-        self,
-        threads: int,
-        sink: CompletionSink,
-        region_fd: int,
-        region_address: int,
-        guarded: bool = True,
-    ) -> None:
+    def __init__(self, threads: int, sink: CompletionSink, region_fd: int, region_address: int):
         self.sink = sink
         self.region_fd = region_fd  # the daemon's own descriptor of the region (loads)
         self.region_address = region_address
-        self.guarded = guarded and memruns.NATIVE  # copies by the guarded C loop
+        self.guarded = memruns.NATIVE  # copies by the guarded C loop, else by syscalls
         super().__init__(threads, "kvoffload-fdcopy")
 
     def submit_planned(

@@ -167,6 +167,11 @@ fail:
     return -1;
 }
 
+static void release_views(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++)
+        PyBuffer_Release(&views[i]);
+}
+
 static int nonnegative(const int64_t *v, Py_ssize_t len, const char *what) {
     for (Py_ssize_t i = 0; i < len; i++)
         if (v[i] < 0) {
@@ -188,6 +193,32 @@ static int stream_min_of(PyObject *arg, size_t *out) {
     return 0;
 }
 
+/* copy_runs' and copy_runs_guarded's arguments: three int64 vectors of one length and
+ * non-negative run lengths, then stream_min_bytes. 0 with the views held (release them
+ * with release_views), -1 with an exception and nothing held. */
+static int run_arguments(PyObject *const *args, Py_ssize_t nargs, const char *name,
+                         Py_buffer *v, Py_ssize_t *len, size_t *stream_min) {
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "%s takes dst, src, nbytes, stream_min_bytes", name);
+        return -1;
+    }
+    if (stream_min_of(args[3], stream_min) < 0 || int64_vectors(args, v, 3, len) < 0)
+        return -1;
+    if (nonnegative(v[2].buf, *len, "run length") < 0) {
+        release_views(v, 3);
+        return -1;
+    }
+    return 0;
+}
+
+/* Copy the runs (call without the GIL); the caller fences. */
+static void copy_run_list(const Py_buffer *v, Py_ssize_t len, size_t stream_min) {
+    const int64_t *dst = v[0].buf, *src = v[1].buf, *n = v[2].buf;
+    for (Py_ssize_t i = 0; i < len; i++)
+        copy_one((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i], (size_t)n[i],
+                 stream_min);
+}
+
 PyDoc_STRVAR(copy_runs_doc,
 "copy_runs(dst, src, nbytes, stream_min_bytes)\n\n"
 "Copy nbytes[i] bytes from address src[i] to dst[i] for every i (int64 vectors).");
@@ -196,26 +227,13 @@ static PyObject *copy_runs(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_buffer v[3];
     Py_ssize_t len;
     size_t stream_min;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_runs takes dst, src, nbytes, stream_min_bytes");
+    if (run_arguments(args, nargs, "copy_runs", v, &len, &stream_min) < 0)
         return NULL;
-    }
-    if (stream_min_of(args[3], &stream_min) < 0 || int64_vectors(args, v, 3, &len) < 0)
-        return NULL;
-    const int64_t *dst = v[0].buf, *src = v[1].buf, *n = v[2].buf;
-    int ok = nonnegative(n, len, "run length") == 0;
-    if (ok) {
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < len; i++)
-            copy_one((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i],
-                     (size_t)n[i], stream_min);
-        fence();
-        Py_END_ALLOW_THREADS
-    }
-    for (int i = 0; i < 3; i++)
-        PyBuffer_Release(&v[i]);
-    if (!ok)
-        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    copy_run_list(v, len, stream_min);
+    fence();
+    Py_END_ALLOW_THREADS
+    release_views(v, 3);
     Py_RETURN_NONE;
 }
 
@@ -228,36 +246,22 @@ static PyObject *copy_runs_guarded(PyObject *self, PyObject *const *args, Py_ssi
     Py_buffer v[3];
     Py_ssize_t len;
     size_t stream_min;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError,
-                        "copy_runs_guarded takes dst, src, nbytes, stream_min_bytes");
+    if (install_fault_handler() < 0 ||
+        run_arguments(args, nargs, "copy_runs_guarded", v, &len, &stream_min) < 0)
         return NULL;
-    }
-    if (stream_min_of(args[3], &stream_min) < 0 || install_fault_handler() < 0 ||
-        int64_vectors(args, v, 3, &len) < 0)
-        return NULL;
-    const int64_t *dst = v[0].buf, *src = v[1].buf, *n = v[2].buf;
-    int ok = nonnegative(n, len, "run length") == 0;
     volatile int faulted = 0;
-    if (ok) {
-        Py_BEGIN_ALLOW_THREADS
-        sigjmp_buf env;
-        if (sigsetjmp(env, 1) == 0) {
-            guard = &env;
-            for (Py_ssize_t i = 0; i < len; i++)
-                copy_one((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i],
-                         (size_t)n[i], stream_min);
-        } else {
-            faulted = 1;
-        }
-        guard = NULL;
-        fence();
-        Py_END_ALLOW_THREADS
+    Py_BEGIN_ALLOW_THREADS
+    sigjmp_buf env;
+    if (sigsetjmp(env, 1) == 0) {
+        guard = &env;
+        copy_run_list(v, len, stream_min);
+    } else {
+        faulted = 1;
     }
-    for (int i = 0; i < 3; i++)
-        PyBuffer_Release(&v[i]);
-    if (!ok)
-        return NULL;
+    guard = NULL;
+    fence();
+    Py_END_ALLOW_THREADS
+    release_views(v, 3);
     return PyBool_FromLong(!faulted);
 }
 
@@ -291,8 +295,7 @@ static PyObject *copy_groups(PyObject *self, PyObject *const *args, Py_ssize_t n
         fence();
         Py_END_ALLOW_THREADS
     }
-    for (int i = 0; i < 6; i++)
-        PyBuffer_Release(&v[i]);
+    release_views(v, 6);
     if (!ok)
         return NULL;
     Py_RETURN_NONE;

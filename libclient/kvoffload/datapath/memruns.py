@@ -184,7 +184,16 @@ def _vector(values: I64 | list[int]) -> I64 | array.array[int]:
     return values
 
 
-__all__ = ["Groups", "copy_groups", "copy_runs", "group_runs", "runs_as_groups"]
+__all__ = [
+    "NATIVE",
+    "STREAM_MIN_BYTES",
+    "Groups",
+    "copy_groups",
+    "copy_runs",
+    "copy_runs_guarded",
+    "group_runs",
+    "runs_as_groups",
+]
 
 
 _log = logging.getLogger(__name__)
