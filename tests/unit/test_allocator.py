@@ -170,3 +170,23 @@ def test_released_chunks_leave_no_id_behind_and_the_free_list_is_compacted() -> 
     assert all(a.extents[s // 4] is not None for s in refill)
     a.free_many(refill)
     assert a.release_free_tail() == 0  # the top chunk is in use
+
+
+def test_region_offsets_of_a_few_slots_match_the_vectorised_path() -> None:
+    """A job's few slots take a list path, a large transfer numpy's: the same bytes,
+    extents out of order and past a hole included."""
+    pool = ExtentPool(6, EXT, data_offset=1 << 20)
+    other = SlotPool(pool, 1, 4096)
+    a = SlotPool(pool, 0, 4096)
+    other.allocate(4)  # extent 0 is another pool's: a's chunks start at extent 1
+    a.allocate(16)  # chunks 0..3 on extents 1..4
+    for s in range(4, 8):
+        a.free(s)
+    assert a.release_chunk(1) and a.extents == [1, None, 3, 4]
+    live = np.array([s for s in range(16) if not 4 <= s < 8] * 8, dtype=np.int64)
+    assert live.size > 64
+    whole = a.region_offsets(live).tolist()  # numpy
+    few = [int(a.region_offsets(live[i : i + 1])[0]) for i in range(live.size)]  # lists
+    assert few == whole
+    assert whole[:3] == [(1 << 20) + EXT, (1 << 20) + EXT + 4096, (1 << 20) + EXT + 2 * 4096]
+    assert whole[4] == (1 << 20) + 3 * EXT  # slot 8: chunk 2, on extent 3

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.datapath.canonical import CanonicalPart
-from kvoffload.datapath.copyplan import JobPlan, check_transfer, place_caches
+from kvoffload.datapath.copyplan import SMALL_IDS, JobPlan, check_transfer, place_caches
 from kvoffload.datapath.memruns import copy_groups, copy_runs
 from kvoffload.datapath.runs import CacheGeometry, build_runs, merge_runs
 from kvoffload.protocol.errors import InvalidArgumentError
@@ -96,6 +96,21 @@ def test_check_transfer_refuses_bad_ids_and_skip() -> None:
     ]:
         with pytest.raises(InvalidArgumentError, match=needle):
             check_transfer(layout, 2, np.array(ids), skip, geoms)
+
+
+@pytest.mark.parametrize("n", [SMALL_IDS, SMALL_IDS + 1])
+def test_check_transfer_finds_an_id_out_of_range_among_few_ids_and_many(n: int) -> None:
+    """A step's few ids are checked as a list, a large transfer's with numpy: both
+    refuse an id past the smallest cache, at either end."""
+    layout = KVLayout(tensor_page_bytes=[64, 64])
+    geoms = [CacheGeometry(n + 1, 64, 0, 64), CacheGeometry(n, 64, 0, 64)]
+    ids = np.arange(n, dtype=np.int64)
+    check_transfer(layout, n, ids, 0, geoms)
+    for bad in (n, -1):
+        wrong = ids.copy()
+        wrong[n // 2] = bad
+        with pytest.raises(InvalidArgumentError, match=f"engine block id {bad} is outside"):
+            check_transfer(layout, n, wrong, 0, geoms)
 
 
 @pytest.mark.parametrize(("f", "skip", "world", "rank"), [(1, 0, 1, 0), (3, 2, 2, 1)])

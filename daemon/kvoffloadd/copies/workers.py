@@ -16,7 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from kvoffload.datapath.canonical import area_of
+from kvoffload.datapath.copyplan import select_caches
 from kvoffload.datapath.runs import CacheGeometry, Placement
 from kvoffload.protocol.messages import JobResult
 from kvoffloadd.copies.copier import ChecksumCheck
@@ -58,6 +62,18 @@ class ClientCache:
         return
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """The caches one transfer copies: their indices, the caches, their geometries
+    and placements, and their base addresses (as ``JobPlan`` takes them)."""
+
+    indices: list[int]
+    caches: list[ImportedCache]
+    geometries: list[CacheGeometry]
+    placements: list[Placement]
+    bases: npt.NDArray[np.int64]
+
+
 @dataclass
 class AttachedWorker:
     """One engine rank's registration: its caches, in-flight jobs and finished results."""
@@ -80,11 +96,30 @@ class AttachedWorker:
     client_jobs: dict[int, ClientJob] = field(default_factory=dict)  # job id -> in flight
     parts: int = 1  # >1: one of an engine's ranks writing parts of canonical slots
     charges: dict[str, int] = field(default_factory=dict)  # ledger lines it holds
+    _all: Chosen | None = field(default=None, repr=False)  # ``chosen([])``, once built
 
     @property
     def area(self) -> int:
         """The rank area this worker copies to and from (the only one when canonical)."""
         return area_of(self.rank, self.parts)
+
+    def chosen(self, wanted: list[int]) -> Chosen:
+        """The caches a transfer naming ``wanted`` copies (empty: all, worked out once
+        per worker); InvalidArgumentError if an index is bad."""
+        if not wanted and self._all is not None:
+            return self._all
+        indices = select_caches(len(self.caches), wanted)
+        caches = [self.caches[i] for i in indices]
+        chosen = Chosen(
+            indices,
+            caches,
+            [c.geometry for c in caches],
+            [self.placements[i] for i in indices],
+            np.array([c.base_address for c in caches], dtype=np.int64),
+        )
+        if not wanted:
+            self._all = chosen
+        return chosen
 
     @property
     def cache_bytes(self) -> int:
@@ -94,6 +129,7 @@ class AttachedWorker:
         for cache in self.caches:
             cache.close()
         self.caches = []
+        self._all = None
         if self.release is not None:
             self.release()
             self.release = None

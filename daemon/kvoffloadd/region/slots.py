@@ -325,8 +325,20 @@ class SlotPool:
         self._fresh = min(self._fresh, start)
 
     def region_offsets(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Byte offset in the region of each slot."""
+        """Byte offset in the region of each slot (valid slots: ``is_valid``)."""
         spe = self.slots_per_extent
+        if slots.size <= 64:  # a job's few slots: five numpy calls cost more than this
+            base, extent_bytes, slot_bytes, extents = (
+                self.pool.data_offset,
+                self.pool.extent_bytes,
+                self.slot_bytes,
+                self.extents,
+            )
+            offsets = [
+                base + extents[s // spe] * extent_bytes + s % spe * slot_bytes
+                for s in slots.tolist()
+            ]
+            return np.array(offsets, dtype=np.int64)
         ext = self._extent_array[slots // spe]
         return (
             self.pool.data_offset + ext * self.pool.extent_bytes + (slots % spe) * self.slot_bytes

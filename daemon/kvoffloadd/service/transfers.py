@@ -50,9 +50,8 @@ from kvoffload.datapath.copyplan import (
     check_transfer,
     check_whole_store,
     has_duplicates,
-    select_caches,
 )
-from kvoffload.datapath.runs import CacheGeometry, JobRuns
+from kvoffload.datapath.runs import JobRuns
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import (
     InvalidArgumentError,
@@ -199,25 +198,23 @@ class Transfers:
             index.check_load_slots(slots)
         if r.deadline_ns and time.monotonic_ns() > r.deadline_ns:
             raise TimedOutError(f"job {r.job_id} arrived after its deadline; not started")
-        chosen = select_caches(len(w.caches), r.caches)
+        chosen = w.chosen(r.caches)
+        caches = chosen.caches
         if is_store:
-            check_whole_store(index.layout, len(w.caches), len(chosen), slots.size, block_ids.size)
-        caches = [w.caches[i] for i in chosen]
-        geometries: list[CacheGeometry] = [c.geometry for c in caches]
-        check_transfer(index.layout, slots.size, block_ids, skip, geometries)
-        placements = [w.placements[i] for i in chosen]
-        check_copy_count(block_ids.size, placements)
+            check_whole_store(index.layout, len(w.caches), len(caches), slots.size, block_ids.size)
+        check_transfer(index.layout, slots.size, block_ids, skip, chosen.geometries)
+        check_copy_count(block_ids.size, chosen.placements)
         plan = JobPlan(
             index.layout,
             w.area,
             index.slots.region_offsets(slots),
             block_ids,
             skip,
-            geometries,
-            placements,
+            chosen.geometries,
+            chosen.placements,
             slots if is_store else None,
             self._region_addr,
-            np.array([c.base_address for c in caches], dtype=np.int64),
+            chosen.bases,
         )
         if not self.copies.take(s.session_id, plan.copies):
             raise QuotaExceededError(
@@ -243,7 +240,7 @@ class Transfers:
         if w.client_copy:  # a trusted peer: its runs are built here
             runs = plan.runs()
             self.runs_planned += runs.region.size
-            return self._client_plan(w, r, token, runs, chosen, check)
+            return self._client_plan(w, r, token, runs, chosen.indices, check)
         if w.device is not None and self.gpu is not None:
             self.gpu.submit(w.device, token, plan, w.store_event, check)
         elif caches and is_descriptor(caches[0]):  # unsealable memfds: never mapped

@@ -43,6 +43,7 @@ from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import KVLayout
 
 I64 = npt.NDArray[np.int64]
+SMALL_IDS = 128  # at most this many ids are checked as a list: numpy's setup costs more
 
 
 def place_caches(
@@ -98,7 +99,11 @@ def check_transfer(
         )
     if block_ids.size:
         limit = min(c.num_blocks for c in caches)
-        lo, hi = int(block_ids.min()), int(block_ids.max())
+        if block_ids.size <= SMALL_IDS:  # numpy's reductions cost more on a step's few ids
+            listed = block_ids.tolist()
+            lo, hi = min(listed), max(listed)
+        else:
+            lo, hi = int(block_ids.min()), int(block_ids.max())
         if lo < 0 or hi >= limit:
             bad = lo if lo < 0 else hi
             raise InvalidArgumentError(
@@ -123,9 +128,9 @@ def check_whole_store(
 
 
 def has_duplicates(ids: I64) -> bool:
-    """Whether any id occurs twice (a sort, not a Python set, past a hundred or so; one
+    """Whether any id occurs twice (a sort, not a Python set, past ``SMALL_IDS``; one
     pass when the ids ascend, as one allocation's slots do)."""
-    if ids.size <= 128:
+    if ids.size <= SMALL_IDS:
         return len(set(ids.tolist())) != ids.size
     if bool((ids[1:] > ids[:-1]).all()):
         return False
@@ -150,10 +155,12 @@ class JobPlan:
     region_base: int
     cache_bases: I64
     copies_per_block: int = field(init=False)
+    block_bytes: int = field(init=False)  # one engine block's pages in the chosen caches
 
     def __post_init__(self) -> None:
         per = sum(1 if p.canon is None else len(p.canon.frags) for p in self.placements)
         object.__setattr__(self, "copies_per_block", per)
+        object.__setattr__(self, "block_bytes", sum(c.page_bytes for c in self.caches))
 
     @property
     def is_store(self) -> bool:
@@ -167,7 +174,7 @@ class JobPlan:
     @property
     def most_bytes(self) -> int:
         """Bytes the transfer copies at most (a canonical store copies its turns only)."""
-        return int(self.block_ids.size) * sum(c.page_bytes for c in self.caches)
+        return int(self.block_ids.size) * self.block_bytes
 
     def runs(self, first: int = 0, end: int | None = None) -> JobRuns:
         """Merged runs of the slots ``first .. end`` (all by default)."""
