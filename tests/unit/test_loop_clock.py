@@ -4,11 +4,13 @@ connection is charged its own requests' loop time and never work that is no unit
 
 A real ``Server`` and ``Service`` in this process on a fake clock that moves a
 microsecond per reading; a watched descriptor's handler that "takes" a whole second
-runs first in a turn, then a client's ping is served in the same turn.
+runs first in a turn, then a client's ping is served in the same turn; and requests
+served as they are read stop once a turn's budget is spent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -25,7 +27,9 @@ from kvoffload.protocol import messages as m
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
-from kvoffloadd.server.server import Server, bind_listener
+from kvoffloadd.server import server as srv
+from kvoffloadd.server.server import INLINE_BYTES, Server, bind_listener
+from kvoffloadd.service.budgets import TURN_S
 from kvoffloadd.service.service import Service
 
 HANDLER_S = 1.0  # what the handler's work costs on the fake clock
@@ -51,8 +55,9 @@ class FirstFd:
     def __init__(self, ep: select.epoll, first: int) -> None:
         self._ep, self._first = ep, first
 
-    def poll(self, timeout_s: float = -1) -> list[tuple[int, int]]:
-        return sorted(self._ep.poll(timeout_s), key=lambda fe: fe[0] != self._first)
+    def poll(self, timeout_s: float = -1, maxevents: int = -1) -> list[tuple[int, int]]:
+        ready = self._ep.poll(timeout_s, maxevents)
+        return sorted(ready, key=lambda fe: fe[0] != self._first)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._ep, name)
@@ -120,3 +125,89 @@ def test_a_unit_is_charged_its_own_time_not_a_handler_that_ran_before_it_in_the_
     for s in (client, wake_r, wake_w):
         s.close()
     server.turn(0.0)  # the client's hang-up
+
+
+def connected(server: Server, tmp_path: Path, n: int) -> list[socket.socket]:
+    """``n`` clients past their Hello, non-blocking."""
+    clients = []
+    for i in range(n):
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(str(tmp_path / "s.sock"))
+        server.turn(0.0)  # accepted
+        c.sendall(encode_frame(m.Hello(1, m.PROTOCOL_VERSION, f"c{i}", os.getpid())))
+        server.turn(0.0)
+        assert c.recv(65536)  # the Welcome
+        c.setblocking(False)
+        clients.append(c)
+    return clients
+
+
+def answered(clients: list[socket.socket]) -> int:
+    """How many of ``clients`` have a reply to read (read and dropped)."""
+    n = 0
+    for c in clients:
+        with contextlib.suppress(BlockingIOError):
+            n += bool(c.recv(65536))
+    return n
+
+
+def test_requests_served_as_they_are_read_stop_at_the_turns_budget(
+    loop: tuple[Server, Clock], tmp_path: Path
+) -> None:
+    """Each of six clients sends one small request in the same turn, each taking 40% of
+    the turn's budget: the turn serves them as they are read until its budget is
+    spent, then queues the rest (and serves one of them, as a turn always serves one
+    queued unit); the next turns serve the others. Nothing is lost, and no turn does
+    much more than its budget, however many clients are ready."""
+    server, clock = loop
+    clients = connected(server, tmp_path, 6)
+    handlers = server.service._handlers
+    pong = handlers[m.Ping]
+
+    def slow_ping(s: object, r: m.Ping) -> m.Reply | None:
+        clock.advance(0.4 * TURN_S)
+        return pong(s, r)  # type: ignore[arg-type]
+
+    handlers[m.Ping] = slow_ping
+    turns: list[float] = []
+    server._record_turn = turns.append
+    frame = encode_frame(m.Ping(2))
+    assert len(frame) <= INLINE_BYTES  # each would be served as it is read
+    for c in clients:
+        c.sendall(frame)
+
+    server.turn(0.0)
+    first = answered(clients)
+    assert first == 4  # three as they were read (the third spent the budget), one queued
+    assert turns[-1] < 1.7 * TURN_S
+    got, deadline = first, time.monotonic() + 10
+    while got < len(clients):
+        assert time.monotonic() < deadline, f"{got} of {len(clients)} pings answered"
+        server.turn(0.0)
+        got += answered(clients)
+        assert turns[-1] < 1.7 * TURN_S
+    for c in clients:
+        c.close()
+    server.turn(0.0)  # the hang-ups
+
+
+def test_a_turn_reads_at_most_its_share_of_ready_clients_and_the_rest_come_next(
+    loop: tuple[Server, Clock], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """epoll hands a turn at most ``READY_PER_TURN`` descriptors (two here), round
+    robin: four clients' pings are answered two per turn."""
+    server, _clock = loop
+    clients = connected(server, tmp_path, 4)
+    monkeypatch.setattr(srv, "READY_PER_TURN", 2)
+    for c in clients:
+        c.sendall(encode_frame(m.Ping(2)))
+    server.turn(0.0)
+    assert answered(clients) == 2
+    server.turn(0.0)
+    assert answered(clients) == 2
+    for c in clients:
+        c.close()
+    deadline = time.monotonic() + 10
+    while server.clients:  # the hang-ups, two a turn
+        assert time.monotonic() < deadline
+        server.turn(0.0)

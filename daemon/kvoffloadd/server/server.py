@@ -78,7 +78,10 @@ LINGER_S = 5.0  # how long a client closed for a protocol error has to read its 
 REAPER = 0  # the turn queue's id for releasing what connections that left held
 LEAVING_BYTES = 64 << 10  # a leaver's release, as bytes of work: a heavy unit
 RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release drops
-INLINE_BYTES = 4096  # a request this small, with nobody waiting, is served as it is read
+# A request this small (a lookup of a thousand keys), with nobody waiting and the turn's
+# budget not spent, is served as it is read; anything else is buffered and queued.
+INLINE_BYTES = 64 << 10
+READY_PER_TURN = 256  # descriptors one turn handles; epoll rounds robin over the rest
 CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 # what epoll reports: hang-ups and errors count as both (a read or send then says which)
@@ -143,6 +146,7 @@ class Server:
         # when the loop's work that is charged (or not) last ended: a unit's loop time
         # runs from here to its end, so one clock reading ends a unit and starts the next
         self._stamp = 0.0
+        self._turn_end_s = 0.0  # when this turn's budget (TURN_S) is spent
         self._leaving: deque[Session] = deque()  # connections gone, to be released
         self._push_due: set[int] = set()  # connections that fell behind their feed, read
         self.budgets = service.budgets
@@ -208,8 +212,9 @@ class Server:
     def turn(self, timeout_s: float) -> None:
         """One turn of the loop: wait up to ``timeout_s`` for input, completions or
         signals, handle them, serve queued work for up to ``TURN_S`` and push feeds."""
-        ready = self._epoll.poll(timeout_s)
+        ready = self._epoll.poll(timeout_s, READY_PER_TURN)
         t0 = self._stamp = time.perf_counter()
+        self._turn_end_s = t0 + TURN_S
         by_fd = self._by_fd
         for fd, events in ready:
             c = by_fd.get(fd)
@@ -227,7 +232,7 @@ class Server:
                 self._stamp = time.perf_counter()  # what was read was queued, not served
         busy = bool(self._queued)
         if busy:
-            self._serve(t0 + TURN_S)
+            self._serve(self._turn_end_s)
         if self._push_subs or self._push_due:
             self._push_feeds()
             self._stamp = time.perf_counter()
@@ -337,9 +342,11 @@ class Server:
         self.service.close_session(session)
 
     def _read(self, c: _Client) -> bool:
-        """Read what ``c`` sent and serve it now if it is one whole small request and
-        nobody waits; else buffer (and charge) it and queue ``c``. Whether a unit was
-        served (its loop time, from ``self._stamp`` on, charged and the clock read)."""
+        """Read what ``c`` sent and serve it now if it is one whole small request,
+        nobody waits and the turn's budget is not spent (requests served as they are
+        read count in the turn's ``TURN_S`` like queued ones); else buffer (and charge)
+        it and queue ``c``. Whether a unit was served (its loop time, from
+        ``self._stamp`` on, charged and the clock read)."""
         try:
             nbytes, anc, _flags, _ = c.sock.recvmsg_into(self._rbufs, _ANC_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -349,7 +356,13 @@ class Server:
             return False
         if anc:
             self._park_fds(c, anc)
-        elif nbytes <= INLINE_BYTES and not self._queued and not c.outbuf and not c.parts:
+        elif (
+            nbytes <= INLINE_BYTES
+            and not self._queued
+            and not c.outbuf
+            and not c.parts
+            and self._stamp < self._turn_end_s
+        ):
             # One whole small request, nothing buffered, nobody waiting: served now, from
             # the receive buffer (never buffered, so it holds nothing to charge), and its
             # loop time (its read included) charged to its connection and uid like any
@@ -382,7 +395,13 @@ class Server:
         if not self._account(c):
             return False
         cid, pending = c.session.session_id, c.conn.buffered_bytes
-        if self._queued or pending > INLINE_BYTES or c.parts or cid in self._queued:
+        if (
+            self._queued
+            or pending > INLINE_BYTES
+            or c.parts
+            or cid in self._queued
+            or self._stamp >= self._turn_end_s
+        ):
             self.turns.wake(cid, pending, c.session.uid)
             return False
         # Nobody waits and the request is small: serve it now, as above.
