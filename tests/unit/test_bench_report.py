@@ -124,3 +124,37 @@ def test_report_renders_every_section_from_saved_figures(tmp_path: pathlib.Path)
     assert "client and server apart" not in md  # figures saved before the placements
     assert "| redis |  | not measured | redis-server is not installed |" in md
     assert "the GPU sweep did not run" in md and "seed 7" in md and "abc1234" in md
+
+
+class _KeysOf:
+    """A namespace that keeps the keys each call names (for the sweep's operations)."""
+
+    def __init__(self) -> None:
+        self.client = self
+        self.named: list[bytes] = []
+
+    def ping(self) -> float:
+        return 0.0
+
+    def take_events(self) -> None:
+        pass
+
+    def prepare_store(self, keys: list[bytes]) -> None:
+        self.named.extend(keys)
+
+    def complete_store(self, keys: list[bytes], success: bool = True) -> None:
+        self.named.extend(keys)
+
+
+def test_the_control_sweeps_store_rounds_use_keys_of_the_stored_keys_length() -> None:
+    """A namespace holds keys of one length (the first store fixes it): the sweep's
+    store rounds name fresh keys as long as the keys its clients stored, all distinct."""
+    from kvoffloadbench.bench_sweep import _ops
+
+    ns = _KeysOf()
+    keys = [b"c%03d-%08d" % (7, i) for i in range(16)]
+    store_round = _ops(ns, 7, keys)["store_round16"]  # type: ignore[arg-type]
+    for _ in range(3):
+        store_round()
+    assert {len(k) for k in ns.named} == {len(keys[0])}
+    assert len(set(ns.named)) == 3 * 16

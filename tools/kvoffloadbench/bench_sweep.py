@@ -59,11 +59,14 @@ def datapath_sweep(quick: bool) -> list[dict[str, Any]]:
 
 
 def _ops(ns: kvoffload.Namespace, me: int, keys: list[bytes]) -> dict[str, Callable[[], object]]:
-    """Each operation as an engine's scheduler issues it, on 16 keys (``keys`` stored)."""
+    """Each operation as an engine's scheduler issues it, on 16 keys (``keys`` stored).
+    A store round's fresh keys have the length of ``keys``: a namespace holds keys of
+    one length."""
     counter = iter(range(1 << 62))
+    width = len(keys[0]) - 4  # after b"s" and the client's three digits
 
     def store_round() -> None:
-        ks = [b"s%03d-%012d-%02d" % (me, next(counter), j) for j in range(16)]
+        ks = [b"s%03d%0*d" % (me, width, next(counter)) for _ in range(16)]
         ns.prepare_store(ks)
         ns.complete_store(ks, success=False)
 
