@@ -28,7 +28,7 @@ from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
 from kvoffloadd.server import server as srv
-from kvoffloadd.server.server import INLINE_BYTES, Server, bind_listener
+from kvoffloadd.server.server import INLINE_BYTES, REAPER, Server, bind_listener
 from kvoffloadd.service.budgets import TURN_S
 from kvoffloadd.service.service import Service
 
@@ -84,9 +84,10 @@ def loop(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[Serv
 
 
 def test_a_unit_is_charged_its_own_time_not_a_handler_that_ran_before_it_in_the_turn(
-    loop: tuple[Server, Clock], tmp_path: Path
+    loop: tuple[Server, Clock], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, clock = loop
+    monkeypatch.setattr(srv, "TURN_S", 2 * HANDLER_S)  # the ping is still served as read
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(str(tmp_path / "s.sock"))
     server.turn(0.0)  # accepted
@@ -113,6 +114,14 @@ def test_a_unit_is_charged_its_own_time_not_a_handler_that_ran_before_it_in_the_
 
     server.turns.served = record_served  # type: ignore[method-assign]
     server._record_turn = turns.append
+    woken: list[int] = []
+    wake = server.turns.wake
+
+    def record_wake(conn: int, *args: object) -> None:
+        woken.append(conn)
+        wake(conn, *args)  # type: ignore[arg-type]
+
+    server.turns.wake = record_wake  # type: ignore[method-assign]
 
     wake_w.send(b"x")
     client.sendall(encode_frame(m.Ping(2)))
@@ -122,6 +131,7 @@ def test_a_unit_is_charged_its_own_time_not_a_handler_that_ran_before_it_in_the_
     assert turns and turns[-1] >= HANDLER_S  # the turn took the handler's second
     assert len(charged) == 1
     assert 0 < charged[0][1] < HANDLER_S / 1000  # the ping paid for itself alone
+    assert not woken  # served as it was read, not through the queue
     for s in (client, wake_r, wake_w):
         s.close()
     server.turn(0.0)  # the client's hang-up
@@ -211,3 +221,24 @@ def test_a_turn_reads_at_most_its_share_of_ready_clients_and_the_rest_come_next(
     while server.clients:  # the hang-ups, two a turn
         assert time.monotonic() < deadline
         server.turn(0.0)
+
+
+def test_connections_that_hang_up_during_their_first_request_leave_nothing_in_the_loops_book(
+    loop: tuple[Server, Clock], tmp_path: Path
+) -> None:
+    """Connect, send Hello, hang up before the Welcome: the reply's send fails and the
+    connection is dropped inside its own unit. Repeated, it must not grow the turn
+    queue's book (its uid is charged; nothing of the connection is kept)."""
+    server, _clock = loop
+    hello = encode_frame(m.Hello(1, m.PROTOCOL_VERSION, "gone", os.getpid()))
+    for _ in range(50):
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.connect(str(tmp_path / "s.sock"))
+        server.turn(0.0)  # accepted
+        c.sendall(hello)
+        c.close()
+        server.turn(0.0)  # read, served, the Welcome's send fails: dropped
+    assert not server.clients
+    book = server.turns
+    assert set(book._usage) <= {REAPER}  # the release of what they held: one id for all
+    assert not book._uid_of and not book.queued

@@ -269,3 +269,17 @@ def test_usage_decays_the_same_across_a_rescale_and_what_decayed_to_nothing_is_f
     q.wake(2, 20)
     q.wake(1, 20)
     assert [q.next(), q.next(), q.next()] == [1, 2, None]
+
+
+def test_a_connection_gone_during_its_unit_leaves_nothing_but_its_uids_charge() -> None:
+    """A connection dropped while its unit ran (drop came first) is charged to its uid,
+    and the queue keeps nothing of it: connect, Hello, hang up, a million times over,
+    holds no memory in the loop's book."""
+    clock = Clock()
+    q = TurnQueue(clock)
+    for conn in range(1, 1001):
+        q.drop(conn)  # the unit's send failed: the server dropped it
+        clock.now += 0.0001
+        q.served(conn, 0.0001, 0, ATTACKER, gone=True)
+    assert not q._usage and not q._uid_of and not q.queued
+    assert q._uid_usage[ATTACKER] > 0.09  # the uid paid for every unit

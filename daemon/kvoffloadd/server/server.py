@@ -16,7 +16,9 @@ Rules:
   is cut off past a limit). A reserve descriptor lets ``accept`` shed at EMFILE.
 - Loop time: connections with work are served one unit at a time (a request, or one
   slice of a large engine batch) by start-time fair queueing on the loop time each
-  used (turns.py); a turn serves ``TURN_S`` in total, then polls. A connection with more
+  used (turns.py); a turn serves ``TURN_S`` in total (past it, the unit in progress and
+  at most one queued unit), requests served as they are read included, then polls; it
+  reads at most ``READY_PER_TURN`` ready descriptors. A connection with more
   than ``PAUSE_OUTPUT_BYTES`` of replies unsent is not served (it must read first).
 - A peer the access rules refuse gets one ``ErrorReply(rid=0, PERMISSION_DENIED)`` and
   is disconnected at once: it holds no slot and parks nothing.
@@ -385,7 +387,7 @@ class Server:
                 s = c.session
                 t1 = time.perf_counter()
                 self.turns.served(s.session_id, t1 - self._stamp, 0 if c.closed else more,
-                                  s.uid, t1)  # fmt: skip
+                                  s.uid, t1, c.closed)  # fmt: skip
                 self._stamp = t1
                 return True
         if not nbytes:
@@ -407,7 +409,9 @@ class Server:
         # Nobody waits and the request is small: serve it now, as above.
         more = self._serve_one(c)
         t1 = time.perf_counter()
-        self.turns.served(cid, t1 - self._stamp, 0 if c.closed else more, c.session.uid, t1)
+        self.turns.served(
+            cid, t1 - self._stamp, 0 if c.closed else more, c.session.uid, t1, c.closed
+        )
         self._stamp = t1
         return True
 
@@ -429,12 +433,13 @@ class Server:
             c = clients.get(cid)
             if c is not None:
                 more = self._serve_one(c)
+                uid, gone = c.session.uid, c.closed
             elif cid == REAPER and self._leaving:
-                more = self._reap()
+                more, uid, gone = self._reap(), None, False
             else:
                 continue
             t1 = time.perf_counter()
-            turns.served(cid, t1 - t0, more if cid in clients or cid == REAPER else 0, None, t1)
+            turns.served(cid, t1 - t0, 0 if gone else more, uid, t1, gone)
             t0 = self._stamp = t1
             if t1 >= end_s:
                 return

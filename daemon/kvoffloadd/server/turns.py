@@ -2,8 +2,9 @@
 
 Every connection with work waits in one queue. The loop serves one unit of work at a
 time (one request, one slice of a large engine batch, or the release of what a
-connection that left held), never more than ``TURN_S`` (budgets.py) in one turn before
-it polls again for input, completions and timers.
+connection that left held) until ``TURN_S`` (budgets.py) is spent in the turn, then at
+most the unit in progress and one more, and polls again for input, completions and
+timers.
 
 The next unit is the one of the connection whose uid, and then which itself, has used
 the least loop time lately (least attained service): what each unit took is added to
@@ -191,13 +192,15 @@ class TurnQueue:
         more: int,
         uid: int | None = None,
         now_s: float | None = None,
+        gone: bool = False,
     ) -> None:
         """``conn`` (of ``uid``, if not woken before)'s unit took ``cost_s`` of the
         loop, ending at ``now_s`` (default: the clock's now); ``more``: the bytes of
-        work it has left (0: none)."""
+        work it has left (0: none). ``gone``: the connection closed during the unit
+        (``drop`` ran): its uid pays, and nothing of the connection is kept."""
         if uid is None:
             uid = self._uid_of.get(conn, -1)
-        elif conn not in self._uid_of:
+        elif not gone and conn not in self._uid_of:
             self._uid_of[conn] = uid
         if now_s is None:
             now_s = self._clock()
@@ -205,10 +208,14 @@ class TurnQueue:
         if now_s - self._weighed_at_s >= WEIGH_EVERY_S:
             w = self._weigh(now_s)
         used = cost_s * w
-        usage, uid_usage = self._usage, self._uid_usage
-        usage[conn] = ended = usage.get(conn, 0.0) + used
+        uid_usage = self._uid_usage
         uid_usage[uid] = uid_usage.get(uid, 0.0) + used
         self._uid_served_at_s[uid] = now_s
+        if gone:
+            self._popped = -1
+            return
+        usage = self._usage
+        usage[conn] = ended = usage.get(conn, 0.0) + used
         if conn != self._popped and ended > self._uid_clock.get(uid, 0.0):
             self._uid_clock[uid] = ended  # served without the queue (inline)
         self._popped = -1

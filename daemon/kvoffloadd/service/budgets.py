@@ -15,9 +15,11 @@ over a limit. This module keeps what is not anyone's holding:
   inside the ``recvmsg`` or ``accept`` that crossed it. The table costs 8 bytes per
   descriptor (4 MiB at systemd's 524,288).
 - Loop time. Connections with work are served one unit at a time, fairly by the loop
-  time each used (``kvoffloadd.server.turns``); a turn serves at most ``TURN_S`` of
-  work in total, whoever the connections are, and none for a connection with more
-  than ``PAUSE_OUTPUT_BYTES`` of replies unsent (it must read first).
+  time each used (``kvoffloadd.server.turns``); a turn serves ``TURN_S`` of work in
+  total (past it, the unit in progress and at most one queued unit), whoever the
+  connections are, requests served as they are read included, and none for a
+  connection with more than ``PAUSE_OUTPUT_BYTES`` of replies unsent (it must read
+  first).
 - Memory given back: after large buffers went away the heap is trimmed.
 
 Pure bookkeeping on the loop thread; the server acts on its answers.
