@@ -35,6 +35,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvoffloadd.region.slots import FEW_SLOTS
+
 
 def new_token() -> int:
     """A fresh lease token (never 0, which means "no lease")."""
@@ -152,7 +154,7 @@ class LeaseBook:
         ``0 <= slot``, checked by the caller)."""
         if token == 0 or slots.size == 0:
             return token != 0
-        if slots.size <= 64:  # a step's few: numpy's calls cost more than the lookups
+        if slots.size <= FEW_SLOTS:  # a step's few: as a list
             get = self.token_of.get
             return all(get(slot) == token for slot in slots.tolist())
         owner = self.owner

@@ -40,6 +40,10 @@ from kvoffloadd.region.allocator import ExtentPool
 
 _N = TypeVar("_N", bound=np.generic)
 
+# At most this many slots are handled as a list: numpy's per-call setup costs more than
+# the work on a job's or a step's few.
+FEW_SLOTS = 64
+
 
 class SlotPool:
     """One namespace's slots over the extents it owns."""
@@ -327,7 +331,7 @@ class SlotPool:
     def region_offsets(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Byte offset in the region of each slot (valid slots: ``is_valid``)."""
         spe = self.slots_per_extent
-        if slots.size <= 64:  # a job's few slots: five numpy calls cost more than this
+        if slots.size <= FEW_SLOTS:  # five numpy calls
             base, extent_bytes, slot_bytes, extents = (
                 self.pool.data_offset,
                 self.pool.extent_bytes,
@@ -348,7 +352,7 @@ class SlotPool:
         """Whether every slot id lies in an owned chunk."""
         if slots.size == 0:
             return True
-        if slots.size <= 64:  # numpy's reductions cost more than this on small arrays
+        if slots.size <= FEW_SLOTS:  # two numpy reductions
             values = slots.tolist()
             ok = bool(min(values) >= 0 and max(values) < self.capacity)
         else:
