@@ -358,13 +358,7 @@ class Server:
             return False
         if anc:
             self._park_fds(c, anc)
-        elif (
-            nbytes <= INLINE_BYTES
-            and not self._queued
-            and not c.outbuf
-            and not c.parts
-            and self._stamp < self._turn_end_s
-        ):
+        elif not c.outbuf and self._may_serve_now(c, nbytes):
             # One whole small request, nothing buffered, nobody waiting: served now, from
             # the receive buffer (never buffered, so it holds nothing to charge), and its
             # loop time (its read included) charged to its connection and uid like any
@@ -397,13 +391,7 @@ class Server:
         if not self._account(c):
             return False
         cid, pending = c.session.session_id, c.conn.buffered_bytes
-        if (
-            self._queued
-            or pending > INLINE_BYTES
-            or c.parts
-            or cid in self._queued
-            or self._stamp >= self._turn_end_s
-        ):
+        if not self._may_serve_now(c, pending):
             self.turns.wake(cid, pending, c.session.uid)
             return False
         # Nobody waits and the request is small: serve it now, as above.
@@ -414,6 +402,16 @@ class Server:
         )
         self._stamp = t1
         return True
+
+    def _may_serve_now(self, c: _Client, nbytes: int) -> bool:
+        """Whether ``nbytes`` of ``c``'s request may be served as they are read: small,
+        nobody queued, no slices of a batch left, the turn's budget not spent."""
+        return (
+            nbytes <= INLINE_BYTES
+            and not self._queued
+            and not c.parts
+            and self._stamp < self._turn_end_s
+        )
 
     def _park_fds(self, c: _Client, anc: list[tuple[int, int, bytes]]) -> None:
         """Descriptors that came with the bytes: the session's until a request claims
