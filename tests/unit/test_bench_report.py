@@ -6,7 +6,7 @@ import json
 import pathlib
 from typing import Any
 
-from kvoffloadbench import bench_report
+from kvoffloadbench import bench, bench_report
 
 
 def figures() -> dict[str, Any]:
@@ -124,6 +124,26 @@ def test_report_renders_every_section_from_saved_figures(tmp_path: pathlib.Path)
     assert "client and server apart" not in md  # figures saved before the placements
     assert "| redis |  | not measured | redis-server is not installed |" in md
     assert "the GPU sweep did not run" in md and "seed 7" in md and "abc1234" in md
+
+
+def test_the_blocking_rows_show_beside_the_targets_rows_without_a_target() -> None:
+    """The data-path targets are measured as engines submit (one-way); the blocking
+    API's 32 KiB figures print too, as a reference, with no target of their own."""
+    r = dict(figures()["targets"], store_32x32k_blocking_gbps=2.4, load_32x32k_blocking_gbps=1.2)
+    rows = {label: (value, ratio) for label, value, ratio in bench.cpu_rows(r)}
+    assert rows["store, 32 x 32 KiB pages/block"] == ("3.00 GB/s", "0.25 (target >= 0.8)")
+    assert rows["store, 32 x 32 KiB, blocking submits"] == ("2.40 GB/s", "0.20")
+    assert rows["load, 32 x 32 KiB, blocking submits"] == ("1.20 GB/s", "0.10")
+    r["memcpy_window_gbps"] = {"32x32k": [10.0, 15.0]}  # the best memcpy between repeats
+    rows = {label: (value, ratio) for label, value, ratio in bench.cpu_rows(r)}
+    assert rows["store, 32 x 32 KiB, blocking submits"] == (
+        "2.40 GB/s",
+        "0.16 (memcpy then 15.00 GB/s)",
+    )
+    assert rows["load, 32 x 32 KiB pages/block"] == (
+        "3.00 GB/s",
+        "0.20 (target >= 0.8, memcpy then 15.00 GB/s)",
+    )
 
 
 class _KeysOf:
