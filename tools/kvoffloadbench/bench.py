@@ -232,15 +232,16 @@ def run(
     ) as d:
         client = kvoffload.connect(d.socket_path)
         wait_prefault(client)
-        window: dict[str, list[float]] = {"2mib": [], "32x32k": []}
+        # each row against the memcpys taken between its own repeats (window_of)
+        window: dict[str, list[float]] = {"2mib": [], "32x32k": [], "32x32k_blocking": []}
         r["memcpy_window_gbps"] = window
         # the targets' rows as engines submit (one-way); the blocking API's for reference
-        small, w32 = [32 * 1024] * 32, window["32x32k"]
+        small = [32 * 1024] * 32
         st, ld = data_path(client, "b2m", [big], nblocks, 16, repeats, window["2mib"], True)
         r["store_2mib_gbps"], r["load_2mib_gbps"] = st, ld
-        st, ld = data_path(client, "p32", small, nblocks, 16, repeats, w32, True)
+        st, ld = data_path(client, "p32", small, nblocks, 16, repeats, window["32x32k"], True)
         r["store_32x32k_gbps"], r["load_32x32k_gbps"] = st, ld
-        st, ld = data_path(client, "q32", small, nblocks, 16, repeats, w32)
+        st, ld = data_path(client, "q32", small, nblocks, 16, repeats, window["32x32k_blocking"])
         r["store_32x32k_blocking_gbps"], r["load_32x32k_blocking_gbps"] = st, ld
 
         n = 2000 if quick else 10000
@@ -320,6 +321,11 @@ def control_rows(r: dict[str, Any], suffix: str, where: str) -> list[tuple[str, 
     ]
 
 
+def window_of(key: str) -> str:
+    """The memcpy window of a data-path figure: ``store_32x32k_gbps`` -> ``32x32k``."""
+    return key.split("_", 1)[1].removesuffix("_gbps")
+
+
 def cpu_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     base = r["memcpy_gbps"]
     rows = [
@@ -340,7 +346,7 @@ def cpu_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         if key not in r:  # a file from before the blocking rows
             continue
         # against the best memcpy measured between this row's own repeats, if any
-        near = max(window.get(key.split("_")[1], []), default=base)
+        near = max(window.get(window_of(key), []), default=base)
         note = f"memcpy then {near:.2f} GB/s" if near != base else ""
         ratio = r[key] / near
         why = ", ".join(x for x in (f"target >= {target}" if target else "", note) if x)
