@@ -210,8 +210,10 @@ def render(r: dict[str, Any], images: list[str]) -> str:
         "## DESIGN.md targets (`make bench`)",
         "",
         "The figures `make bench` prints, against the targets of DESIGN.md section 6: "
-        "CPU data path against a same-run single-threaded memcpy, control path through "
-        "the daemon's socket, the vLLM key-mirror lookup, index memory.",
+        "CPU data path against a same-run single-threaded memcpy (jobs submitted one-way, "
+        "as an engine's worker submits them; the blocking API's rows for reference), "
+        "control path through the daemon's socket, the vLLM key-mirror lookup, index "
+        "memory.",
         "",
         table(["figure", "value", "ratio / target"], [list(x) for x in cpu_rows(r["targets"])]),
         "",
