@@ -1,16 +1,21 @@
-"""``make bench``'s data path runs against a real daemon in both of its submit modes.
+"""The benchmarks' own machinery, shrunk: ``make bench``'s data path against a real
+daemon in both of its submit modes, and the in-process loop that ``bench_control``
+times.
 
-The benchmark is not part of the suite (it times things); its data-path function is,
-shrunk, so a change to the worker APIs it drives breaks here rather than in the next
-``make bench``.
+The benchmarks are not part of the suite (they time things); these functions are, so
+a change to the APIs they drive breaks here rather than in the next ``make bench``, and
+a benchmark that fails part-way leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 import kvoffload
-from kvoffloadbench import bench
+from kvoffloadbench import bench, bench_control
 from kvoffloadbench.launch import DaemonProcess
 
 
@@ -30,3 +35,32 @@ def test_the_data_path_stores_and_loads_every_job(daemon: DaemonProcess, one_way
         assert ns["stored_blocks"] == 0  # each repeat evicted what it stored
     finally:
         client.close()
+
+
+def _left_by_this_process() -> list[str]:
+    """The loop's temporary directories and this process's region still there."""
+    tmp = [x for x in os.listdir(tempfile.gettempdir()) if x.startswith("kvoffload-loop-")]
+    region = f"/dev/shm/kvoffload-l{os.getpid()}"
+    return tmp + ([region] if os.path.exists(region) else [])
+
+
+def test_the_in_process_loop_measures_and_releases_what_it_made() -> None:
+    before = _left_by_this_process()
+    costs = bench_control.loop_costs(40)
+    assert set(costs) >= {"echo", "ping", "lookup1000", "store_round16"}
+    assert all(us > 0 for us in costs.values())
+    assert _left_by_this_process() == before
+
+
+def test_an_in_process_loop_that_fails_to_start_releases_what_it_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = _left_by_this_process()
+
+    def refused(self: bench_control.InProcess, req: object) -> object:
+        raise RuntimeError("the daemon refused the set-up")
+
+    monkeypatch.setattr(bench_control.InProcess, "call", refused)
+    with pytest.raises(RuntimeError, match="refused the set-up"):
+        bench_control.InProcess()
+    assert _left_by_this_process() == before

@@ -75,10 +75,8 @@ def loop(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[tuple[Serv
     copier = CpuCopier(1)
     server = Server(Service(cfg, region, copier), bind_listener(str(tmp_path / "s.sock")))
     yield server, clock
-    for sock in (server.listener, server._sig_r, server._sig_w):
-        sock.close()
-    server._epoll.close()
-    server.budgets.close()
+    server.close()
+    server.listener.close()
     copier.close()
     region.close()
 

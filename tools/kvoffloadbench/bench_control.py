@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import os
 import pstats
+import shutil
 import socket
 import subprocess
 import sys
@@ -233,17 +234,30 @@ class InProcess:
         from kvoffloadd.server.server import Server, bind_listener
         from kvoffloadd.service.service import Service
 
-        self._tmp = tempfile.mkdtemp(prefix="kvoffload-loop-")
-        cfg = DaemonConfig(
-            instance=f"l{os.getpid()}", region_size="64MiB", max_writing_fraction=1.0
-        )
-        self.region = SharedOffloadRegion(cfg.region_name, Geometry.plan(64 << 20, 2 << 20, 16384))
-        self.copier = CpuCopier(1)
-        path = os.path.join(self._tmp, "s.sock")
-        self.server = Server(Service(cfg, self.region, self.copier), bind_listener(path))
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
-        self.buf = bytearray(1 << 20)
+        # what is made is released in reverse, by close() or by a failed start
+        with contextlib.ExitStack() as made:
+            self._tmp = tempfile.mkdtemp(prefix="kvoffload-loop-")
+            made.callback(shutil.rmtree, self._tmp, True)
+            cfg = DaemonConfig(
+                instance=f"l{os.getpid()}", region_size="64MiB", max_writing_fraction=1.0
+            )
+            plan = Geometry.plan(64 << 20, 2 << 20, 16384)
+            self.region = SharedOffloadRegion(cfg.region_name, plan)
+            made.callback(self.region.close)
+            self.copier = CpuCopier(1)
+            made.callback(self.copier.close)
+            path = os.path.join(self._tmp, "s.sock")
+            self.server = Server(Service(cfg, self.region, self.copier), bind_listener(path))
+            made.callback(self.server.listener.close)
+            made.callback(self.server.close)
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            made.callback(self.sock.close)
+            self.sock.connect(path)
+            self.buf = bytearray(1 << 20)
+            self._setup()
+            self._made = made.pop_all()
+
+    def _setup(self) -> None:
         self.server.turn(0.0)  # accept
         self.call(m.Hello(1, m.PROTOCOL_VERSION, "loop", os.getpid()))
         layout = kvoffload.KVLayout(tensor_page_bytes=[16384])
@@ -300,14 +314,7 @@ class InProcess:
         return p50(took) * 1e6 / batch
 
     def close(self) -> None:
-        self.sock.close()
-        self.server.turn(0.0)
-        self.server.listener.close()
-        self.copier.close()
-        self.region.close()
-        for name in os.listdir(self._tmp):
-            os.unlink(os.path.join(self._tmp, name))
-        os.rmdir(self._tmp)
+        self._made.close()
 
 
 def echo_turn_us(n: int) -> float:

@@ -202,14 +202,20 @@ class Server:
         finally:
             loopthread.release()
             signal.set_wakeup_fd(-1)
-            for c in list(self.clients.values()):
-                self._drop(c, "daemon stopping")
-            while self._leaving:
-                self._reap()
-            self._epoll.close()
-            self.budgets.close()
-            self._sig_r.close()
-            self._sig_w.close()
+            self.close()
+
+    def close(self) -> None:
+        """Drop every connection, release what each held, and close what the loop made
+        (its epoll, its signal socketpair, the descriptor reserve); the listener stays
+        its owner's."""
+        for c in list(self.clients.values()):
+            self._drop(c, "daemon stopping")
+        while self._leaving:
+            self._reap()
+        self._epoll.close()
+        self.budgets.close()
+        self._sig_r.close()
+        self._sig_w.close()
 
     def turn(self, timeout_s: float) -> None:
         """One turn of the loop: wait up to ``timeout_s`` for input, completions or
