@@ -12,6 +12,7 @@ import contextlib
 import os
 import resource
 import shutil
+import signal
 import socket
 import struct
 import tempfile
@@ -22,6 +23,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from canary import Canary
+from children import fork, reap
 from helpers import poll
 from hostile import NOBODY, as_uid, fd_count, requires_root, rss_bytes
 
@@ -162,32 +164,73 @@ def test_partial_frames_stay_within_the_buffer_budget(daemon: DaemonProcess) -> 
     assert rss_bytes(daemon.pid) - rss0 < 400 * MIB
 
 
-def test_clients_that_never_read_are_paused_not_fed(daemon: DaemonProcess) -> None:
-    """30 clients pipeline requests with large replies and never read them; one writes
-    4,000 GetStats in one go. Nobody else may wait behind them."""
+def never_reading(daemon: DaemonProcess) -> Callable[[], list[socket.socket]]:
+    """The attack of 30 clients that pipeline requests with large replies and never read
+    them, one of which writes 4,000 GetStats in one go (64 namespaces make each reply
+    some 40 KB)."""
     with kvoffload.connect(daemon.socket_path) as c:
-        for i in range(64):  # a stats reply of some size
+        for i in range(64):
             c.namespace(f"ns-{i:03d}", kvoffload.KVLayout([4096]))
-        stats = encode_frame(m.GetStats(7))
-        reply_bytes = len(msgspec.msgpack.encode(m.StatsReply(7, c.stats())))
 
-        def pipeline() -> list[socket.socket]:
-            socks = []
-            for i in range(31):
-                s = raw(daemon.socket_path)
-                n = 4000 if i == 0 else 200
-                frames = b"".join(encode_frame(m.GetStats(rid)) for rid in range(2, n + 2))
-                s.setblocking(False)
-                with contextlib.suppress(OSError):
-                    s.send(frames)
-                socks.append(s)
-            time.sleep(1.0)
-            return socks
+    def pipeline() -> list[socket.socket]:
+        socks = []
+        for i in range(31):
+            s = raw(daemon.socket_path)
+            n = 4000 if i == 0 else 200
+            frames = b"".join(encode_frame(m.GetStats(rid)) for rid in range(2, n + 2))
+            s.setblocking(False)
+            with contextlib.suppress(OSError):
+                s.send(frames)
+            socks.append(s)
+        time.sleep(1.0)
+        return socks
 
-        rss0 = rss_bytes(daemon.pid)
-        abuse(f"31 non-reading clients, {reply_bytes} B replies", daemon, pipeline)
-        assert rss_bytes(daemon.pid) - rss0 < 200 * MIB
-        del stats
+    return pipeline
+
+
+def test_clients_that_never_read_are_paused_not_fed(daemon: DaemonProcess) -> None:
+    """Nobody waits behind 31 clients that never read their replies."""
+    attack = never_reading(daemon)
+    rss0 = rss_bytes(daemon.pid)
+    abuse("31 non-reading clients", daemon, attack)
+    assert rss_bytes(daemon.pid) - rss0 < 200 * MIB
+
+
+@contextlib.contextmanager
+def sharing_a_cpu(pid: int) -> Iterator[None]:
+    """Every thread of ``pid`` on one CPU with a process that spins there: the kernel
+    takes that CPU from the daemon for milliseconds at a time, in the middle of whatever
+    it serves."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: one shared with the daemon, one for the canary")
+    shared = {cpus[0]}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), shared)
+
+    def spin() -> None:
+        os.sched_setaffinity(0, shared)
+        while True:
+            pass
+
+    hog = fork(spin)
+    try:
+        yield
+    finally:
+        os.kill(hog, signal.SIGKILL)
+        reap(hog)
+
+
+def test_a_client_is_not_charged_for_the_time_the_kernel_took_the_cpu(
+    daemon: DaemonProcess,
+) -> None:
+    """The same attack with the daemon sharing its CPU with a spinning process. The loop
+    orders a uid's connections by the loop time each used; charged in wall time, a ping
+    during which the kernel ran the spinner for 4 ms put the canary behind rounds of the
+    31 others' units (80-110 ms). Each unit is charged the loop thread's CPU time."""
+    attack = never_reading(daemon)
+    with sharing_a_cpu(daemon.pid):
+        abuse("31 non-reading clients, the daemon's CPU shared", daemon, attack)
 
 
 def test_a_request_of_a_million_keys_is_refused_before_it_holds_the_loop(

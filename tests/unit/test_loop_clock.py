@@ -199,6 +199,44 @@ def test_requests_served_as_they_are_read_stop_at_the_turns_budget(
     server.turn(0.0)  # the hang-ups
 
 
+def test_a_queued_unit_is_charged_the_loop_threads_cpu_time_not_the_cpu_the_kernel_took(
+    loop: tuple[Server, Clock], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit served from the queue, during which the kernel ran something else for
+    4 ms (the wall clock moves, the loop thread's CPU clock barely does), is charged
+    the CPU time: charged the 4 ms, a light client lands behind every connection of its
+    uid that has used less than that (a round of 31 connections' units: 100 ms)."""
+    server, clock = loop
+    cpu = Clock()
+    monkeypatch.setattr(time, "thread_time", cpu)
+    (client,) = connected(server, tmp_path, 1)
+    handlers = server.service._handlers
+    pong = handlers[m.Ping]
+
+    def preempted_ping(s: object, r: m.Ping) -> m.Reply | None:
+        clock.advance(0.004)
+        cpu.advance(30e-6)
+        return pong(s, r)  # type: ignore[arg-type]
+
+    handlers[m.Ping] = preempted_ping
+    charged: list[float] = []
+    served = server.turns.served
+
+    def record_served(conn: int, cost_s: float, *args: object) -> None:
+        charged.append(cost_s)
+        served(conn, cost_s, *args)  # type: ignore[arg-type]
+
+    server.turns.served = record_served  # type: ignore[method-assign]
+    client.sendall(encode_frame(m.Ping(2)) + encode_frame(m.Ping(3)))
+    server.turn(0.0)  # the first served as read (nobody waits), the second queued
+    assert answered([client]) == 1
+    assert len(charged) == 2
+    assert charged[0] >= 0.004  # served as read: wall time
+    assert 30e-6 <= charged[1] < 100e-6  # from the queue: the loop thread's CPU time
+    client.close()
+    server.turn(0.0)  # the hang-up
+
+
 def test_a_turn_reads_at_most_its_share_of_ready_clients_and_the_rest_come_next(
     loop: tuple[Server, Clock], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
