@@ -57,7 +57,10 @@ _KEY_ID_CONTEXT = "kvoffload 2026-11 tier key id"
 TAG_BYTES = 32
 SEAL = struct.Struct("<8s8sQ32s")  # tier magic, key id, block bytes, tag
 _PREFIX = b"KVOTAG01"  # the MAC's first input (a format version of what it covers)
-PIECE_BYTES = 256 << 10  # copied then hashed while it is in the cache (L2: 2 MiB a core)
+# Copied (or read) then hashed while it is in the cache, and few pieces a block: every
+# piece takes the GIL twice, against the daemon's loop. Pieces of 256 KiB (the L2 of the
+# benchmark machine's cores) promoted 10-20% slower than these (docs/performance.md).
+PIECE_BYTES = 1 << 20
 
 
 def read_secret(path: str) -> bytes:
