@@ -40,9 +40,11 @@ class Clock:
 
     def __init__(self) -> None:
         self.now_s = 1000.0
+        self.readings = 0
 
     def __call__(self) -> float:
         self.now_s += 1e-6
+        self.readings += 1
         return self.now_s
 
     def advance(self, s: float) -> None:
@@ -233,6 +235,14 @@ def test_a_queued_unit_is_charged_the_loop_threads_cpu_time_not_the_cpu_the_kern
     assert len(charged) == 2
     assert charged[0] >= 0.004  # served as read: wall time
     assert 30e-6 <= charged[1] < 100e-6  # from the queue: the loop thread's CPU time
+
+    # Short units, not paused, share one reading of the CPU clock (a system call).
+    handlers[m.Ping] = pong
+    readings = cpu.readings
+    client.sendall(b"".join(encode_frame(m.Ping(rid)) for rid in range(4, 54)))
+    server.turn(0.0)
+    assert cpu.readings - readings <= 2
+    assert all(0 < cost_s < 100e-6 for cost_s in charged[2:])
     client.close()
     server.turn(0.0)  # the hang-up
 

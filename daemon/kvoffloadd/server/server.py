@@ -18,9 +18,9 @@ Rules:
   slice of a large engine batch) by start-time fair queueing on the loop time each
   used (turns.py); a turn serves ``TURN_S`` in total (past it, the unit in progress and
   at most one queued unit), requests served as they are read included, then polls; it
-  reads at most ``READY_PER_TURN`` ready descriptors. A unit served from the queue is
-  charged the loop thread's CPU time (what the kernel gave other work meanwhile is no
-  connection's), one served as it is read (nobody waiting) its wall time. A connection with more
+  reads at most ``READY_PER_TURN`` ready descriptors. A unit is charged its wall time;
+  one served from the queue no more than the loop thread's CPU time (what the kernel
+  gave other work meanwhile is no connection's; ``_serve``). A connection with more
   than ``PAUSE_OUTPUT_BYTES`` of replies unsent is not served (it must read first).
 - A peer the access rules refuse gets one ``ErrorReply(rid=0, PERMISSION_DENIED)`` and
   is disconnected at once: it holds no slot and parks nothing.
@@ -86,6 +86,7 @@ RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release
 # budget not spent, is served as it is read; anything else is buffered and queued.
 INLINE_BYTES = 64 << 10
 READY_PER_TURN = 256  # descriptors one turn handles; epoll rounds robin over the rest
+CPU_READ_S = 0.001  # queued units: the loop thread's CPU clock read after this much wall
 CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 # what epoll reports: hang-ups and errors count as both (a read or send then says which)
@@ -431,14 +432,18 @@ class Server:
                 c.session.fds.extend(fds)
 
     def _serve(self, end_s: float) -> None:
-        """Serve queued connections one unit at a time, fairly, until ``end_s``. Each
-        unit is charged the loop thread's CPU time over it, not its wall time: while
-        others wait the machine is busy too, and a unit during which the kernel ran
-        something else for milliseconds would put its connection that far behind the
-        others of its uid (a client's ping charged 4 ms put it behind a round of 31
-        connections' 1.5 ms units: 100 ms). The turn's budget (``end_s``) is wall time."""
+        """Serve queued connections one unit at a time, fairly, until ``end_s``. A unit
+        is charged its wall time, but no more than the loop thread's CPU time since the
+        clock was last read (at most ``CPU_READ_S`` of wall before it): while others
+        wait the machine is busy too, and a unit during which the kernel ran something
+        else for milliseconds would put its connection that far behind the others of
+        its uid (a ping charged 4 ms went behind a round of 31 connections' 1.5 ms
+        units: 100 ms). Reading the CPU clock is a system call, so short units share
+        one reading; what one is overcharged stays under ``CPU_READ_S``. The turn's
+        budget (``end_s``) is wall time."""
         turns, clients, cpu_s = self.turns, self.clients, time.thread_time
-        c0 = cpu_s()
+        t0 = t_read = self._stamp
+        c_read = cpu_s()
         while (cid := turns.next()) is not None:
             c = clients.get(cid)
             if c is not None:
@@ -448,9 +453,14 @@ class Server:
                 more, uid, gone = self._reap(), None, False
             else:
                 continue
-            t1, c1 = time.perf_counter(), cpu_s()
-            turns.served(cid, c1 - c0, 0 if gone else more, uid, t1, gone)
-            self._stamp, c0 = t1, c1
+            t1 = time.perf_counter()
+            cost_s = t1 - t0
+            if t1 - t_read >= CPU_READ_S:
+                c1 = cpu_s()
+                cost_s = min(cost_s, c1 - c_read)
+                t_read, c_read = t1, c1
+            turns.served(cid, cost_s, 0 if gone else more, uid, t1, gone)
+            t0 = self._stamp = t1
             if t1 >= end_s:
                 return
 
