@@ -16,7 +16,7 @@ import pytest
 
 import kvoffload
 from kvoffloadbench import bench, bench_control
-from kvoffloadbench.launch import DaemonProcess
+from kvoffloadbench.launch import SHM, DaemonProcess
 
 
 @pytest.mark.parametrize("one_way", [True, False], ids=["one-way", "blocking"])
@@ -25,7 +25,7 @@ def test_the_data_path_stores_and_loads_every_job(daemon: DaemonProcess, one_way
     try:
         window: list[float] = []
         store_gbps, load_gbps = bench.data_path(
-            client, "dp", [64 * 1024] * 2, 16, 4, 2, window, one_way
+            client, "dp", [64 * 1024] * 2, 16, 4, 2, window, one_way=one_way
         )
         # every job of both repeats finished and succeeded (data_path asserts it)
         assert store_gbps > 0 and load_gbps > 0
@@ -40,7 +40,7 @@ def test_the_data_path_stores_and_loads_every_job(daemon: DaemonProcess, one_way
 def _left_by_this_process() -> list[str]:
     """The loop's temporary directories and this process's region still there."""
     tmp = [x for x in os.listdir(tempfile.gettempdir()) if x.startswith("kvoffload-loop-")]
-    region = f"/dev/shm/kvoffload-l{os.getpid()}"
+    region = SHM + bench_control.loop_config().region_name
     return tmp + ([region] if os.path.exists(region) else [])
 
 

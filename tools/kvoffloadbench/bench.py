@@ -64,6 +64,7 @@ def data_path(
     blocks_per_job: int,
     repeats: int,
     window: list[float] | None = None,
+    *,
     one_way: bool = False,
 ) -> tuple[float, float]:
     """Store then load ``num_blocks`` blocks in jobs; best GB/s of each direction.
@@ -237,10 +238,9 @@ def run(
         r["memcpy_window_gbps"] = window
         # the targets' rows as engines submit (one-way); the blocking API's for reference
         small = [32 * 1024] * 32
-        st, ld = data_path(client, "b2m", [big], nblocks, 16, repeats, window["2mib"], True)
-        r["store_2mib_gbps"], r["load_2mib_gbps"] = st, ld
-        st, ld = data_path(client, "p32", small, nblocks, 16, repeats, window["32x32k"], True)
-        r["store_32x32k_gbps"], r["load_32x32k_gbps"] = st, ld
+        for name, pages, row in (("b2m", [big], "2mib"), ("p32", small, "32x32k")):
+            st, ld = data_path(client, name, pages, nblocks, 16, repeats, window[row], one_way=True)
+            r[f"store_{row}_gbps"], r[f"load_{row}_gbps"] = st, ld
         st, ld = data_path(client, "q32", small, nblocks, 16, repeats, window["32x32k_blocking"])
         r["store_32x32k_blocking_gbps"], r["load_32x32k_blocking_gbps"] = st, ld
 

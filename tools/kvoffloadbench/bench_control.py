@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -46,6 +46,9 @@ from kvoffload.protocol import messages as m
 from . import echo_floor
 from .echo_floor import _SERVER as _ECHO_SERVER
 from .launch import BULK_STORES, DaemonProcess
+
+if TYPE_CHECKING:
+    from kvoffloadd.config import DaemonConfig
 
 _replies: msgspec.msgpack.Decoder[m.Reply] = msgspec.msgpack.Decoder(m.Reply)
 
@@ -222,13 +225,19 @@ def _measured(
     return out
 
 
+def loop_config() -> DaemonConfig:
+    """The in-process loop's configuration: its region is named after this process."""
+    from kvoffloadd.config import DaemonConfig
+
+    return DaemonConfig(instance=f"l{os.getpid()}", region_size="64MiB", max_writing_fraction=1.0)
+
+
 class InProcess:
     """A real ``Server`` and ``Service`` in this process, driven one loop turn at a
     time from a raw client socket: the loop's time per request with nothing else
     between (the median of per-turn wall times, single-threaded)."""
 
     def __init__(self) -> None:
-        from kvoffloadd.config import DaemonConfig
         from kvoffloadd.copies.copier import CpuCopier
         from kvoffloadd.region.region import Geometry, SharedOffloadRegion
         from kvoffloadd.server.server import Server, bind_listener
@@ -238,9 +247,7 @@ class InProcess:
         with contextlib.ExitStack() as made:
             self._tmp = tempfile.mkdtemp(prefix="kvoffload-loop-")
             made.callback(shutil.rmtree, self._tmp, True)
-            cfg = DaemonConfig(
-                instance=f"l{os.getpid()}", region_size="64MiB", max_writing_fraction=1.0
-            )
+            cfg = loop_config()
             plan = Geometry.plan(64 << 20, 2 << 20, 16384)
             self.region = SharedOffloadRegion(cfg.region_name, plan)
             made.callback(self.region.close)

@@ -54,7 +54,7 @@ import kvoffload
 from kvoffloadd.tiers.base import TierNamespace
 from kvoffloadd.tiers.blockauth import PIECE_BYTES, SEAL, BlockMac
 
-from .launch import DaemonProcess, wait_prefault
+from .launch import SHM, DaemonProcess, wait_prefault
 from .mooncake_master import MooncakeMaster
 from .redis_server import RedisServer
 
@@ -75,19 +75,22 @@ def _wait(predicate: Any, deadline_s: float = 120.0, poll_s: float = 0.0005) -> 
         time.sleep(poll_s)
 
 
-def region_like(nbytes: int) -> mmap.mmap:
+def region_like(nbytes: int, fill: int) -> npt.NDArray[np.uint8]:
     """``nbytes`` shared, of the kind the bench daemons' regions are (a file in
-    ``/dev/shm``, the default backing): their page size. Anonymous memory the size of a
-    promotion is given transparent huge pages (numpy asks for them), and two threads
-    copy into it some 20% faster than into 4 KiB shared pages on this machine: the copy
-    rate a promotion is set against would have been that of other memory."""
-    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="kvoffload-bench-")
+    ``/dev/shm``, the default backing): their page size, faulted in (``fill``) as the
+    regions are pre-faulted. Anonymous memory the size of a promotion is given
+    transparent huge pages (numpy asks for them), and two threads copy into it some 20%
+    faster than into 4 KiB shared pages on this machine: the copy rate a promotion is
+    set against would have been that of other memory."""
+    fd, path = tempfile.mkstemp(dir=SHM, prefix="kvoffload-bench-")
     try:
         os.unlink(path)
         os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes)
+        out = np.frombuffer(mmap.mmap(fd, nbytes), np.uint8)
     finally:
         os.close(fd)
+    out.fill(fill)
+    return out
 
 
 class CopyMac:
@@ -104,8 +107,7 @@ class CopyMac:
         self.mac = BlockMac(bytes(32))
         self.ns = TierNamespace.of("bench", "f" * 32, block_bytes)
         self.src: npt.NDArray[np.uint8] = np.ones(nblocks * block_bytes, np.uint8)
-        self.dst = np.frombuffer(region_like(nblocks * block_bytes), np.uint8)
-        self.dst.fill(1)  # faulted in, as the region is pre-faulted
+        self.dst = region_like(nblocks * block_bytes, 1)
 
     def gbps(self, threads: int, files: Sequence[pathlib.Path] = ()) -> float:
         view = memoryview(self.dst.data)
@@ -249,8 +251,7 @@ def mac_rates(block_bytes: int, total_bytes: int, repeats: int = 5) -> tuple[flo
     mac = BlockMac(bytes(32))
     ns = TierNamespace.of("bench", "f" * 32, block_bytes)
     src = np.ones(total_bytes, np.uint8)
-    dst = np.frombuffer(region_like(total_bytes), np.uint8)
-    dst.fill(0)
+    dst = region_like(total_bytes, 0)
     view = memoryview(dst.data)
     best_mac = best_both = float("inf")
     for _ in range(repeats):
