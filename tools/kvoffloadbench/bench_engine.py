@@ -194,7 +194,13 @@ def render_points(points: list[dict[str, Any]]) -> list[str]:
         split = "; ".join(
             f"{part} {what} {prof.get(f'{part}_{what}_us_per_step', 0.0):.1f} us "
             f"(CPU {prof.get(f'{part}_{what}_cpu_us_per_step', 0.0):.1f}, "
-            f"{prof.get(f'{part}_{what}_calls_per_step', 0.0):.2f}/step)"
+            f"{prof.get(f'{part}_{what}_calls_per_step', 0.0):.2f}/step"
+            + (
+                f", {msgs:.1f} messages each"
+                if (msgs := prof.get(f"{part}_{what}_msgs_per_call"))
+                else ""
+            )
+            + ")"
             for part in ("scheduler", "worker")
             for what in ("send", "recv", "apply")
         )

@@ -146,6 +146,7 @@ class ClientTime:
         self.wall_s: dict[str, float] = {}
         self.cpu_s: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.msgs: dict[str, int] = {}
         self._undo: list[tuple[type, str, Any]] = []
 
     def __enter__(self) -> ClientTime:
@@ -173,6 +174,8 @@ class ClientTime:
                 self.wall_s[key] = self.wall_s.get(key, 0.0) + time.perf_counter() - t0
                 self.cpu_s[key] = self.cpu_s.get(key, 0.0) + time.thread_time() - c0
                 self.calls[key] = self.calls.get(key, 0) + 1
+                if what == "apply":  # the messages read: pushes per read
+                    self.msgs[key] = self.msgs.get(key, 0) + len(args[0])
                 self.io.add(self.part)
 
         return timed
@@ -187,6 +190,8 @@ class ClientTime:
             out[f"{k}_us_per_step"] = self.wall_s[k] / steps * 1e6
             out[f"{k}_cpu_us_per_step"] = self.cpu_s[k] / steps * 1e6
             out[f"{k}_calls_per_step"] = self.calls[k] / steps
+            if k in self.msgs:
+                out[f"{k}_msgs_per_call"] = self.msgs[k] / self.calls[k]
         return out
 
 

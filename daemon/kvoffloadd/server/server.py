@@ -26,8 +26,11 @@ Rules:
   is disconnected at once: it holds no slot and parks nothing.
 - One-way requests (rid 0) get no reply; a refused one becomes a push. Pushes the
   service queued (``Session.pushes``) go out after each request and each drain of copy
-  completions; pushed event feeds once per loop turn, to the subscribers of namespaces
-  whose feed moved, and to connections that fell behind once they have read.
+  completions. Event feeds are pushed to the subscribers of namespaces whose feed
+  moved, and to connections that fell behind once they have read, each connection at
+  most once per ``FEED_PUSH_GAP_S``: what moves within the gap goes out together after
+  it (the loop wakes for it), so an engine reads one or two pushes per step's I/O, not
+  one per loop turn that moved its feed.
 - An ``AssertionError`` is a broken internal invariant: log the stats, exit non-zero.
 - SIGTERM/SIGINT: stop accepting, drain in-flight copies, close, unlink, exit 0.
 - The cron (every second, or every half watchdog interval when shorter) runs the
@@ -41,6 +44,7 @@ import array
 import contextlib
 import errno
 import logging
+import math
 import os
 import select
 import signal
@@ -88,6 +92,11 @@ INLINE_BYTES = 64 << 10
 READY_PER_TURN = 256  # descriptors one turn handles; epoll rounds robin over the rest
 CPU_READ_S = 0.001  # queued units: the loop thread's CPU clock read after this much wall
 CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
+# A connection's feed is pushed at most this often: engines read pushes once per step's
+# I/O (every ``batch_interval_s``, 10 ms), and each push read costs a decode and a pass
+# of its own; a mirror is this much later at most (evicted blocks stay readable for
+# ``mirror_grace_s``).
+FEED_PUSH_GAP_S = 0.010
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 # what epoll reports: hang-ups and errors count as both (a read or send then says which)
 _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
@@ -113,6 +122,7 @@ class _Client:
     held_out: int = 0
     held_fds: int = 0
     parts: deque[m.Request] = field(default_factory=deque)  # slices of a large batch
+    fed_at_s: float = -math.inf  # when its feed was last pushed (loop clock)
 
 
 class Server:
@@ -196,7 +206,10 @@ class Server:
                     self._cron()
                     now = time.monotonic()
                     next_cron = now + self._cron_period_s
-                self.turn(0.0 if self._queued else next_cron - now)
+                wait_s = 0.0 if self._queued else next_cron - now
+                if self._push_due:  # pushes held back by the gap go out after it
+                    wait_s = min(wait_s, FEED_PUSH_GAP_S)
+                self.turn(wait_s)
             self.notifier.notify(STOPPING=1, STATUS="draining in-flight copies")
             self._drain()
         except AssertionError:
@@ -596,21 +609,28 @@ class Server:
             c.session.pushes.clear()
 
     def _push_feeds(self) -> None:
+        """Push the feeds that moved, to each connection at most once per
+        ``FEED_PUSH_GAP_S``; a connection inside its gap stays due."""
         engines = self.service.engines
         feeds = engines.feed_pushes
         due = engines.due()
         if self._push_due:
             due |= self._push_due
             self._push_due = set()
+        now_s = self._stamp
         for cid in due:
             c = self.clients.get(cid)
             if c is None or c.closing_by_s:
+                continue
+            if now_s - c.fed_at_s < FEED_PUSH_GAP_S:
+                self._push_due.add(cid)
                 continue
             sent = False
             for push in feeds(c.session, len(c.outbuf)):
                 c.conn.send_into(push, c.outbuf)
                 sent = True
             if sent:
+                c.fed_at_s = now_s
                 self._flush(c)
 
     def _copies_done(self, events: int) -> None:

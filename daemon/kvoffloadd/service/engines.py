@@ -6,9 +6,11 @@ of the namespace (keys and their slots), a pool of leased empty slots, and sends
 ``StepBatch`` per step, one-way. In return the daemon pushes:
 
 - ``FeedPush``: the namespace's store/evict events, with slots, for every connection
-  that mirrors it (``SyncKeys(push=True)``), at most once per loop turn and only while
-  the connection's unsent output stays under ``FEED_BACKLOG_BYTES``: a connection that
-  does not read falls behind, its queue overflows, and it resyncs from a snapshot.
+  that mirrors it (``SyncKeys(push=True)``), at most once per loop turn and per
+  ``FEED_PUSH_GAP_S`` of the connection (the server holds the rest back until the gap
+  has passed), and only while the connection's unsent output stays under
+  ``FEED_BACKLOG_BYTES``: a connection that does not read falls behind, its queue
+  overflows, and it resyncs from a snapshot.
 - ``LeaseGrant``: empty slots, whenever a connection holds fewer than it asked for
   (``want_leases``) and the namespace has room, evicting to make room outside any
   request, one refill ahead for every connection holding leases (evicted space frees
