@@ -119,8 +119,8 @@ def run_once(sizes: list[int], prompt_only: bool, passes: int, block: int) -> di
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench-engine", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="16,64,256", help="running requests per point ('': none)")
-    p.add_argument("--block", type=int, default=200, help="steps of one configuration in a row")
-    p.add_argument("--passes", type=int, default=6, help="blocks of each configuration")
+    p.add_argument("--block", type=int, default=20, help="timed steps of one engine in a row")
+    p.add_argument("--passes", type=int, default=60, help="blocks of each configuration")
     p.add_argument("--runs", type=int, default=1, help="runs of the every-step points")
     p.add_argument(
         "--no-prompt-only", action="store_true", help="skip the points storing prompts only"

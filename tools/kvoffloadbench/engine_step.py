@@ -11,9 +11,13 @@ the same namespace for the whole point, so both views follow both engines' store
 Timed per step: ``schedule()`` + ``update_from_output()``, the worker's part excluded
 (it stands where the forward pass runs), in wall time and in the engine thread's CPU
 time (wall time above CPU time is time the engine waited for a CPU). The three run in
-blocks of ``block`` steps, one block each per pass, the first of a pass rotating, so
-machine noise and drift hit all alike while what one engine's steps cause (the daemon
-waking on its writes, the second engine reading its stores) lands in its own block.
+blocks of ``block`` steps, one block each per pass, the first of a pass rotating. The
+blocks are short (20 steps: 18 ms at N=16, 0.3 s at N=256) because this machine's speed
+moves by up to a half over fractions of a second: three identical vLLM engines timed
+in blocks of 100-200 steps came out up to 1.8x apart per block and 7% apart per run,
+in blocks of 10 within 3%. The first ``SETTLE_STEPS`` steps of each block run
+untimed: what the previous engine's steps caused (the daemon waking on its writes, the
+second engine reading its stores) lands in them, not in another engine's figures.
 Prompt lengths are spread over a block's 16 tokens, so with
 ``offload_prompt_only=False`` N/16 requests fill a block, a store, in nearly every
 step; with vLLM's default ``True`` only prompts store.
@@ -43,6 +47,8 @@ WARMUP_STEPS = 30
 BLOCK_TOKENS = 16
 SPECS = ("none", "vllm", "kvoffload")
 SECOND_ENGINE_START_S = 300.0  # importing vLLM in a fresh process, on a loaded machine
+SETTLE_STEPS = 2  # untimed steps at the start of each block
+PROFILE_STEPS = 200  # kvoffload's steps with its client's calls timed, after the others
 
 
 def prompt(i: int, n: int, salt: int = 0) -> list[int]:
@@ -280,7 +286,7 @@ def measure_point(
 def _measure(
     d: DaemonProcess, n: int, prompt_only: bool, passes: int, block: int, bg: Any, bg_steps: Any
 ) -> dict[str, Any]:
-    steps = (passes + 1) * block  # kvoffload's last block times its client (unmeasured)
+    steps = passes * (SETTLE_STEPS + block) + PROFILE_STEPS
     engines = {s: make_engine(s, n, prompt_only, d.socket_path, f"{s}{n}", steps) for s in SPECS}
     deadline = time.monotonic() + SECOND_ENGINE_START_S
     while bg_steps.value < WARMUP_STEPS:  # the second engine steps before we measure
@@ -299,6 +305,8 @@ def _measure(
     for p in range(passes):  # one block each, the first rotating
         for j in range(len(order)):
             spec, e = order[(p + j) % len(order)]
+            for _ in range(SETTLE_STEPS):
+                step(e)
             for _ in range(block):
                 io.clear()
                 wall_ms, cpu_ms = step(e, io=io)
@@ -308,12 +316,13 @@ def _measure(
                 if e is kvo:
                     io_steps.append(" and ".join(sorted(io)) or "neither")
     measured = passes * block
+    taken = passes * (SETTLE_STEPS + block)  # each engine's steps, untimed ones included
     cpu1, bg1, load1 = cpu_s(d.pid), bg_steps.value, os.getloadavg()[0]
     after = counters(kvo)
-    # Where the client's time goes, from one more block of kvoffload's steps with its
-    # calls timed: kept out of the measured blocks, which the timing would slow.
+    # Where the client's time goes, from more of kvoffload's steps with its calls
+    # timed: kept out of the measured blocks, which the timing would slow.
     with ClientTime() as clock:
-        for _ in range(block):
+        for _ in range(PROFILE_STEPS):
             step(kvo, clock)
     views = kvo.manager.views
     point: dict[str, Any] = {"n": n, "offload_prompt_only": prompt_only}
@@ -322,13 +331,14 @@ def _measure(
             "p50_ms": statistics.median(xs),
             "p99_ms": pct(xs, 0.99),
             "cpu_p50_ms": statistics.median(cpu[spec]),
+            "steps_with_stores": stores[spec] / measured,
         }
     point["ratio_p50"] = point["kvoffload"]["p50_ms"] / point["vllm"]["p50_ms"]
     point["ratio_p99"] = point["kvoffload"]["p99_ms"] / point["vllm"]["p99_ms"]
     point["steps_with_stores"] = stores["kvoffload"] / measured
-    point["scheduler_round_trips_per_step"] = (after[0] - before[0]) / measured
-    point["worker_round_trips_per_step"] = (after[1] - before[1]) / measured
-    point["one_way_frames_per_step"] = (after[2] - before[2]) / measured
+    point["scheduler_round_trips_per_step"] = (after[0] - before[0]) / taken
+    point["worker_round_trips_per_step"] = (after[1] - before[1]) / taken
+    point["one_way_frames_per_step"] = (after[2] - before[2]) / taken
     point["lease_fallbacks_total"] = sum(v.lease_fallbacks_total for v in views)
     point["feed_resyncs_total"] = sum(v.resyncs_total for v in views)
     by_io: dict[str, list[float]] = {}
@@ -338,8 +348,8 @@ def _measure(
         parts: {"share": len(xs) / measured, "p50_ms": statistics.median(xs)}
         for parts, xs in sorted(by_io.items())
     }
-    point["profile"] = clock.report(block)
-    engine_steps = measured + (bg1 - bg0)
+    point["profile"] = clock.report(PROFILE_STEPS)
+    engine_steps = taken + (bg1 - bg0)
     point["daemon_cpu_us_per_engine_step"] = (cpu1 - cpu0) / max(1, engine_steps) * 1e6
     point["load_average"] = [load0, load1]
     for e in engines.values():
