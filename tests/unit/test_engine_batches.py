@@ -388,6 +388,58 @@ def test_engines_of_a_full_region_find_their_refills_free_every_step() -> None:
     assert short == [], f"(step, engine, slots) of refills short of {want}: {short[:8]}"
 
 
+def test_a_storing_engine_beside_an_idle_mirror_finds_its_refills_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine stores into a full region while another engine's mirror is attached
+    but idle (no requests: it reads and acks nothing). Every eviction then waits out
+    the grace period in a grave, so the channel must evict a grace period's worth of
+    stores ahead: evicting only for the next refills left the storing engine's pool dry
+    for most of each grace period (its stores refused as no space)."""
+    from kvoffload.protocol import messages as m
+    from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids
+    from kvoffloadd.index import storeindex
+    from kvoffloadd.ledger import Ledger
+    from kvoffloadd.service.engines import EngineChannel
+    from kvoffloadd.service.session import Session
+
+    now = [1000.0]
+    monkeypatch.setattr(storeindex.time, "monotonic", lambda: now[0])  # graves' clock
+    step_s, per_step, want = 0.1, 4, 4  # 40 blocks/s, 1 s of grace: 44 ahead of 64
+    idx = make_index(blocks=512, grace_s=1.0)  # lease budget 512 // 8 = 64
+    idx.clock = lambda: now[0]
+    idx.graves.drop_mirror(A)  # B stays: a mirror that never acks
+    channel = EngineChannel({0: idx}, 1 << 20, Ledger())
+    s = Session(10, 0, 0, 0)
+    idx.uid_of = lambda client: 0
+    s.leases[0] = new_token()
+    s.namespaces.add(0)
+    s.writable.add(0)
+    idx.events.subscribe(s.session_id)
+    idx.add_mirror(s.session_id)
+    pool: list[int] = []
+    full_at, short = None, []
+    for step in range(260):  # the region is full after 512 / 4 = 128 steps
+        now[0] += step_s
+        slots, pool = pool[:per_step], pool[per_step:]
+        keys = [b"k%07d" % (step * per_step + i) for i in range(len(slots))]
+        claimed, kb = pack_keys(keys) if keys else (b"", 8)
+        idx.mark_written(slots, area=0)
+        batch = m.StepBatch(0, 0, kb, claimed, pack_ids(slots), commit_keys=claimed,
+                            ack_seq=idx.events.seq, want_leases=want)  # fmt: skip
+        channel.apply(s, idx, batch)
+        for push in s.pushes:
+            pool += unpack_ids(push.slots).tolist()
+        s.pushes.clear()
+        if full_at is None and idx.statistics().evicted_blocks_total:
+            full_at = step
+        if full_at is not None and step > full_at + 20 and len(pool) < per_step:
+            short.append((step, len(pool)))
+    assert full_at is not None and full_at < 200, "the region never filled"
+    assert len(idx.graves) > 0, "no eviction waited for the idle mirror"
+    assert short == [], f"(step, slots) of {len(short)} refills short of {per_step}: {short[:8]}"
+
+
 class _NoWalk(dict):  # type: ignore[type-arg]
     """The writers of a namespace, which a leaving client must not walk."""
 

@@ -42,6 +42,7 @@ from kvoffloadd.index.storeindex import NamespaceStatistics, StoreIndex
 
 __all__ = ["NamespaceIndex", "NamespaceStatistics", "OffloadEvent"]
 
+STORE_MARKS = 8  # marks per window of ``stored_within``
 _slot_of = attrgetter("slot")
 _ref_of = attrgetter("ref")
 
@@ -69,6 +70,18 @@ class NamespaceIndex(StoreIndex):
         self.lease_ledger.add(client, len(slots) * self.slots.slot_bytes)
         self._journal.leased_many(slots, token)
         return slots
+
+    def stored_within(self, window_s: float) -> int:
+        """About how many blocks were stored in the last ``window_s`` (from marks taken
+        every ``window_s / STORE_MARKS`` as this is asked; a bounded few of them)."""
+        now, stored, marks = self.clock(), self._stored, self._store_marks
+        if not marks or now - marks[-1][0] >= window_s / STORE_MARKS:
+            marks.append((now, stored))
+        while len(marks) > 1 and now - marks[1][0] >= window_s:
+            marks.popleft()  # the oldest mark left is the last at or before the window
+        while len(marks) > STORE_MARKS + 2:
+            marks.popleft()  # a shorter window than before
+        return stored - marks[0][1]
 
     def reserve(self, n: int) -> None:
         """Keep ``n`` slots free, or coming free from graves, evicting least recently

@@ -37,7 +37,7 @@ admin operations. Everything here runs on the daemon's loop thread only: no lock
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
@@ -165,6 +165,9 @@ class StoreIndex:
         self._lookups = self._lookup_keys = self._hit_keys = self._lookup_misses = 0
         self._stores_prepared = self._stored = self._store_failures = self._duplicates = 0
         self._loads_prepared = self._evicted = self._pins_missed = self._pins_expired = 0
+        # (when, blocks stored by then), every 1/STORE_MARKS of a window: what was stored
+        # lately (NamespaceIndex.stored_within); at most STORE_MARKS + 2 entries
+        self._store_marks: deque[tuple[float, int]] = deque()
 
     # ------------------------------------------------------------ scheduler side
 

@@ -13,9 +13,11 @@ of the namespace (keys and their slots), a pool of leased empty slots, and sends
   overflows, and it resyncs from a snapshot.
 - ``LeaseGrant``: empty slots, whenever a connection holds fewer than it asked for
   (``want_leases``) and the namespace has room, evicting to make room outside any
-  request, one refill ahead for every connection holding leases (evicted space frees
-  only once every engine's mirror has seen the eviction; at most the lease budget is
-  kept free this way). All connections together hold at most 1/``LEASE_SHARE`` of the
+  request, one refill ahead for every connection holding leases and, while other
+  mirrors are attached, the stores of one ``mirror_grace_s`` more (evicted space frees
+  only once every engine's mirror has seen the eviction, which an idle engine does
+  only when the grace period ends; at most the lease budget is kept free or coming
+  free this way). All connections together hold at most 1/``LEASE_SHARE`` of the
   namespace's largest possible size (its lease budget), checked at every grant; one
   connection at most an equal share among the connections holding leases, one uid an
   equal share among the uids; across all namespaces a connection, a uid and everyone
@@ -153,10 +155,15 @@ class EngineChannel:
         if short > 0 and (slots := index.lease(token, short, s.session_id)):
             s.pushes.append(m.LeaseGrant(0, index.ns_id, pack_ids(slots)))
         # Evicted blocks stay in graves until every engine has seen the eviction, a
-        # step or more: evict for the next refills now, so they find the space free.
-        # Every holder refills from the same free space: keep as much free as all of
-        # them would take at this connection's wish (within the lease budget).
-        index.reserve(min(self.lease_budget(index), want * leases.holders(token)))
+        # step or more, or the grace period while an engine is idle: evict ahead now,
+        # so later refills find the space free. Every holder refills from the same
+        # free space: keep as much free as all of them would take at this connection's
+        # wish, and coming free in graves as much as the stores of one grace period
+        # take (within the lease budget).
+        ahead = want * leases.holders(token)
+        if index.graves.needed(None):
+            ahead += index.stored_within(index.graves.grace_s)
+        index.reserve(min(self.lease_budget(index), ahead))
 
     @staticmethod
     def lease_budget(index: NamespaceIndex) -> int:
