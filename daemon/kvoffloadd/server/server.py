@@ -92,10 +92,10 @@ INLINE_BYTES = 64 << 10
 READY_PER_TURN = 256  # descriptors one turn handles; epoll rounds robin over the rest
 CPU_READ_S = 0.001  # queued units: the loop thread's CPU clock read after this much wall
 CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
-# A connection's feed is pushed at most this often: engines read pushes once per step's
-# I/O (every ``batch_interval_s``, 10 ms), and each push read costs a decode and a pass
-# of its own; a mirror is this much later at most (evicted blocks stay readable for
-# ``mirror_grace_s``).
+# A connection's feed is pushed at most this often: a vLLM engine reads pushes once per
+# step's I/O (at most every ``batch_interval_s``, 20 ms), and each push read costs a
+# decode and a pass of its own, so a read finds one or two; a mirror is this much later
+# at most (evicted blocks stay readable for ``mirror_grace_s``).
 FEED_PUSH_GAP_S = 0.010
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 # what epoll reports: hang-ups and errors count as both (a read or send then says which)

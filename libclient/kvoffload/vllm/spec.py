@@ -14,7 +14,7 @@
 - ``timeout_s`` (5): per blocking daemon call (start-up and fallbacks only).
 - ``lease_blocks`` (64): the fewest empty slots the scheduler keeps leased, so a
   store never waits for the daemon; the pool grows with the engine's store rate.
-- ``batch_interval_s`` (0.01): the scheduler and each worker write to the daemon and
+- ``batch_interval_s`` (0.02): the scheduler and each worker write to the daemon and
   read what it pushed at most this often (loads, and a lease pool running low, at
   once): what an engine's steps change goes out in one frame per namespace.
 - ``store_timeout_s`` (10): a store the daemon has not copied by then is dropped
@@ -51,7 +51,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvoffload.client import Client, connect
 from kvoffload.protocol.messages import KVLayout
 from kvoffload.vllm.identity import VllmIdentity
-from kvoffload.vllm.manager import KVOffloadManager
+from kvoffload.vllm.manager import BATCH_INTERVAL_S, KVOffloadManager
 from kvoffload.vllm.transfer import KVOffloadWorker, group_caches
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class KVOffloadSpec(OffloadingSpec):
         self.timeout_s = float(extra.get("timeout_s", 5.0))
         self.copy_mode = str(extra.get("copy_mode", "auto"))
         self.lease_blocks = int(extra.get("lease_blocks", 64))
-        self.batch_interval_s = float(extra.get("batch_interval_s", 0.01))
+        self.batch_interval_s = float(extra.get("batch_interval_s", BATCH_INTERVAL_S))
         self.store_timeout_s = float(extra.get("store_timeout_s", 10.0))
         self.load_wait_s = float(extra.get("load_wait_s", 10.0))
         self._manager: KVOffloadManager | None = None
