@@ -46,14 +46,15 @@ def test_the_wheel_installs_into_a_fresh_virtualenv_and_serves(tmp_path: Path) -
     dist = tmp_path / "dist"
     run(sys.executable, "-m", "build", "--outdir", dist, src)
     sdist = dist / f"kvoffload-{__version__}.tar.gz"
-    # the C copy loop makes it a wheel for this interpreter and platform
+    # the C copy loop and key set make it a wheel for this interpreter and platform
     wheels = sorted(dist.glob(f"kvoffload-{__version__}-cp3*-linux_*.whl"))
     assert len(wheels) == 1 and sorted(p.name for p in dist.iterdir()) == sorted(
         [wheels[0].name, sdist.name]
     ), sorted(p.name for p in dist.iterdir())
     wheel = wheels[0]
     listing = run("tar", "tzf", sdist)
-    assert f"kvoffload-{__version__}/libclient/kvoffload/datapath/_copyrun.c" in listing
+    for c in ("libclient/kvoffload/datapath/_copyrun.c", "daemon/kvoffloadd/index/_keyset.c"):
+        assert f"kvoffload-{__version__}/{c}" in listing, f"the sdist lacks {c}"
     for name in ("systemd/kvoffloadd.service", "systemd/kvoffloadd.toml.example", "CHANGELOG.md"):
         assert f"kvoffload-{__version__}/{name}" in listing, f"the sdist lacks {name}"
 
@@ -81,6 +82,8 @@ def test_the_wheel_installs_into_a_fresh_virtualenv_and_serves(tmp_path: Path) -
     )
     native = "from kvoffload.datapath import memruns; print(memruns.NATIVE)"
     assert run(bin_ / "python", "-c", native).strip() == "True", "the wheel lacks the C copy loop"
+    native = "from kvoffloadd.index import keyset; print(keyset.NATIVE)"
+    assert run(bin_ / "python", "-c", native).strip() == "True", "the wheel lacks the C key set"
 
     with DaemonProcess("64MiB", "--no-prefault", command=[str(bin_ / "kvoffloadd")]) as d:
         assert f"listening on {d.socket_path}" in d.banner

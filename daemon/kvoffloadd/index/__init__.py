@@ -8,5 +8,7 @@ Rules:
   an error that could reach the engine (``index``).
 - Leases, graves and event feeds are bounded and charged to whoever made them
   (``leases``, ``graves``, ``events``, ``kvoffloadd.ledger``).
+- Lookups probe the ready keys where the request's packed field lies, in C where it
+  was built (``keyset``), each namespace's keys hashed under a secret of its own.
 - Loop thread only, no locks; no I/O. Imports ``region.allocator`` and ``ledger``.
 """

@@ -40,14 +40,14 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import takewhile
 
 from kvoffload.plans import OffloadEvent, StorePlan
 from kvoffload.protocol.errors import InvalidArgumentError, NotLeasedError, QuotaExceededError
-from kvoffload.protocol.messages import KVLayout
+from kvoffload.protocol.messages import KVLayout, packed_count
 from kvoffloadd.index.checksums import BlockChecksums
 from kvoffloadd.index.events import EventFeed
 from kvoffloadd.index.graves import Graveyard
+from kvoffloadd.index.keyset import KeySetLike, key_set
 from kvoffloadd.index.leases import LeaseBook
 from kvoffloadd.index.policies import Block, make_policy
 from kvoffloadd.ledger import Limits, Line
@@ -120,8 +120,8 @@ class StoreIndex:
         self.max_pinned_blocks: int | None = None
         # slot -> key of the block in it (None: free, leased or a shadow copy)
         self._slot_key: list[bytes | None] = []
-        # keys whose store completed (ref >= 0): lookup runs on this set in C
-        self._ready: set[bytes] = set()
+        # keys whose store completed (ref >= 0): lookups probe this set in C (keyset.py)
+        self._ready: KeySetLike = key_set()
         self._written: dict[int, int] = {}  # slot being written -> bit mask of areas done
         # canonical slot -> (parts, {part: worker}) of the parts that reported so far
         self._parts: dict[int, tuple[int, dict[int, int]]] = {}
@@ -173,18 +173,22 @@ class StoreIndex:
 
     def ready_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are ready (no statistics)."""
-        ready = self._ready
-        if ready.issuperset(keys):  # all of them (the usual hit): one C loop, no call per key
-            return len(keys)
-        # stops at the first key not ready, as the loop above did; hashes are cached
-        return len(list(takewhile(ready.__contains__, keys)))
+        return self._ready.prefix(keys)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        hits = self.ready_prefix(keys)
+        return self._counted(len(keys), self._ready.prefix(keys))
+
+    def lookup_packed(self, packed: bytes, key_bytes: int) -> int:
+        """``lookup`` of a packed key field (validated: ``messages.packed_count``),
+        probed where it lies."""
+        n = packed_count(packed, key_bytes)
+        return self._counted(n, self._ready.prefix_packed(packed, key_bytes) if n else 0)
+
+    def _counted(self, n: int, hits: int) -> int:
         self._lookups += 1
-        self._lookup_keys += len(keys)
+        self._lookup_keys += n
         self._hit_keys += hits
-        if hits < len(keys):
+        if hits < n:
             self._lookup_misses += 1
         return hits
 

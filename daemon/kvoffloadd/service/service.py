@@ -181,18 +181,20 @@ class Service:
         }
 
     def _on_lookup(self, s: Session, r: m.Lookup) -> m.Reply:
-        index, keys = self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes)
-        if self.tiering is None:
-            return m.LookupReply(r.rid, index.lookup(keys))
-        return m.LookupReply(r.rid, self.tiering.lookup(index, keys))
+        index = self._ns(s, r.ns)
+        hits = index.lookup_packed(r.keys, r.key_bytes)  # probed where the keys lie
+        if self.tiering is None or hits * r.key_bytes == len(r.keys):
+            return m.LookupReply(r.rid, hits)
+        keys = unpack_keys(r.keys, r.key_bytes)
+        return m.LookupReply(r.rid, self.tiering.lookup_rest(index, keys, hits))
 
     def _on_probe(self, s: Session, r: m.Probe) -> m.Reply:
-        index, keys = self._ns(s, r.ns), unpack_keys(r.keys, r.key_bytes)
+        index = self._ns(s, r.ns)
         if self.tiering is None:
-            hits = index.lookup(keys)
-            states = [m.KEY_READY] * hits + [m.KEY_ABSENT] * (hits < len(keys))
+            hits = index.lookup_packed(r.keys, r.key_bytes)
+            states = [m.KEY_READY] * hits + [m.KEY_ABSENT] * (hits * r.key_bytes < len(r.keys))
         else:
-            states = self.tiering.probe(index, keys)
+            states = self.tiering.probe(index, unpack_keys(r.keys, r.key_bytes))
         return m.ProbeReply(r.rid, bytes(states))
 
     def _on_prepare_store(self, s: Session, r: m.PrepareStore) -> m.Reply:

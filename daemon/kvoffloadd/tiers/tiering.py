@@ -143,7 +143,10 @@ class Tiering:
 
     def lookup(self, index: NamespaceIndex, keys: Sequence[bytes]) -> int | None:
         """Leading keys ready in the region, or ``None`` while some are promoted."""
-        hits = index.lookup(keys)
+        return self.lookup_rest(index, keys, index.lookup(keys))
+
+    def lookup_rest(self, index: NamespaceIndex, keys: Sequence[bytes], hits: int) -> int | None:
+        """``lookup`` once the region's ``hits`` leading keys are counted."""
         if hits == len(keys) or not self._tiers:
             return hits
         return None if PROMOTING in self.probe(index, keys[hits:]) else hits

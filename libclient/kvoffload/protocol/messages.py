@@ -625,21 +625,24 @@ def pack_keys(keys: list[bytes] | tuple[bytes, ...]) -> tuple[bytes, int]:
     return packed, key_bytes
 
 
-def unpack_keys(packed: bytes, key_bytes: int) -> list[bytes]:
-    """Split a packed key field; raises ValueError when it is malformed."""
+def packed_count(packed: bytes, key_bytes: int) -> int:
+    """How many keys a packed key field holds; raises ValueError when it is malformed."""
     if not packed:
-        return []
+        return 0
     if not 0 < key_bytes <= MAX_KEY_BYTES or len(packed) % key_bytes:
         raise ValueError(
             f"packed keys of {len(packed)} bytes do not split into keys of {key_bytes} bytes"
         )
-    if len(packed) // key_bytes > MAX_KEYS_PER_MESSAGE:
-        raise ValueError(
-            f"{len(packed) // key_bytes} keys in one request; split it "
-            f"(at most {MAX_KEYS_PER_MESSAGE})"
-        )
-    if key_bytes == len(packed):
-        return [packed]
+    n = len(packed) // key_bytes
+    if n > MAX_KEYS_PER_MESSAGE:
+        raise ValueError(f"{n} keys in one request; split it (at most {MAX_KEYS_PER_MESSAGE})")
+    return n
+
+
+def unpack_keys(packed: bytes, key_bytes: int) -> list[bytes]:
+    """Split a packed key field; raises ValueError when it is malformed."""
+    if packed_count(packed, key_bytes) <= 1:
+        return [packed] if packed else []
     if len(packed) <= SMALL_UNPACK_BYTES:  # a step's few keys: slicing beats numpy's setup
         return [packed[i : i + key_bytes] for i in range(0, len(packed), key_bytes)]
     # A void dtype keeps every byte (an "S" dtype would strip trailing NULs).
