@@ -112,6 +112,19 @@ def test_other_lengths_are_never_in_and_never_added() -> None:
         keyset._NativeKeySet(b"short")
 
 
+def test_adding_a_key_already_in_never_grows_the_table() -> None:
+    if not BUILT:
+        pytest.skip("the C set was not built")
+    s = key_set(native=True)
+    for k in POOL:
+        s.add(k)
+        size = s.table_bytes()  # type: ignore[attr-defined]
+        s.add(k)
+        s.update([k, k])
+        assert s.table_bytes() == size and len(s) == POOL.index(k) + 1  # type: ignore[attr-defined]
+    assert s.prefix_packed(b"", 0) == 0 and PyKeySet().prefix_packed(b"", 0) == 0
+
+
 def test_each_set_hashes_under_its_own_secret() -> None:
     """Engines choose keys: where a key goes in the table depends on a secret nobody
     sees, so the same keys lie in another order in every set."""

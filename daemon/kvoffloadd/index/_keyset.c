@@ -9,10 +9,10 @@
  * The home entry of a key is (tag * capacity) >> 32, so the table is rebuilt from the
  * tags alone when it is resized, and a removal shifts the entries after it back (no
  * tombstones: probes stay short however many keys come and go). Past 4/5 full, or
- * below 1/5, the table is rebuilt 11/20 full: it holds each key in 1.25-1.8 entries
- * whatever their number (a power-of-two table doubled at 3/4 holds it in 1.33-2.67).
- * Its memory comes from PyMem_Raw (traced by tracemalloc, as the index's memory is
- * measured).
+ * below 1/5, the table is rebuilt 11/20 full: as keys are added it holds each in
+ * 1.25-1.8 entries whatever their number (a power-of-two table doubled at 3/4 holds it
+ * in 1.33-2.67), after removals in at most 5. Its memory comes from PyMem_Raw (traced
+ * by tracemalloc, as the index's memory is measured).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,6 +22,12 @@
 
 #define MIN_CAPACITY 16
 #define MAX_KEY_BYTES 64
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
 
 /* ---------------------------------------------------------------- SipHash-1-3 */
 
@@ -163,19 +169,25 @@ static int check_key(KeySet *s, PyObject *key, const uint8_t **data) {
 
 static int add_one(KeySet *s, PyObject *key) {
     const uint8_t *data;
+    int first = s->key_bytes == 0, found = 0;
     if (check_key(s, key, &data) < 0)
         return -1;
-    if ((s->count + 1) * 5 > s->cap * 4 && rebuild(s, sized_for(s->count + 1)) < 0)
-        return -1;
     uint32_t tag = tag_of(s, data);
-    int found;
-    size_t i = find(s, data, tag, &found);
-    if (!found) {
-        uint8_t *e = s->table + i * s->stride;
-        memcpy(e, &tag, 4);
-        memcpy(e + 4, data, (size_t)s->key_bytes);
-        s->count++;
+    size_t i = s->cap ? find(s, data, tag, &found) : 0;
+    if (found)
+        return 0;
+    if ((s->count + 1) * 5 > s->cap * 4) {
+        if (rebuild(s, sized_for(s->count + 1)) < 0) {
+            if (first)
+                s->key_bytes = 0; /* nothing was added: the first key's length is not fixed */
+            return -1;
+        }
+        i = find(s, data, tag, &found);
     }
+    uint8_t *e = s->table + i * s->stride;
+    memcpy(e, &tag, 4);
+    memcpy(e + 4, data, (size_t)s->key_bytes);
+    s->count++;
     return 0;
 }
 
@@ -313,7 +325,7 @@ static Py_ssize_t leading(const KeySet *s, const uint8_t *p, Py_ssize_t n, Py_ss
     uint32_t tags[AHEAD];
     for (Py_ssize_t i = 0; i < n && i < AHEAD; i++) {
         tags[i] = tag_of(s, p + i * kb);
-        __builtin_prefetch(s->table + home(tags[i], s->cap) * s->stride);
+        PREFETCH(s->table + home(tags[i], s->cap) * s->stride);
     }
     Py_ssize_t hits = 0;
     for (; hits < n; hits++) {
@@ -322,7 +334,7 @@ static Py_ssize_t leading(const KeySet *s, const uint8_t *p, Py_ssize_t n, Py_ss
         if (next < n) {
             uint32_t t = tag_of(s, p + next * kb);
             tags[next % AHEAD] = t;
-            __builtin_prefetch(s->table + home(t, s->cap) * s->stride);
+            PREFETCH(s->table + home(t, s->cap) * s->stride);
         }
         int found;
         find(s, p + hits * kb, tag, &found);
@@ -337,14 +349,15 @@ static PyObject *KeySet_prefix_packed(KeySet *s, PyObject *args) {
     Py_ssize_t key_bytes;
     if (!PyArg_ParseTuple(args, "y*n:prefix_packed", &packed, &key_bytes))
         return NULL;
-    if (key_bytes < 1 || packed.len % key_bytes) {
+    if (packed.len && (key_bytes < 1 || packed.len % key_bytes)) {
         PyBuffer_Release(&packed);
         PyErr_Format(PyExc_ValueError,
                      "packed keys of %zd bytes do not split into keys of %zd bytes",
                      packed.len, key_bytes);
         return NULL;
     }
-    Py_ssize_t hits = leading(s, (const uint8_t *)packed.buf, packed.len / key_bytes, key_bytes);
+    Py_ssize_t n = packed.len ? packed.len / key_bytes : 0;
+    Py_ssize_t hits = leading(s, (const uint8_t *)packed.buf, n, key_bytes);
     PyBuffer_Release(&packed);
     return PyLong_FromSsize_t(hits);
 }
