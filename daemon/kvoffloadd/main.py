@@ -12,10 +12,12 @@ import socket
 import sys
 from typing import Any
 
+from kvoffload.datapath import memruns
 from kvoffloadd import __version__
 from kvoffloadd.config import DEFAULT_CONFIG_PATH, ConfigError, DaemonConfig, load_config
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.copies.gpu import start_gpu
+from kvoffloadd.index import keyset
 from kvoffloadd.region.backing import HUGE_PAGES
 from kvoffloadd.region.bringup import RegionSetup, fit_check, plan_setup
 from kvoffloadd.region.region import RegionError, SharedOffloadRegion
@@ -50,6 +52,22 @@ def yield_to_engines() -> None:
                 exc,
             )
             return
+
+
+def note_python_paths() -> None:
+    """Say which C paths do not run here: their Python stand-ins are correct, and
+    slower. Not built (no C compiler at install) is a warning; turned off on purpose
+    (for a comparison) is said at info level."""
+    for what, built, used, env, cost in (
+        ("C copy loop", memruns.BUILT, memruns.NATIVE, "KVOFFLOAD_NO_NATIVE_COPY",
+         "CPU copies of small pages run at about half of memcpy"),
+        ("C key set", keyset.BUILT, keyset.NATIVE, "KVOFFLOAD_NO_NATIVE_INDEX",
+         "lookups make a Python object per key, several times slower"),
+    ):  # fmt: skip
+        if not built:
+            log.warning("the %s is not built (install with a C compiler): %s", what, cost)
+        elif not used:
+            log.info("the %s is turned off (%s): %s", what, env, cost)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -317,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvoffloadd: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    note_python_paths()
     if cfg.sched_batch:
         yield_to_engines()
     fd_limit = raise_fd_limit()

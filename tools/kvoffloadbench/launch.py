@@ -92,12 +92,13 @@ class DaemonProcess:
         command: Sequence[str] = (sys.executable, "-m", "kvoffloadd"),
         preexec: Callable[[], None] | None = None,
         env: dict[str, str] | None = None,
+        log_path: str | None = None,
     ) -> None:
         """``settings``: config keys with scalar or table values, written to a config
         file; ``command``: how to start the daemon (another installation's
         ``kvoffloadd``); ``preexec``: run in the child before the daemon starts
         (entering a cgroup); ``env``: the daemon's environment (default: this
-        process's)."""
+        process's); ``log_path``: a file for its log (default: this process's stderr)."""
         self.instance = instance or f"t{uuid.uuid4().hex[:10]}"
         self._tmp = tempfile.mkdtemp(prefix="kvoffload-")
         _made.append((os.getpid(), self._tmp))
@@ -120,18 +121,24 @@ class DaemonProcess:
         self.start_timeout_s = start_timeout_s
         self.preexec = preexec
         self.env = env
+        self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.banner = ""
 
     def start(self) -> DaemonProcess:
-        self.proc = subprocess.Popen(
-            self.args,
-            stdout=subprocess.PIPE,
-            stderr=None,
-            start_new_session=True,
-            preexec_fn=self.preexec,
-            env=self.env,
-        )
+        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                self.args,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=self.preexec,
+                env=self.env,
+            )
+        finally:
+            if log is not None:
+                log.close()  # the daemon has its own copy
         assert self.proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ)

@@ -31,7 +31,8 @@ except ImportError as exc:  # built where a compiler was found at install time
     logging.getLogger(__name__).info("no C key set (%s): lookups take the Python path", exc)
     _NativeKeySet = None  # type: ignore[assignment,misc]
 
-NATIVE = _NativeKeySet is not None and not os.environ.get("KVOFFLOAD_NO_NATIVE_INDEX")
+BUILT = _NativeKeySet is not None  # whether the C key set was built
+NATIVE = BUILT and not os.environ.get("KVOFFLOAD_NO_NATIVE_INDEX")
 
 
 class KeySetLike(Protocol):

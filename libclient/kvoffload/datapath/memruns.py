@@ -47,6 +47,7 @@ try:
 except ImportError as exc:  # built where a compiler was found at install time
     logging.getLogger(__name__).info("no C copy loop (%s): copies take the Python path", exc)
     _native = None  # type: ignore[assignment]
+BUILT = _native is not None  # whether the C copy loop was built
 if os.environ.get("KVOFFLOAD_NO_NATIVE_COPY"):  # the Python path, as where not built
     _native = None  # type: ignore[assignment]
 
