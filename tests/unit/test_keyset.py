@@ -8,6 +8,7 @@ import random
 import shutil
 import tracemalloc
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -135,6 +136,92 @@ def test_each_set_hashes_under_its_own_secret() -> None:
     a.update(keys)
     b.update(keys)
     assert set(a) == set(b) and list(a) != list(b)
+
+
+SECRET = bytes(range(16))
+
+
+def _rotl(x: np.ndarray, b: int) -> np.ndarray:
+    return (x << np.uint64(b)) | (x >> np.uint64(64 - b))
+
+
+def siphash13(secret: bytes, keys: list[bytes]) -> np.ndarray:
+    """SipHash-1-3 (the reference algorithm) of equal-length keys, all at once."""
+    k0, k1 = (np.uint64(int.from_bytes(secret[i : i + 8], "little")) for i in (0, 8))
+    n, length = len(keys), len(keys[0])
+    v = [
+        np.full(n, k0 ^ np.uint64(0x736F6D6570736575)),
+        np.full(n, k1 ^ np.uint64(0x646F72616E646F6D)),
+        np.full(n, k0 ^ np.uint64(0x6C7967656E657261)),
+        np.full(n, k1 ^ np.uint64(0x7465646279746573)),
+    ]
+
+    def sipround() -> None:
+        for a, b, r1, r2 in ((0, 1, 13, 32), (2, 3, 16, 0), (0, 3, 21, 0), (2, 1, 17, 32)):
+            v[a] += v[b]
+            v[b] = _rotl(v[b], r1) ^ v[a]
+            if r2:
+                v[a] = _rotl(v[a], r2)
+
+    padded = np.frombuffer(b"".join(k + bytes(-length % 8) for k in keys), dtype="<u8")
+    words = padded.reshape(n, -1)
+    for i in range(length // 8):
+        v[3] ^= words[:, i]
+        sipround()
+        v[0] ^= words[:, i]
+    last = np.uint64(length << 56) | (words[:, -1] if length % 8 else np.uint64(0))
+    v[3] ^= last
+    sipround()
+    v[0] ^= last
+    v[2] ^= np.uint64(0xFF)
+    for _ in range(3):
+        sipround()
+    out: np.ndarray = v[0] ^ v[1] ^ v[2] ^ v[3]
+    return out
+
+
+def test_tags_are_siphash_1_3_under_the_secret() -> None:
+    """Every length's keys, whole words and tails of any size, hash as the reference."""
+    if not BUILT:
+        pytest.skip("the C set was not built")
+    s = keyset._NativeKeySet(SECRET)
+    rng = random.Random(7)
+    for length in range(1, 65):
+        keys = [rng.randbytes(length) for _ in range(20)]
+        want = [int(h) & 0xFFFFFFFF or 1 for h in siphash13(SECRET, keys)]
+        assert [s._tag(k) for k in keys] == want, length
+
+
+def _colliding(keys: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """Pairs of ``keys`` whose tags (under ``SECRET``) are equal."""
+    tags = siphash13(SECRET, keys) & np.uint64(0xFFFFFFFF)
+    order = np.argsort(tags, kind="stable")
+    same = np.flatnonzero(tags[order][1:] == tags[order][:-1])
+    return [(keys[order[i]], keys[order[i + 1]]) for i in same]
+
+
+@pytest.mark.parametrize("differ", ["in the last bytes", "in the first word"])
+def test_keys_of_one_tag_are_told_apart(differ: str) -> None:
+    """Keys whose tags are equal are compared byte for byte: those that differ only
+    past the whole words, or only in the first word, are different keys."""
+    if not BUILT:
+        pytest.skip("the C set was not built")
+    n = 1 << 18  # about 8 pairs of equal 32-bit tags among them
+    if differ == "in the last bytes":
+        keys = [b"samehead" + i.to_bytes(4, "little") for i in range(n)]
+    else:
+        keys = [i.to_bytes(8, "little") + b"tail" for i in range(n)]
+    pairs = _colliding(keys)
+    assert pairs, "no two keys share a tag: make more"
+    for a, b in pairs:
+        s = keyset._NativeKeySet(SECRET)
+        assert s._tag(a) == s._tag(b)
+        s.add(a)
+        assert b not in s and s.prefix([b]) == 0 and s.prefix_packed(b, 12) == 0
+        s.add(b)
+        assert len(s) == 2 and a in s and b in s and s.prefix_packed(a + b, 12) == 2
+        s.discard(a)
+        assert a not in s and b in s and len(s) == 1
 
 
 def test_its_memory_is_traced_as_the_index_is_measured() -> None:

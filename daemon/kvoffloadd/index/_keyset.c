@@ -57,8 +57,16 @@ static uint64_t siphash13(uint64_t k0, uint64_t k1, const uint8_t *in, size_t le
         v0 ^= m;
     }
     uint64_t b = ((uint64_t)len) << 56;
-    for (size_t i = 0; i < (len & 7); i++)
-        b |= ((uint64_t)in[i]) << (8 * i);
+    switch (len & 7) { /* the last 1-7 bytes, without a loop */
+    case 7: b |= ((uint64_t)in[6]) << 48; /* fall through */
+    case 6: b |= ((uint64_t)in[5]) << 40; /* fall through */
+    case 5: b |= ((uint64_t)in[4]) << 32; /* fall through */
+    case 4: b |= ((uint64_t)in[3]) << 24; /* fall through */
+    case 3: b |= ((uint64_t)in[2]) << 16; /* fall through */
+    case 2: b |= ((uint64_t)in[1]) << 8;  /* fall through */
+    case 1: b |= ((uint64_t)in[0]);       /* fall through */
+    case 0: break;
+    }
     v3 ^= b;
     SIPROUND;
     v0 ^= b;
@@ -84,6 +92,22 @@ typedef struct {
 static inline uint32_t tag_of(const KeySet *s, const uint8_t *key) {
     uint32_t t = (uint32_t)siphash13(s->k0, s->k1, key, (size_t)s->key_bytes);
     return t ? t : 1;
+}
+
+/* Whether two keys of ``n`` bytes are equal: a word at a time, inline (keys are short:
+ * a call to memcmp costs more than the comparison). */
+static inline int same_key(const uint8_t *a, const uint8_t *b, size_t n) {
+    uint64_t x, y;
+    for (; n >= 8; a += 8, b += 8, n -= 8) {
+        memcpy(&x, a, 8);
+        memcpy(&y, b, 8);
+        if (x != y)
+            return 0;
+    }
+    for (; n; a++, b++, n--)
+        if (*a != *b)
+            return 0;
+    return 1;
 }
 
 static inline uint32_t entry_tag(const uint8_t *e) {
@@ -112,7 +136,7 @@ static size_t find(const KeySet *s, const uint8_t *key, uint32_t tag, int *found
             *found = 0;
             return i;
         }
-        if (t == tag && memcmp(e + 4, key, (size_t)s->key_bytes) == 0) {
+        if (t == tag && same_key(e + 4, key, (size_t)s->key_bytes)) {
             *found = 1;
             return i;
         }
@@ -387,6 +411,16 @@ static PyObject *KeySet_table_bytes(KeySet *s, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromSize_t(s->cap * s->stride);
 }
 
+static PyObject *KeySet_tag(KeySet *s, PyObject *key) {
+    if (!PyBytes_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "keys are bytes");
+        return NULL;
+    }
+    uint32_t t = (uint32_t)siphash13(s->k0, s->k1, (const uint8_t *)PyBytes_AS_STRING(key),
+                                     (size_t)PyBytes_GET_SIZE(key));
+    return PyLong_FromUnsignedLong(t ? t : 1);
+}
+
 static PyMethodDef KeySet_methods[] = {
     {"add", (PyCFunction)KeySet_add, METH_O, "Add a key (bytes of the set's length)."},
     {"update", (PyCFunction)KeySet_update, METH_O, "Add every key of an iterable."},
@@ -397,6 +431,8 @@ static PyMethodDef KeySet_methods[] = {
      "How many leading keys of a packed key field are in the set."},
     {"table_bytes", (PyCFunction)KeySet_table_bytes, METH_NOARGS,
      "Bytes of the table (for tests and statistics)."},
+    {"_tag", (PyCFunction)KeySet_tag, METH_O,
+     "A key's tag: the low 32 bits of its SipHash-1-3 under the secret, 0 made 1 (tests)."},
     {NULL, NULL, 0, NULL},
 };
 
