@@ -89,9 +89,14 @@ typedef struct {
     uint8_t *table;
 } KeySet;
 
-static inline uint32_t tag_of(const KeySet *s, const uint8_t *key) {
-    uint32_t t = (uint32_t)siphash13(s->k0, s->k1, key, (size_t)s->key_bytes);
+/* A key's tag: the low 32 bits of its SipHash-1-3 under the set's secret, never 0. */
+static inline uint32_t tag_of_len(const KeySet *s, const uint8_t *key, size_t len) {
+    uint32_t t = (uint32_t)siphash13(s->k0, s->k1, key, len);
     return t ? t : 1;
+}
+
+static inline uint32_t tag_of(const KeySet *s, const uint8_t *key) {
+    return tag_of_len(s, key, (size_t)s->key_bytes);
 }
 
 /* Whether two keys of ``n`` bytes are equal: a word at a time, inline (keys are short:
@@ -416,9 +421,8 @@ static PyObject *KeySet_tag(KeySet *s, PyObject *key) {
         PyErr_SetString(PyExc_TypeError, "keys are bytes");
         return NULL;
     }
-    uint32_t t = (uint32_t)siphash13(s->k0, s->k1, (const uint8_t *)PyBytes_AS_STRING(key),
-                                     (size_t)PyBytes_GET_SIZE(key));
-    return PyLong_FromUnsignedLong(t ? t : 1);
+    return PyLong_FromUnsignedLong(tag_of_len(s, (const uint8_t *)PyBytes_AS_STRING(key),
+                                              (size_t)PyBytes_GET_SIZE(key)));
 }
 
 static PyMethodDef KeySet_methods[] = {
