@@ -18,6 +18,7 @@ from kvoffloadd.config import DEFAULT_CONFIG_PATH, ConfigError, DaemonConfig, lo
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.copies.gpu import start_gpu
 from kvoffloadd.index import keyset
+from kvoffloadd.region import journal
 from kvoffloadd.region.backing import HUGE_PAGES
 from kvoffloadd.region.bringup import RegionSetup, fit_check, plan_setup
 from kvoffloadd.region.region import RegionError, SharedOffloadRegion
@@ -63,6 +64,8 @@ def note_python_paths() -> None:
          "CPU copies of small pages run at about half of memcpy"),
         ("C key set", keyset.BUILT, keyset.NATIVE, "KVOFFLOAD_NO_NATIVE_INDEX",
          "lookups make a Python object per key, several times slower"),
+        ("C slot record writer", journal.BUILT, journal.NATIVE, "KVOFFLOAD_NO_NATIVE_JOURNAL",
+         "each slot record a store writes costs a struct pack and a mapping write"),
     ):  # fmt: skip
         if not built:
             log.warning("the %s is not built (install with a C compiler): %s", what, cost)

@@ -1,6 +1,6 @@
-"""The daemon on the Python stand-ins of its C paths (the copy loop, the key set), as
-where no C compiler was at install: it says so at start and serves stores, lookups and
-probes as it does with them."""
+"""The daemon on the Python stand-ins of its C paths (the copy loop, the key set, the
+slot record writer), as where no C compiler was at install: it says so at start and
+serves stores, lookups and probes as it does with them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[PAGE], model="m", kv_dtype="bf16"
 
 
 def test_without_the_c_paths_it_says_so_and_serves_the_same(tmp_path: Path) -> None:
-    env = dict(os.environ, KVOFFLOAD_NO_NATIVE_INDEX="1", KVOFFLOAD_NO_NATIVE_COPY="1")
+    env = dict(
+        os.environ,
+        KVOFFLOAD_NO_NATIVE_INDEX="1",
+        KVOFFLOAD_NO_NATIVE_COPY="1",
+        KVOFFLOAD_NO_NATIVE_JOURNAL="1",
+    )
     log = tmp_path / "kvoffloadd.log"
     with DaemonProcess("64MiB", "--log-level", "info", env=env, log_path=str(log)) as d:
         client = kvoffload.connect(d.socket_path)
@@ -54,3 +59,4 @@ def test_without_the_c_paths_it_says_so_and_serves_the_same(tmp_path: Path) -> N
     text = log.read_text()
     assert "the C key set is turned off (KVOFFLOAD_NO_NATIVE_INDEX)" in text, text
     assert "the C copy loop is turned off (KVOFFLOAD_NO_NATIVE_COPY)" in text, text
+    assert "the C slot record writer is turned off (KVOFFLOAD_NO_NATIVE_JOURNAL)" in text, text

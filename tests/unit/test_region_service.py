@@ -23,7 +23,8 @@ from kvoffload.protocol import messages as m
 from kvoffload.protocol.messages import pack_keys, unpack_ids
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
-from kvoffloadd.region.region import _READY_LOOP_MAX, Geometry, RegionError, SharedOffloadRegion
+from kvoffloadd.region.journal import _READY_LOOP_MAX
+from kvoffloadd.region.region import Geometry, RegionError, SharedOffloadRegion
 from kvoffloadd.service.service import Service
 
 MIB = 1 << 20

@@ -35,7 +35,6 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -52,16 +51,11 @@ from kvoffload.datapath.regionfmt import (
     NAMESPACE_LAYOUT_OFFSET,
     NAMESPACE_RECORD_BYTES,
     SLOT_DTYPE,
-    SLOT_GRAVE,
-    SLOT_LEASED,
-    SLOT_READY,
     SLOT_RECORD_BYTES,
-    SLOT_WRITING,
     extent_crc,
     namespace_crc,
-    ready_crc,
 )
-from kvoffloadd.region import kernel, segment
+from kvoffloadd.region import journal, kernel, segment
 from kvoffloadd.region.allocator import ExtentPool
 from kvoffloadd.region.pinning import RegionPinner
 from kvoffloadd.region.placement import (
@@ -350,8 +344,13 @@ class SharedOffloadRegion:
         crc = extent_crc(ext, owner, slot_bytes, chunk)
         self._extent_table[ext] = (owner, slot_bytes, chunk, crc)
 
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The segment's mapping (the journal writes slot records straight into it)."""
+        return self._mm
+
     def journal_for(self, ns_id: int, slots: SlotPool) -> SlotJournal:
-        return _RegionJournal(self, ns_id, slots)
+        return journal.for_namespace(self, ns_id, slots)
 
     def next_seq(self) -> int:
         return self.next_seqs(1)
@@ -365,101 +364,6 @@ class SharedOffloadRegion:
     def resume_seq(self, last: int) -> None:
         """Recovery: completion order goes on after the highest recovered record."""
         self._seq = last
-
-
-_EMPTY_RECORD = bytes(SLOT_RECORD_BYTES)
-# SLOT_DTYPE's layout (state, key_len, pad, ns, seq, key, lease, crc, reserved), packed
-_WRITING_RECORD = struct.Struct("<BBxxI8x64sQ8x")  # seq 0, key padded with NULs
-_LEASED_RECORD = struct.Struct("<BxxxI8x64xQ8x")
-assert _WRITING_RECORD.size == _LEASED_RECORD.size == SLOT_RECORD_BYTES == SLOT_DTYPE.itemsize
-_FIELDS = SLOT_DTYPE.fields
-assert _FIELDS is not None
-_SEQ_FIELD, _SEQ_OFFSET = struct.Struct("<Q"), int(_FIELDS["seq"][1])
-_CRC_FIELD, _CRC_OFFSET = struct.Struct("<I"), int(_FIELDS["crc"][1])
-_READY_LOOP_MAX = 32  # records a READY batch writes one by one; numpy's per field above
-
-
-class _RegionJournal(SlotJournal):
-    """Writes one namespace's slot state changes into the region's slot table."""
-
-    def __init__(self, region: SharedOffloadRegion, ns_id: int, slots: SlotPool) -> None:
-        self._region = region
-        self._ns = ns_id
-        self._slots = slots
-        self._spe_max = region.geometry.slots_per_extent_max
-
-    def _record(self, slot: int) -> int:
-        spe = self._slots.slots_per_extent
-        ext = self._slots.extents[slot // spe]
-        assert ext is not None, f"slot {slot} lies in a hole"
-        return ext * self._spe_max + slot % spe
-
-    def _records(self, slots: Sequence[int]) -> list[int]:
-        """``_record`` of each slot, in one loop without a call per slot."""
-        spe, exts, spe_max = self._slots.slots_per_extent, self._slots.extents, self._spe_max
-        out = []
-        for slot in slots:
-            ext = exts[slot // spe]
-            assert ext is not None, f"slot {slot} lies in a hole"
-            out.append(ext * spe_max + slot % spe)
-        return out
-
-    def leased(self, slot: int, lease: int) -> None:
-        self.leased_many((slot,), lease)
-
-    def leased_many(self, slots: Sequence[int], lease: int) -> None:
-        records = self._records(slots)
-        self._write(records, [_LEASED_RECORD.pack(SLOT_LEASED, self._ns, lease)] * len(records))
-
-    def writing(self, slot: int, key: bytes, lease: int = 0) -> None:
-        self.writing_many((slot,), (key,), lease)
-
-    def writing_many(self, slots: Sequence[int], keys: Sequence[bytes], lease: int = 0) -> None:
-        pack, ns = _WRITING_RECORD.pack, self._ns
-        self._write(self._records(slots), [pack(SLOT_WRITING, len(k), ns, k, lease) for k in keys])
-
-    def _write(self, records: list[int], payloads: list[bytes]) -> None:
-        """Whole records, straight into the mapping: a bytes copy each, no numpy call
-        (the region's slot table is the same memory)."""
-        mm, base, size = self._region._mm, self._region.geometry.slot_table, SLOT_RECORD_BYTES
-        for rec, payload in zip(records, payloads):
-            at = base + rec * size
-            mm[at : at + size] = payload
-
-    def ready(self, slot: int, key: bytes) -> None:
-        self.ready_many((slot,), (key,))
-
-    def ready_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        """Each record's sequence number and CRC, then its state byte: a crash part way
-        leaves every record either still in flight or whole."""
-        records = self._records(slots)
-        ns, first = self._ns, self._region.next_seqs(len(records))
-        if len(records) > _READY_LOOP_MAX:  # each field for the whole batch, state last
-            table = self._region.slot_table
-            seqs = range(first, first + len(records))
-            table["seq"][records] = seqs
-            table["crc"][records] = [ready_crc(ns, seq, key) for seq, key in zip(seqs, keys)]
-            table["state"][records] = SLOT_READY
-            return
-        # an engine step's few records: straight into the mapping, no numpy call
-        mm, base, size = self._region._mm, self._region.geometry.slot_table, SLOT_RECORD_BYTES
-        put_seq, put_crc = _SEQ_FIELD.pack_into, _CRC_FIELD.pack_into
-        for seq, (rec, key) in enumerate(zip(records, keys), first):
-            at = base + rec * size
-            put_seq(mm, at + _SEQ_OFFSET, seq)
-            put_crc(mm, at + _CRC_OFFSET, ready_crc(ns, seq, key))
-            mm[at] = SLOT_READY
-
-    def buried(self, slot: int) -> None:
-        self._region.slot_table["state"][self._record(slot)] = SLOT_GRAVE
-
-    def freed(self, slot: int) -> None:
-        self.freed_many((slot,))
-
-    def freed_many(self, slots: Sequence[int]) -> None:
-        # the whole record: a FREE record names no key a corrupt state byte could revive
-        records = self._records(slots)
-        self._write(records, [_EMPTY_RECORD] * len(records))
 
 
 def _open_by_name(name: str, g: Geometry, recover: bool, discard: bool) -> tuple[Segment, bool]:
