@@ -132,6 +132,7 @@ def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes(extents
                     a.release_chunk(chunk)
             a.release_free_tail()  # housekeeping: the unused top ones
         assert a.num_used == sum(a._used_per_extent) == len(held) + len(busy)
+        assert a._copies == int(a._busy.sum()) and a.any_busy() == bool(busy)
         assert a.num_extents == len(a.extents) - a.extents.count(None)
         assert a.num_extents == sum(o == 0 for o in pool.owner)
         assert pool._free[0] == sorted(pool._free[0], reverse=True)  # lowest taken first

@@ -42,6 +42,7 @@ class CachePolicy(Protocol):
     def get(self, key: bytes) -> Block | None: ...
     def insert(self, key: bytes, block: Block) -> None: ...
     def remove(self, key: bytes) -> None: ...
+    def remove_many(self, keys: Iterable[bytes]) -> None: ...
     def touch(self, keys: Sequence[bytes]) -> None: ...
     def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Block]] | None: ...
     def items(self) -> Iterator[tuple[bytes, Block]]: ...
@@ -78,6 +79,11 @@ class LRUPolicy:
 
     def remove(self, key: bytes) -> None:
         del self._blocks[key]
+
+    def remove_many(self, keys: Iterable[bytes]) -> None:
+        blocks = self._blocks
+        for key in keys:
+            del blocks[key]
 
     def touch(self, keys: Sequence[bytes]) -> None:
         blocks = self._blocks
@@ -128,6 +134,10 @@ class ARCPolicy:
     def remove(self, key: bytes) -> None:
         if self.t1.pop(key, None) is None:
             del self.t2[key]
+
+    def remove_many(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self.remove(key)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         for key in reversed(keys):

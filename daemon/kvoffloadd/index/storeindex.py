@@ -308,13 +308,13 @@ class StoreIndex:
 
     def complete_store(self, keys: Sequence[bytes], success: bool, client: int) -> None:
         """The blocking API's completion: strict about owners and unwritten blocks."""
-        get = self._policy.get
+        get, writer = self._policy.get, self._writers.get
         mine: list[tuple[bytes, Block]] = []
         for key in dict.fromkeys(keys):
             block = get(key)
             if block is None or block.ref != -1:
                 continue  # unknown or already complete: ignored, as in vLLM
-            if self._writers.get(key) != client:
+            if writer(key) != client:
                 raise NotLeasedError(f"key {key.hex()} is being stored by another client")
             mine.append((key, block))
         if success:
@@ -442,9 +442,7 @@ class StoreIndex:
         for client, n in ended.items():
             self._uncharge(client, n)
         if not success:
-            remove = self._policy.remove
-            for key, _ in blocks:
-                remove(key)
+            self._policy.remove_many([key for key, _ in blocks])
             self._free_slots([block.slot for _, block in blocks])
             self._store_failures += len(blocks)
             return

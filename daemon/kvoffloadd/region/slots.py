@@ -70,6 +70,7 @@ class SlotPool:
         self._num_extents = 0  # owned chunks (holes not counted), kept as chunks change
         self._capacity = 0  # len(extents) * slots_per_extent, kept as chunks change
         self._busy: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # copies per slot
+        self._copies = 0  # the sum of _busy: no slot is busy while it is 0
         self._storing: npt.NDArray[np.int32] = np.zeros(0, dtype=np.int32)  # store copies
         self.deferred: set[int] = set()
         self._extent_array: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
@@ -159,6 +160,12 @@ class SlotPool:
     def free_many(self, slots: Sequence[int]) -> None:
         """``free`` for each of ``slots``, in order (one read of the copy counts)."""
         used, spe, free, busy = self._used_per_extent, self.slots_per_extent, self._free, self._busy
+        if not self._copies:  # no copy runs: none of them waits
+            for slot in slots:
+                used[slot // spe] -= 1
+            free.extend(slots)
+            self._num_used -= len(slots)
+            return
         freed = len(free)
         for slot in slots:
             if busy[slot] > 0:
@@ -178,7 +185,7 @@ class SlotPool:
 
     def any_busy(self) -> bool:
         """Whether any copy touches one of these slots."""
-        return bool(self._busy.any())
+        return self._copies > 0
 
     def is_storing(self, slot: int) -> bool:
         """Whether a store copy into ``slot`` is running."""
@@ -187,12 +194,14 @@ class SlotPool:
     def mark_busy(self, slots: npt.NDArray[np.int64], store: bool = False) -> None:
         """A copy starts on ``slots`` (distinct, valid: the submit checked)."""
         self._busy[slots] += 1
+        self._copies += len(slots)
         if store:
             self._storing[slots] += 1
 
     def unmark_busy(self, slots: npt.NDArray[np.int64], store: bool = False) -> None:
         busy = self._busy
         busy[slots] -= 1
+        self._copies -= len(slots)
         if store:
             self._storing[slots] -= 1
         if self.deferred:
