@@ -167,26 +167,26 @@ class RegionJournal(SlotJournal):
 class NativeJournal(RegionJournal):
     """The same records, a batch per call of the C writer."""
 
-    def leased_many(self, slots: Sequence[int], lease: int) -> None:
-        assert _slotrecords is not None
+    def __init__(self, region: SlotTable, ns_id: int, slots: SlotPool) -> None:
+        super().__init__(region, ns_id, slots)
+        assert _slotrecords is not None, "the C slot record writer is not built"
+        self._c = _slotrecords
+
+    def _table(self) -> tuple[mmap.mmap, int, int, list[int | None], int]:
+        """Where the namespace's records lie: the C writer's first arguments."""
         pool = self._slots
-        _slotrecords.leased(self._region.mapping, self._table_offset, pool.slots_per_extent,
-                            pool.extents, self._spe_max, slots, self._ns, lease)  # fmt: skip
+        return (self._region.mapping, self._table_offset, pool.slots_per_extent,
+                pool.extents, self._spe_max)  # fmt: skip
+
+    def leased_many(self, slots: Sequence[int], lease: int) -> None:
+        self._c.leased(*self._table(), slots, self._ns, lease)
 
     def writing_many(self, slots: Sequence[int], keys: Sequence[bytes], lease: int = 0) -> None:
-        assert _slotrecords is not None
-        pool = self._slots
-        _slotrecords.writing(self._region.mapping, self._table_offset, pool.slots_per_extent,
-                             pool.extents, self._spe_max, slots, keys, self._ns, lease)  # fmt: skip
+        self._c.writing(*self._table(), slots, keys, self._ns, lease)
 
     def ready_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        assert _slotrecords is not None
-        pool, first = self._slots, self._region.next_seqs(len(slots))
-        _slotrecords.ready(self._region.mapping, self._table_offset, pool.slots_per_extent,
-                           pool.extents, self._spe_max, slots, keys, self._ns, first)  # fmt: skip
+        first = self._region.next_seqs(len(slots))
+        self._c.ready(*self._table(), slots, keys, self._ns, first)
 
     def freed_many(self, slots: Sequence[int]) -> None:
-        assert _slotrecords is not None
-        pool = self._slots
-        _slotrecords.freed(self._region.mapping, self._table_offset, pool.slots_per_extent,
-                           pool.extents, self._spe_max, slots)  # fmt: skip
+        self._c.freed(*self._table(), slots)
