@@ -357,17 +357,32 @@ def test_key_and_id_packing() -> None:
         unpack_ids(b"1234567")
 
 
-@pytest.mark.parametrize("n", [2, 3, 56, 57, 2000])  # both sides of SMALL_UNPACK_BYTES
-def test_small_and_large_fields_unpack_alike(n: int) -> None:
+# (keys, key bytes): a struct splitter (up to SPLIT_MAX_KEYS keys), slices (more keys
+# in at most SMALL_UNPACK_BYTES), numpy (longer fields)
+@pytest.mark.parametrize(
+    ("n", "kb"), [(2, 36), (3, 36), (128, 36), (129, 8), (256, 8), (57, 36), (2000, 36)]
+)
+def test_small_and_large_fields_unpack_alike(n: int, kb: int) -> None:
     """A step's few keys and slots are split without numpy, long fields with it: the
-    two ways give the same keys (trailing NULs kept) and the same ids."""
-    keys = [bytes([i % 256]) * 35 + b"\x00" for i in range(n)]
+    three ways give the same keys (trailing NULs kept) and the same ids."""
+    keys = [bytes([i % 256]) * (kb - 1) + b"\x00" for i in range(n)]
     packed, kb = pack_keys(keys)
     assert unpack_keys(packed, kb) == keys
     ids = [i * 2**33 - 7 for i in range(n)]
     assert m.id_list(pack_ids(ids)) == ids == unpack_ids(pack_ids(ids)).tolist()
     with pytest.raises(ValueError, match="multiple of 8"):
         m.id_list(b"1234567")
+
+
+def test_key_splitters_stay_bounded() -> None:
+    """Whoever sends keys chooses their length and count: the splitters kept for them
+    never pass SPLITTERS, and a field splits the same after the memo was cleared."""
+    for kb in range(1, m.MAX_KEY_BYTES + 1):
+        for n in (2, 3, m.SPLIT_MAX_KEYS):
+            keys = [bytes([i % 256]) * kb for i in range(n)]
+            assert unpack_keys(b"".join(keys), kb) == keys
+            assert len(m._splitters) <= m.SPLITTERS
+    assert unpack_keys(b"abcdef", 3) == [b"abc", b"def"]
 
 
 def test_error_codes_map_to_typed_exceptions() -> None:

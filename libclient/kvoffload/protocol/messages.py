@@ -21,6 +21,7 @@ Rules (msgspec schema evolution, see research/aesthetics.md section 4):
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 from typing import Any
 
@@ -641,13 +642,35 @@ def packed_count(packed: bytes, key_bytes: int) -> int:
 
 def unpack_keys(packed: bytes, key_bytes: int) -> list[bytes]:
     """Split a packed key field; raises ValueError when it is malformed."""
-    if packed_count(packed, key_bytes) <= 1:
+    n = packed_count(packed, key_bytes)
+    if n <= 1:
         return [packed] if packed else []
-    if len(packed) <= SMALL_UNPACK_BYTES:  # a step's few keys: slicing beats numpy's setup
+    if n <= SPLIT_MAX_KEYS:  # a request's or a step's few keys: one C call
+        splitter = _splitters.get((key_bytes, n))
+        if splitter is None:
+            splitter = _splitter(key_bytes, n)
+        return list(splitter(packed))
+    if len(packed) <= SMALL_UNPACK_BYTES:  # slicing beats numpy's setup
         return [packed[i : i + key_bytes] for i in range(0, len(packed), key_bytes)]
     # A void dtype keeps every byte (an "S" dtype would strip trailing NULs).
     keys: list[bytes] = np.frombuffer(packed, dtype=np.dtype((np.void, key_bytes))).tolist()
     return keys
+
+
+# Fields of at most SPLIT_MAX_KEYS keys are split by a struct.Struct of n fields of
+# key_bytes each (3x faster than slicing for 16 keys). The splitters are kept per
+# (key_bytes, n), at most SPLITTERS of them (whoever sends keys chooses both: the memo
+# is cleared when full, so it stays under SPLITTERS x SPLIT_MAX_KEYS fields).
+SPLIT_MAX_KEYS = 128
+SPLITTERS = 64
+_splitters: dict[tuple[int, int], Any] = {}
+
+
+def _splitter(key_bytes: int, n: int) -> Any:
+    if len(_splitters) >= SPLITTERS:
+        _splitters.clear()
+    split = _splitters[(key_bytes, n)] = struct.Struct(f"{key_bytes}s" * n).unpack
+    return split
 
 
 _ID_DTYPE = np.dtype("<i8")
