@@ -17,7 +17,7 @@ from kvoffloadd import __version__
 from kvoffloadd.config import DEFAULT_CONFIG_PATH, ConfigError, DaemonConfig, load_config
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.copies.gpu import start_gpu
-from kvoffloadd.index import keyset
+from kvoffloadd.index import keyset, policies
 from kvoffloadd.region import journal
 from kvoffloadd.region.backing import HUGE_PAGES
 from kvoffloadd.region.bringup import RegionSetup, fit_check, plan_setup
@@ -64,6 +64,8 @@ def note_python_paths() -> None:
          "CPU copies of small pages run at about half of memcpy"),
         ("C key set", keyset.BUILT, keyset.NATIVE, "KVOFFLOAD_NO_NATIVE_INDEX",
          "lookups make a Python object per key, several times slower"),
+        ("C Block", policies.BUILT, policies.NATIVE, "KVOFFLOAD_NO_NATIVE_INDEX",
+         "each block a store makes is a Python object built by a Python __init__"),
         ("C slot record writer", journal.BUILT, journal.NATIVE, "KVOFFLOAD_NO_NATIVE_JOURNAL",
          "each slot record a store writes costs a struct pack and a mapping write"),
     ):  # fmt: skip

@@ -1,5 +1,5 @@
 """The daemon on the Python stand-ins of its C paths (the copy loop, the key set, the
-slot record writer), as where no C compiler was at install: it says so at start and
+Block, the slot record writer), as where no C compiler was at install: it says so at start and
 serves stores, lookups and probes as it does with them."""
 
 from __future__ import annotations
@@ -58,5 +58,6 @@ def test_without_the_c_paths_it_says_so_and_serves_the_same(tmp_path: Path) -> N
         assert d.stop() == 0
     text = log.read_text()
     assert "the C key set is turned off (KVOFFLOAD_NO_NATIVE_INDEX)" in text, text
+    assert "the C Block is turned off (KVOFFLOAD_NO_NATIVE_INDEX)" in text, text
     assert "the C copy loop is turned off (KVOFFLOAD_NO_NATIVE_COPY)" in text, text
     assert "the C slot record writer is turned off (KVOFFLOAD_NO_NATIVE_JOURNAL)" in text, text

@@ -84,6 +84,8 @@ def test_the_wheel_installs_into_a_fresh_virtualenv_and_serves(tmp_path: Path) -
     assert run(bin_ / "python", "-c", native).strip() == "True", "the wheel lacks the C copy loop"
     native = "from kvoffloadd.index import keyset; print(keyset.NATIVE)"
     assert run(bin_ / "python", "-c", native).strip() == "True", "the wheel lacks the C key set"
+    native = "from kvoffloadd.index import policies; print(policies.NATIVE)"
+    assert run(bin_ / "python", "-c", native).strip() == "True", "the wheel lacks the C Block"
 
     with DaemonProcess("64MiB", "--no-prefault", command=[str(bin_ / "kvoffloadd")]) as d:
         assert f"listening on {d.socket_path}" in d.banner

@@ -12,17 +12,23 @@ owns reference counts and slots. Semantics follow vLLM's CPU offloading policies
 - ``lru``: one ordered map, evicted from the least recently used end.
 - ``arc``: adaptive replacement (Megiddo & Modha) with recency list t1, frequency list
   t2, ghost lists b1/b2 and an adaptive target size for t1, as vLLM implements it.
+- ``Block`` is the C type of ``_block`` where it was built (optional at install, like
+  the C key set, and off with ``KVOFFLOAD_NO_NATIVE_INDEX=1``), else ``PyBlock``: the
+  same attributes either way; a store makes one per new key.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 
-class Block:
-    """One stored block: its slot and reference count (-1 writing, 0 ready, N pinned)."""
+class PyBlock:
+    """One stored block: its slot and reference count (-1 writing, 0 ready, N pinned).
+    The Python path of ``Block``: ``_block.Block`` has the same attributes."""
 
     __slots__ = ("ref", "slot")
 
@@ -36,6 +42,20 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block(slot={self.slot}, ref={self.ref})"
+
+
+try:
+    from kvoffloadd.index._block import Block as _NativeBlock
+except ImportError as exc:  # built where a compiler was found at install time
+    logging.getLogger(__name__).info("no C Block (%s): blocks are Python objects", exc)
+    _NativeBlock = None  # type: ignore[assignment,misc]
+
+BUILT = _NativeBlock is not None  # whether the C Block was built
+NATIVE = BUILT and not os.environ.get("KVOFFLOAD_NO_NATIVE_INDEX")
+if TYPE_CHECKING:
+    Block = PyBlock
+else:
+    Block = _NativeBlock if NATIVE else PyBlock
 
 
 class CachePolicy(Protocol):
