@@ -132,6 +132,10 @@ def test_the_kept_counts_match_the_slots_through_any_sequence_of_changes(extents
                     a.release_chunk(chunk)
             a.release_free_tail()  # housekeeping: the unused top ones
         assert a.num_used == sum(a._used_per_extent) == len(held) + len(busy)
+        per_extent = [0] * len(a._used_per_extent)  # each extent's own count, recounted
+        for slot in held | busy:
+            per_extent[slot // a.slots_per_extent] += 1
+        assert a._used_per_extent == per_extent
         assert a._copies == int(a._busy.sum()) and a.any_busy() == bool(busy)
         assert a.num_extents == len(a.extents) - a.extents.count(None)
         assert a.num_extents == sum(o == 0 for o in pool.owner)

@@ -6,6 +6,8 @@ Same inputs, same lookups, same slot ids, evicted keys and events as vLLM's own
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
@@ -243,3 +245,31 @@ def test_lookup_counts_the_leading_ready_keys_only(policy: str) -> None:
     s = idx.statistics()
     assert (s.lookups_total, s.lookup_keys_total, s.hit_keys_total) == (6, 16, 10)
     assert s.lookup_misses_total == 3
+
+
+@pytest.mark.parametrize("success", [True, False])
+def test_stores_of_several_clients_end_in_one_batch(success: bool) -> None:
+    """Committed stores of two clients whose copies land (or never do) together end in
+    one batch: each client's writes and its uid's blocks in flight are given back."""
+    pool = ExtentPool(num_extents=1, extent_bytes=8 * 4096)
+    idx = NamespaceIndex(
+        0, "two", KVLayout(tensor_page_bytes=[4096]), "fp", SlotPool(pool, 0, 4096)
+    )
+    idx.uid_of = {1: 1000, 2: 1000, 3: 2000}.__getitem__  # clients 1 and 2: one uid
+    plans = {c: idx.prepare_store(ks(10 * c, 10 * c + 1), c) for c in (1, 2, 3)}
+    assert dict(idx._inflight_by_uid) == {1000: 4, 2000: 2}
+    for c in (1, 2, 3):
+        idx.commit(0, c, ks(10 * c, 10 * c + 1), success=True)  # not copied yet: waiting
+    assert [idx.writing_by(c) for c in (1, 2, 3)] == [2, 2, 2]
+    slots = [s for p in plans.values() if p is not None for s in p.slots]
+    if success:
+        idx.mark_written(slots, area=0)  # one job's copies land: all six are whole
+    else:
+        assert idx.expire_commits(time.monotonic() + 3600) == 6  # never copied
+    assert [idx.writing_by(c) for c in (1, 2, 3)] == [0, 0, 0]
+    assert not idx._inflight_by_uid and not idx._writers and not idx._writes_of
+    stats = idx.statistics()
+    assert stats.writing_blocks == 0
+    assert stats.stored_blocks == (6 if success else 0)
+    assert idx.slots.num_free == 8 - stats.stored_blocks
+    assert idx.lookup(ks(10, 11, 20, 21, 30, 31)) == (6 if success else 0)

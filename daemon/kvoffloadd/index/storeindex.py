@@ -428,32 +428,28 @@ class StoreIndex:
             self._finish_stores(failed, False)
 
     def _finish_stores(self, blocks: list[tuple[bytes, Block]], success: bool) -> None:
-        stored: list[bytes] = []
-        stored_slots: list[int] = []
-        writes_of, writers_pop = self._writes_of, self._writers.pop
-        ended: dict[int, int] = {}  # blocks each client ended: one uncharge per client
-        for key, _ in blocks:
-            client = writers_pop(key)
-            mine = writes_of[client]
-            mine.discard(key)
-            if not mine:
-                del writes_of[client]
-            ended[client] = ended.get(client, 0) + 1
-        for client, n in ended.items():
-            self._uncharge(client, n)
+        keys = [key for key, _ in blocks]
+        writers = list(map(self._writers.pop, keys))
+        if writers and writers.count(writers[0]) == len(writers):  # one client's (usual)
+            self._ended(writers[0], keys)
+        else:
+            by_client: dict[int, list[bytes]] = {}
+            for key, client in zip(keys, writers):
+                by_client.setdefault(client, []).append(key)
+            for client, theirs in by_client.items():
+                self._ended(client, theirs)
         if not success:
-            self._policy.remove_many([key for key, _ in blocks])
+            self._policy.remove_many(keys)
             self._free_slots([block.slot for _, block in blocks])
             self._store_failures += len(blocks)
             return
+        stored, stored_slots = keys, [block.slot for _, block in blocks]
         waiting_pop, written_pop = self._waiting.pop, self._written.pop
-        for key, block in blocks:
-            slot = block.slot
+        for slot in stored_slots:
             waiting_pop(slot, None)
-            block.ref = 0
             written_pop(slot, None)
-            stored.append(key)
-            stored_slots.append(slot)
+        for _, block in blocks:
+            block.ref = 0
         self._ready.update(stored)
         if self.leases.token_of:
             self.leases.forget_many(stored_slots)
@@ -464,6 +460,14 @@ class StoreIndex:
             self.events.emit(OffloadEvent(stored, removed=False, slots=stored_slots))
             if self.on_stored is not None:
                 self.on_stored(stored)
+
+    def _ended(self, client: int, keys: list[bytes]) -> None:
+        """``client``'s stores of ``keys`` ended (their writers are popped already)."""
+        mine = self._writes_of[client]
+        mine.difference_update(keys)
+        if not mine:
+            del self._writes_of[client]
+        self._uncharge(client, len(keys))
 
     def _drop(
         self, victims: list[tuple[bytes, Block]], exempt: int | None = None, bury: bool = True

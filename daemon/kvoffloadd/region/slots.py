@@ -114,11 +114,21 @@ class SlotPool:
             else:
                 self._grow()
         out.sort()
-        used, spe = self._used_per_extent, self.slots_per_extent
-        for slot in out:
-            used[slot // spe] += 1
+        if out:
+            self._count_used(out, 1)
         self._num_used += n
         return out
+
+    def _count_used(self, slots: Sequence[int], delta: int) -> None:
+        """Add ``delta`` to the used count of each slot's extent (a batch that lies in
+        one extent, as most stores' do: one addition)."""
+        used, spe = self._used_per_extent, self.slots_per_extent
+        first = min(slots) // spe
+        if first == max(slots) // spe:
+            used[first] += delta * len(slots)
+            return
+        for slot in slots:
+            used[slot // spe] += delta
 
     def _pop_live(self, n: int, out: list[int]) -> None:
         """Up to ``n`` free ids from the top of ``_free`` into ``out``, tombstones
@@ -161,8 +171,8 @@ class SlotPool:
         """``free`` for each of ``slots``, in order (one read of the copy counts)."""
         used, spe, free, busy = self._used_per_extent, self.slots_per_extent, self._free, self._busy
         if not self._copies:  # no copy runs: none of them waits
-            for slot in slots:
-                used[slot // spe] -= 1
+            if slots:
+                self._count_used(slots, -1)
             free.extend(slots)
             self._num_used -= len(slots)
             return
