@@ -34,6 +34,7 @@ from kvoffload.protocol.errors import (
 from kvoffload.protocol.messages import (
     MAX_STATE_KEYS,
     KVLayout,
+    id_list,
     pack_keys,
     unpack_ids,
     unpack_keys,
@@ -202,6 +203,14 @@ class Namespace:
         ``MAX_STATE_KEYS`` keys go in several calls, all or nothing: a part that
         finds no space fails the parts planned before it.
         """
+        if len(keys) <= MAX_STATE_KEYS:  # one call (the usual): nothing to undo if it fails
+            try:
+                r = self._keys_call(m.PrepareStore, keys, m.StorePlanReply)
+            except (NoSpaceError, QuotaExceededError, DaemonUnavailableError) as exc:
+                self.last_error = exc
+                return None
+            evicted = unpack_keys(r.evicted_keys, r.key_bytes) if r.evicted_keys else []
+            return StorePlan(unpack_keys(r.keys, r.key_bytes), id_list(r.slots), evicted, r.lease)
         plans: list[m.StorePlanReply] = []
         try:  # a part that fails leaves the parts before it in ``plans``
             plans.extend(
@@ -218,7 +227,7 @@ class Namespace:
             raise
         return StorePlan(
             [k for r in plans for k in unpack_keys(r.keys, r.key_bytes)],
-            [s for r in plans for s in unpack_ids(r.slots).tolist()],
+            [s for r in plans for s in id_list(r.slots)],
             [k for r in plans for k in unpack_keys(r.evicted_keys, r.key_bytes)],
             plans[-1].lease if plans else 0,
         )
@@ -226,9 +235,11 @@ class Namespace:
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         # Without the daemon there is nothing to complete: it failed these stores when
         # the connection dropped.
-        with contextlib.suppress(DaemonUnavailableError):
-            for part in _parts(keys):
+        try:
+            for part in (keys,) if 0 < len(keys) <= MAX_STATE_KEYS else _parts(keys):
                 self._keys_call(m.CompleteStore, part, m.OkReply, success)
+        except DaemonUnavailableError:
+            pass
 
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
         """Pin the blocks and return their slots in key order (raises if not all

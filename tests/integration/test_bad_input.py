@@ -188,6 +188,7 @@ def test_no_space_when_everything_is_pinned_then_recovers() -> None:
         w.get_finished()
         assert 0 < len(stored) < 64
         assert ns.prepare_store([b"overflow"]) is None  # NO_SPACE: all pinned
+        assert isinstance(ns.last_error, kvoffload.NoSpaceError)
         assert c.stats()["errors"]["NO_SPACE"] >= 1
         ns.complete_load(stored)
         plan = ns.prepare_store([b"overflow"])
