@@ -443,13 +443,14 @@ class StoreIndex:
             self._free_slots([block.slot for _, block in blocks])
             self._store_failures += len(blocks)
             return
-        stored, stored_slots = keys, [block.slot for _, block in blocks]
+        stored, stored_slots = keys, []
         waiting_pop, written_pop = self._waiting.pop, self._written.pop
-        for slot in stored_slots:
-            waiting_pop(slot, None)
-            written_pop(slot, None)
         for _, block in blocks:
+            slot = block.slot
+            waiting_pop(slot, None)
             block.ref = 0
+            written_pop(slot, None)
+            stored_slots.append(slot)
         self._ready.update(stored)
         if self.leases.token_of:
             self.leases.forget_many(stored_slots)
