@@ -353,6 +353,11 @@ def test_key_and_id_packing() -> None:
         unpack_keys(b"abc", 2)
     ids = np.array([0, 5, 2**40, -1])
     assert unpack_ids(pack_ids(ids)).tolist() == ids.tolist()
+    # lists are packed without numpy: what numpy would make of them, or its refusal
+    for odd in ([np.int64(5), True, -(2**63)], [1.0, 2.7], [np.int32(3)]):
+        assert pack_ids(odd) == np.asarray(odd).astype("<i8").tobytes()
+    with pytest.raises(OverflowError):
+        pack_ids([2**64])
     with pytest.raises(ValueError, match="multiple of 8"):
         unpack_ids(b"1234567")
 
@@ -370,6 +375,7 @@ def test_small_and_large_fields_unpack_alike(n: int, kb: int) -> None:
     assert unpack_keys(packed, kb) == keys
     ids = [i * 2**33 - 7 for i in range(n)]
     assert m.id_list(pack_ids(ids)) == ids == unpack_ids(pack_ids(ids)).tolist()
+    assert pack_ids(ids) == pack_ids(np.array(ids, dtype=np.int64))  # a list packs alike
     with pytest.raises(ValueError, match="multiple of 8"):
         m.id_list(b"1234567")
 

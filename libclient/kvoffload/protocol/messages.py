@@ -20,6 +20,7 @@ Rules (msgspec schema evolution, see research/aesthetics.md section 4):
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 import sys
@@ -692,7 +693,13 @@ def id_list(packed: bytes) -> list[int]:
 
 
 def pack_ids(ids: npt.ArrayLike) -> bytes:
-    """Pack block ids or slots as little-endian int64."""
+    """Pack block ids or slots as little-endian int64 (a list without numpy: a third
+    of the time for a step's or a request's few)."""
+    if _NATIVE_LE and isinstance(ids, list):
+        try:
+            return array.array("q", ids).tobytes()
+        except (TypeError, OverflowError):
+            pass  # what numpy makes of it (or refuses), as for any other input
     return np.ascontiguousarray(ids, dtype=_ID_DTYPE).tobytes()
 
 
