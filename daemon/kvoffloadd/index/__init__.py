@@ -10,5 +10,7 @@ Rules:
   (``leases``, ``graves``, ``events``, ``kvoffloadd.ledger``).
 - Lookups probe the ready keys where the request's packed field lies, in C where it
   was built (``keyset``), each namespace's keys hashed under a secret of its own.
+- A policy holds one ``Block`` per key, a C type where it was built (``policies``);
+  the Python class has the same attributes.
 - Loop thread only, no locks; no I/O. Imports ``region.allocator`` and ``ledger``.
 """
