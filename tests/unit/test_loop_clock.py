@@ -269,6 +269,35 @@ def test_a_turn_reads_at_most_its_share_of_ready_clients_and_the_rest_come_next(
         server.turn(0.0)
 
 
+def test_a_turn_whose_poll_filled_its_batch_serves_one_queued_unit_and_polls_again(
+    loop: tuple[Server, Clock], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More descriptors are ready than one poll hands over (``READY_PER_TURN``, two
+    here): the turn serves one queued unit, not its whole budget, and polls again, so a
+    client's wait to be read is the reads ahead of it (1,000 hang-ups ahead of a ping
+    held it four budgets). A turn whose poll had room serves the queue as before."""
+    server, _clock = loop
+    clients = connected(server, tmp_path, 3)
+    first = next(iter(server.clients.values()))
+    monkeypatch.setattr(srv, "READY_PER_TURN", 2)
+    server._epoll = FirstFd(server._epoll, first.fd)  # type: ignore[assignment]
+    clients[0].sendall(b"".join(encode_frame(m.Ping(rid)) for rid in range(2, 12)))
+    for c in clients[1:]:
+        c.sendall(encode_frame(m.Ping(2)))
+    server.turn(0.0)  # the ten pings (one served as read) and one other client's
+    assert answered(clients) == 2  # the first's pong, and one queued unit: the other's
+    assert first.session.session_id in server.turns.queued  # nine pings wait
+    server.turn(0.0)  # the third client alone: room left, the queue is served
+    assert answered(clients) == 2
+    assert not server.turns.queued
+    for c in clients:
+        c.close()
+    deadline = time.monotonic() + 10
+    while server.clients:
+        assert time.monotonic() < deadline
+        server.turn(0.0)
+
+
 def test_connections_that_hang_up_during_their_first_request_leave_nothing_in_the_loops_book(
     loop: tuple[Server, Clock], tmp_path: Path
 ) -> None:

@@ -160,35 +160,64 @@ def test_a_large_engine_batch_is_applied_in_slices_in_field_order() -> None:
     assert split_batch(bad) == [bad]
 
 
-def test_a_newcomer_goes_first_for_a_short_lead_only_past_a_client_busy_for_long() -> None:
-    """A tenant's client has pinged without pause for ten seconds (half the loop's time:
-    a large usage); then a uid that had used nothing floods four connections with 1 ms
-    units. Starting from nothing it would be served alone until it had used as much
-    (about 200 ms); it starts ``LEAD_S`` behind instead, and then the two take turns."""
-    clock = Clock()
+PING, PING_S = 1000, 25e-6  # the tenant's pinging connection, and its unit (round trip: 2x)
+
+
+def busy_pinger(clock: Clock) -> TurnQueue:
+    """A queue in which a tenant's client (``PING``) has pinged without pause for ten
+    seconds: half the loop's time, a large usage."""
     q = TurnQueue(clock)
-    ping, ping_s = 1000, 25e-6
     for _ in range(200_000):
-        q.wake(ping, 20, TENANT)
-        assert q.next() == ping
-        clock.now += 2 * ping_s  # its round trip: half in the daemon
-        q.served(ping, ping_s, more=0)
-    assert q.usage_s(ping) > 0.3
-    for c in range(1, 5):  # woken while the tenant's next ping is on its way
-        q.wake(c, 1 << 20, ATTACKER)
-    q.wake(ping, 20)
+        q.wake(PING, 20, TENANT)
+        assert q.next() == PING
+        clock.now += 2 * PING_S
+        q.served(PING, PING_S, more=0)
+    assert q.usage_s(PING) > 0.3
+    return q
+
+
+def ping_waits_behind(q: TurnQueue, clock: Clock, others: list[int]) -> float:
+    """``others`` (woken already) have 1 ms units without end; the tenant's next ping
+    comes: the longest it waits for one over 5,000 units."""
+    q.wake(PING, 20)
     woken, worst_s = clock.now, 0.0
     for _ in range(5000):
         c = q.next()
-        assert c is not None
-        cost_s = ping_s if c == ping else 0.001
+        assert c in (PING, *others)
+        cost_s = PING_S if c == PING else 0.001
         clock.now += cost_s
-        q.served(c, cost_s, more=0 if c == ping else 1 << 20)
-        if c == ping:
+        q.served(c, cost_s, more=0 if c == PING else 1 << 20)
+        if c == PING:
             worst_s = max(worst_s, clock.now - woken)
-            q.wake(ping, 20)
+            q.wake(PING, 20)
             woken = clock.now
+    return worst_s
+
+
+def test_a_newcomer_goes_first_for_a_short_lead_only_past_a_client_busy_for_long() -> None:
+    """A tenant's client has pinged without pause for ten seconds; then a uid that had
+    used nothing floods four connections with 1 ms units. Starting from nothing it
+    would be served alone until it had used as much (about 200 ms); it starts
+    ``LEAD_S`` behind instead, and then the two take turns."""
+    clock = Clock()
+    q = busy_pinger(clock)
+    for c in range(1, 5):  # woken while the tenant's next ping is on its way
+        q.wake(c, 1 << 20, ATTACKER)
+    worst_s = ping_waits_behind(q, clock, [1, 2, 3, 4])
     assert worst_s < LEAD_S + 0.005, f"the tenant waited {worst_s * 1e3:.0f} ms"
+
+
+def test_releasing_what_leavers_held_takes_turns_with_the_active_uids_from_the_start() -> None:
+    """The same busy tenant; then 1,000 connections leave and what they held is released
+    in 1 ms units queued for no connection (``HOUSEKEEPING_UID``). That work is no
+    newcomer: it gets no lead, so the tenant's ping waits for one unit of it at most
+    (with a lead: 10 ms, on top of the wait to be read behind 1,000 hang-ups)."""
+    clock = Clock()
+    q = busy_pinger(clock)
+    reaper = 0
+    q.wake(reaper, 64 << 10)  # no uid: the loop's own work
+    worst_s = ping_waits_behind(q, clock, [reaper])
+    assert worst_s < 0.001 + 2 * PING_S, f"the tenant waited {worst_s * 1e3:.1f} ms"
 
 
 def test_connections_new_to_the_loop_take_turns_with_their_uids_busy_one_at_once() -> None:

@@ -18,7 +18,9 @@ Rules:
   slice of a large engine batch) by start-time fair queueing on the loop time each
   used (turns.py); a turn serves ``TURN_S`` in total (past it, the unit in progress and
   at most one queued unit), requests served as they are read included, then polls; it
-  reads at most ``READY_PER_TURN`` ready descriptors. A unit is charged its wall time;
+  reads at most ``READY_PER_TURN`` ready descriptors, and when a poll hands over that
+  many (more are waiting) it serves one queued unit only and polls again, so what a
+  connection waits to be read is the reads ahead of it. A unit is charged its wall time;
   one served from the queue no more than the loop thread's CPU time (what the kernel
   gave other work meanwhile is no connection's; ``_serve``). A connection with more
   than ``PAUSE_OUTPUT_BYTES`` of replies unsent is not served (it must read first).
@@ -256,7 +258,11 @@ class Server:
                 self._stamp = time.perf_counter()  # what was read was queued, not served
         busy = bool(self._queued)
         if busy:
-            self._serve(self._turn_end_s)
+            # A full batch: more descriptors are ready than one poll hands over. Serve
+            # one queued unit and poll again, so what a connection waits to be read is
+            # the reads ahead of it, not a turn's budget per READY_PER_TURN of them
+            # (1,000 hang-ups held a ping 36 ms; 256 of them are read in 3 ms).
+            self._serve(self._turn_end_s if len(ready) < READY_PER_TURN else self._stamp)
         if self._push_subs or self._push_due:
             self._push_feeds()
             self._stamp = time.perf_counter()

@@ -32,7 +32,9 @@ usage of the uids active now (waiting, or served within ``ACTIVE_S``): a client 
 been pinging without pause for seconds has a large usage, and a newcomer starting from
 nothing would otherwise be served alone until it had used as much, for as long as
 hundreds of milliseconds. So a newcomer goes first for ``LEAD_S`` at most, and then the
-two take turns.
+two take turns. Work of no connection (``HOUSEKEEPING_UID``: releasing what connections
+that left held) is no newcomer: it starts level with the active uids, not ahead, so a
+burst of leavers does not hold a client's next request for a lead's worth of releases.
 
 Decay costs nothing per unit: halving everyone's usage every ``HALF_LIFE_S`` orders
 them as doubling the weight of new usage every ``HALF_LIFE_S`` does, so usage is kept
@@ -65,6 +67,7 @@ ACTIVE_S = 0.05  # a uid served this recently is active (its client is between r
 WEIGH_EVERY_S = 0.001  # how stale the weight of new usage may be (0.14% at most)
 RESCALE_AT = 2.0**32  # the weight at which all usage is rescaled (every 16 s)
 FORGET_S = 1e-9  # usage decayed below this is nothing
+HOUSEKEEPING_UID = -1  # the uid of work no connection is queued for (no lead)
 
 
 def estimate_s(nbytes: int) -> float:
@@ -135,7 +138,7 @@ class TurnQueue:
         self.queued.add(conn)
         now_s = self._clock()
         w = self._weigh(now_s)
-        uid = self._uid_of.get(conn, -1)
+        uid = self._uid_of.get(conn, HOUSEKEEPING_UID)
         clock = self._uid_clock.get(uid, 0.0)
         used = self._usage.get(conn)
         if used is None:  # new to the loop: a lead behind where its uid's queue stands
@@ -150,7 +153,8 @@ class TurnQueue:
 
     def _start_near_the_active(self, uid: int, now_s: float, w: float) -> None:
         """``uid`` comes with work at ``now_s`` (usage weighed ``w``): raise its usage to
-        ``LEAD_S`` below the least of the other active uids', if it is lower."""
+        ``LEAD_S`` below the least of the other active uids' (``HOUSEKEEPING_UID``: to
+        that least), if it is lower."""
         uid_usage, served_at = self._uid_usage, self._uid_served_at_s
         floor = min(
             (
@@ -161,8 +165,9 @@ class TurnQueue:
             ),
             default=0.0,
         )
-        if floor - LEAD_S * w > uid_usage.get(uid, 0.0):
-            uid_usage[uid] = floor - LEAD_S * w
+        start = floor - (0.0 if uid == HOUSEKEEPING_UID else LEAD_S * w)
+        if start > uid_usage.get(uid, 0.0):
+            uid_usage[uid] = start
 
     def next(self) -> int | None:
         """The connection to serve now (taken out of the queue), or None: of the uids
@@ -199,7 +204,7 @@ class TurnQueue:
         work it has left (0: none). ``gone``: the connection closed during the unit
         (``drop`` ran): its uid pays, and nothing of the connection is kept."""
         if uid is None:
-            uid = self._uid_of.get(conn, -1)
+            uid = self._uid_of.get(conn, HOUSEKEEPING_UID)
         elif not gone and conn not in self._uid_of:
             self._uid_of[conn] = uid
         if now_s is None:
