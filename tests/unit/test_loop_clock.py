@@ -33,6 +33,7 @@ from kvoffloadd.service.budgets import TURN_S
 from kvoffloadd.service.service import Service
 
 HANDLER_S = 1.0  # what the handler's work costs on the fake clock
+OTHER_UID = 65534  # a connection of another uid (its session says so)
 
 
 class Clock:
@@ -63,6 +64,16 @@ class FirstFd:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._ep, name)
+
+
+class LastFd(FirstFd):
+    """The loop's epoll, with ``first`` behind every other ready descriptor: only what
+    ``maxevents`` leaves room for is handed over (the rest stays ready, as in epoll's
+    own list)."""
+
+    def poll(self, timeout_s: float = -1, maxevents: int = -1) -> list[tuple[int, int]]:
+        ready = sorted(self._ep.poll(timeout_s, 1 << 16), key=lambda fe: fe[0] == self._first)
+        return ready if maxevents < 0 else ready[:maxevents]
 
 
 @pytest.fixture
@@ -269,33 +280,37 @@ def test_a_turn_reads_at_most_its_share_of_ready_clients_and_the_rest_come_next(
         server.turn(0.0)
 
 
-def test_a_turn_whose_poll_filled_its_batch_serves_one_queued_unit_and_polls_again(
+def test_a_turn_shares_its_reads_among_uids_when_more_are_ready_than_it_reads(
     loop: tuple[Server, Clock], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """More descriptors are ready than one poll hands over (``READY_PER_TURN``, two
-    here): the turn serves one queued unit, not its whole budget, and polls again, so a
-    client's wait to be read is the reads ahead of it (1,000 hang-ups ahead of a ping
-    held it four budgets). A turn whose poll had room serves the queue as before."""
+    """More connections are ready than a turn reads (``READY_PER_TURN``, four here):
+    six of one uid ready before one of another, the turn reads two of each uid's, the
+    other uid's included (epoll alone hands over the oldest four, all of the first
+    uid's: 1,000 hang-ups of one uid held another's ping behind all of them); the rest
+    are read in the next turn, oldest first, and nothing is read twice or lost."""
     server, _clock = loop
-    clients = connected(server, tmp_path, 3)
-    first = next(iter(server.clients.values()))
-    monkeypatch.setattr(srv, "READY_PER_TURN", 2)
-    server._epoll = FirstFd(server._epoll, first.fd)  # type: ignore[assignment]
-    clients[0].sendall(b"".join(encode_frame(m.Ping(rid)) for rid in range(2, 12)))
-    for c in clients[1:]:
-        c.sendall(encode_frame(m.Ping(2)))
-    server.turn(0.0)  # the ten pings (one served as read) and one other client's
-    assert answered(clients) == 2  # the first's pong, and one queued unit: the other's
-    assert first.session.session_id in server.turns.queued  # nine pings wait
-    server.turn(0.0)  # the third client alone: room left, the queue is served
-    assert answered(clients) == 2
-    assert not server.turns.queued
+    clients = connected(server, tmp_path, 7)
+    other = list(server.clients.values())[-1]
+    other.session.uid = OTHER_UID
+    monkeypatch.setattr(srv, "READY_PER_TURN", 4)
+    server._epoll = LastFd(server._epoll, other.fd)  # type: ignore[assignment]
+    frame = encode_frame(m.Ping(2))
+    for c in clients:
+        c.sendall(frame)
+    server.turn(0.0)
+    first = [bool(n) for n in map(answered, ([c] for c in clients))]
+    assert first[-1], "the other uid's connection waited behind the first uid's"
+    assert sum(first) == 4 and len(server._pending) == 3
+    server.turn(0.0)
+    second = [bool(n) for n in map(answered, ([c] for c in clients))]
+    assert second == [not f for f in first] and not server._pending
     for c in clients:
         c.close()
     deadline = time.monotonic() + 10
     while server.clients:
         assert time.monotonic() < deadline
         server.turn(0.0)
+    assert not server._pending and not server._waiting
 
 
 def test_connections_that_hang_up_during_their_first_request_leave_nothing_in_the_loops_book(

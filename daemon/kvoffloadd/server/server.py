@@ -18,9 +18,10 @@ Rules:
   slice of a large engine batch) by start-time fair queueing on the loop time each
   used (turns.py); a turn serves ``TURN_S`` in total (past it, the unit in progress and
   at most one queued unit), requests served as they are read included, then polls; it
-  reads at most ``READY_PER_TURN`` ready descriptors, and when a poll hands over that
-  many (more are waiting) it serves one queued unit only and polls again, so what a
-  connection waits to be read is the reads ahead of it. A unit is charged its wall time;
+  reads at most ``READY_PER_TURN`` ready connections; when more are ready they are
+  shared out among their uids and the rest wait for the next turns (``_share``), so a
+  connection waits to be read behind its uid's share of a turn's reads, not behind
+  every connection another uid has ready. A unit is charged its wall time;
   one served from the queue no more than the loop thread's CPU time (what the kernel
   gave other work meanwhile is no connection's; ``_serve``). A connection with more
   than ``PAUSE_OUTPUT_BYTES`` of replies unsent is not served (it must read first).
@@ -91,7 +92,8 @@ RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release
 # A request this small (a lookup of a thousand keys), with nobody waiting and the turn's
 # budget not spent, is served as it is read; anything else is buffered and queued.
 INLINE_BYTES = 64 << 10
-READY_PER_TURN = 256  # descriptors one turn handles; epoll rounds robin over the rest
+READY_PER_TURN = 256  # descriptors one turn handles, shared out among uids past it
+MAX_READY = 2048  # ready descriptors taken from epoll at once when more than a turn's
 CPU_READ_S = 0.001  # queued units: the loop thread's CPU clock read after this much wall
 CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
 # A connection's feed is pushed at most this often: a vLLM engine reads pushes once per
@@ -147,6 +149,10 @@ class Server:
         self._epoll = select.epoll()
         self._handlers: dict[int, Callable[[int], None]] = {}  # fd -> handler(events)
         self._by_fd: dict[int, _Client] = {}  # client connections' descriptors
+        # connections that were ready and no turn has read yet: their events, and per
+        # uid in the order they came (``_share``)
+        self._pending: dict[int, int] = {}
+        self._waiting: dict[int, deque[int]] = {}
         self._watch(listener.fileno(), self._accept)
         self._watch(service.copier.wake_fd, self._copies_done)
         if service.tiering is not None:
@@ -238,7 +244,10 @@ class Server:
     def turn(self, timeout_s: float) -> None:
         """One turn of the loop: wait up to ``timeout_s`` for input, completions or
         signals, handle them, serve queued work for up to ``TURN_S`` and push feeds."""
-        ready = self._epoll.poll(timeout_s, READY_PER_TURN)
+        pending = self._pending
+        ready = self._epoll.poll(0.0 if pending else timeout_s, READY_PER_TURN)
+        if pending or len(ready) == READY_PER_TURN:
+            ready = self._share(ready)
         t0 = self._stamp = time.perf_counter()
         self._turn_end_s = t0 + TURN_S
         by_fd = self._by_fd
@@ -258,16 +267,58 @@ class Server:
                 self._stamp = time.perf_counter()  # what was read was queued, not served
         busy = bool(self._queued)
         if busy:
-            # A full batch: more descriptors are ready than one poll hands over. Serve
-            # one queued unit and poll again, so what a connection waits to be read is
-            # the reads ahead of it, not a turn's budget per READY_PER_TURN of them
-            # (1,000 hang-ups held a ping 36 ms; 256 of them are read in 3 ms).
-            self._serve(self._turn_end_s if len(ready) < READY_PER_TURN else self._stamp)
+            self._serve(self._turn_end_s)
         if self._push_subs or self._push_due:
             self._push_feeds()
             self._stamp = time.perf_counter()
         if ready or busy:  # self._stamp: when the last of the work above ended
             self._record_turn(self._stamp - t0)
+
+    def _share(self, ready: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """More connections are ready than a turn reads (or were at the last turn):
+        take up to ``MAX_READY`` more from epoll, and hand this turn the watched
+        descriptors (listener, wake-ups, signals, timers) and ``READY_PER_TURN``
+        connections shared out among their uids, each uid's longest ready first; the
+        rest wait for the next turns. epoll alone goes round every ready descriptor in
+        turn: 1,000 connections of one uid ready at once held another uid's ping behind
+        all 1,000 reads. O(descriptors polled + uids waiting) a turn."""
+        pending, waiting, by_fd = self._pending, self._waiting, self._by_fd
+        if len(ready) == READY_PER_TURN:
+            ready += self._epoll.poll(0.0, MAX_READY)
+        watched: dict[int, int] = {}
+        for fd, events in ready:
+            c = by_fd.get(fd)
+            if c is None:
+                watched[fd] = watched.get(fd, 0) | events
+            elif fd in pending:
+                pending[fd] |= events
+            else:
+                pending[fd] = events
+                q = waiting.get(c.session.uid)
+                if q is None:
+                    waiting[c.session.uid] = q = deque()
+                q.append(fd)
+        out = list(watched.items())
+        room = READY_PER_TURN
+        while room > 0 and waiting:
+            share = max(1, room // len(waiting))
+            for uid in list(waiting):
+                q = waiting.pop(uid)
+                taken = 0
+                while q and taken < share:
+                    fd = q.popleft()
+                    events = pending.pop(fd, 0)
+                    if events:  # else it was dropped since
+                        out.append((fd, events))
+                        taken += 1
+                room -= taken
+                if q:
+                    waiting[uid] = q  # behind the others for what is left
+                if room <= 0:
+                    break
+        if not pending:
+            waiting.clear()  # what is left in it left the loop
+        return out
 
     def _cron(self) -> None:
         self.service.cron()
@@ -711,6 +762,7 @@ class Server:
             return
         c.closed = True
         self._by_fd.pop(c.fd, None)
+        self._pending.pop(c.fd, None)
         cid = c.session.session_id
         self.turns.drop(cid)
         self.budgets.released_bytes += c.held_in + c.held_out
