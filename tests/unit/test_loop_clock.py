@@ -11,6 +11,7 @@ served as they are read stop once a turn's budget is spent.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import socket
@@ -29,6 +30,7 @@ from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
 from kvoffloadd.server import server as srv
 from kvoffloadd.server.server import INLINE_BYTES, REAPER, Server, bind_listener
+from kvoffloadd.server.slowturns import LOG_GAP_S, SlowTurns
 from kvoffloadd.service.budgets import TURN_S
 from kvoffloadd.service.service import Service
 
@@ -254,6 +256,58 @@ def test_a_queued_unit_is_charged_the_loop_threads_cpu_time_not_the_cpu_the_kern
     server.turn(0.0)
     assert cpu.readings - readings <= 2
     assert all(0 < cost_s < 100e-6 for cost_s in charged[2:])
+    client.close()
+    server.turn(0.0)  # the hang-up
+
+
+def test_a_slow_turn_is_logged_with_where_its_time_went_once_per_gap(
+    loop: tuple[Server, Clock],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two pings that each hold the loop 60 ms, 1 ms of it on a CPU (the kernel ran
+    something else): the first is served as it is read, the second from the queue.
+    One warning says the turn's time, the reads', the queued units', how little of it
+    the loop thread ran and whose unit was longest; a slow turn within ``LOG_GAP_S`` of
+    that line is not told but counted in the next one."""
+    server, clock = loop
+    cpu, gap_clock = Clock(), Clock()
+    monkeypatch.setattr(time, "thread_time", cpu)
+    server.slow_turns = SlowTurns(server._describe, clock=gap_clock, cpu_clock=cpu)
+    (client,) = connected(server, tmp_path, 1)
+    (cid,) = server.clients
+    handlers = server.service._handlers
+    pong = handlers[m.Ping]
+
+    def held_ping(s: object, r: m.Ping) -> m.Reply | None:
+        clock.advance(0.060)
+        cpu.advance(0.001)
+        return pong(s, r)  # type: ignore[arg-type]
+
+    handlers[m.Ping] = held_ping
+    two = encode_frame(m.Ping(2)) + encode_frame(m.Ping(3))
+    with caplog.at_level(logging.WARNING, "kvoffloadd.server.slowturns"):
+        client.sendall(two)
+        server.turn(0.0)
+        (line,) = caplog.messages
+        assert line.startswith("loop turn took 120.")
+        assert "1 ready descriptors handled in 60." in line
+        assert "1 queued units served in 60." in line
+        assert "the loop thread on a CPU 1.0 ms of it" in line
+        assert f"longest 60.0 ms, client {cid} (pid {os.getpid()} uid {os.getuid()})" in line
+        assert "more slow turns" not in line
+
+        client.sendall(two)
+        server.turn(0.0)
+        assert len(caplog.messages) == 1  # within the gap: counted, not told
+        gap_clock.advance(LOG_GAP_S)
+        client.sendall(two)
+        server.turn(0.0)
+        assert len(caplog.messages) == 2
+        assert caplog.messages[1].endswith("; 1 more slow turns since the last such line")
+    assert server.slow_turns.total == 3
+    assert answered([client]) == 1  # all six pongs, read at once
     client.close()
     server.turn(0.0)  # the hang-up
 

@@ -21,7 +21,8 @@ Rules:
   reads at most ``READY_PER_TURN`` ready connections; when more are ready they are
   shared out among their uids and the rest wait for the next turns (``_share``), so a
   connection waits to be read behind its uid's share of a turn's reads, not behind
-  every connection another uid has ready. A unit is charged its wall time;
+  every connection another uid has ready. A turn of ``SLOW_TURN_S`` or more is logged
+  with where its time went (``slowturns``). A unit is charged its wall time;
   one served from the queue no more than the loop thread's CPU time (what the kernel
   gave other work meanwhile is no connection's; ``_serve``). A connection with more
   than ``PAUSE_OUTPUT_BYTES`` of replies unsent is not served (it must read first).
@@ -66,6 +67,7 @@ from kvoffloadd import loopthread
 from kvoffloadd.copies.workers import close_fds
 from kvoffloadd.ledger import Line
 from kvoffloadd.server.metrics import MetricsEndpoint
+from kvoffloadd.server.slowturns import SLOW_TURN_S, ServePhase, SlowTurns
 from kvoffloadd.server.systemd import Notifier, watchdog_interval_s
 from kvoffloadd.server.turns import TurnQueue
 from kvoffloadd.service.budgets import (
@@ -170,6 +172,8 @@ class Server:
         # runs from here to its end, so one clock reading ends a unit and starts the next
         self._stamp = 0.0
         self._turn_end_s = 0.0  # when this turn's budget (TURN_S) is spent
+        self._served = ServePhase()  # what the last serving of queued units did
+        self.slow_turns = SlowTurns(self._describe)
         self._leaving: deque[Session] = deque()  # connections gone, to be released
         self._push_due: set[int] = set()  # connections that fell behind their feed, read
         self.budgets = service.budgets
@@ -266,13 +270,18 @@ class Server:
             if events & _READABLE and not c.closed and not c.closing_by_s and not self._read(c):
                 self._stamp = time.perf_counter()  # what was read was queued, not served
         busy = bool(self._queued)
+        reads_end_s = self._stamp
         if busy:
             self._serve(self._turn_end_s)
         if self._push_subs or self._push_due:
             self._push_feeds()
             self._stamp = time.perf_counter()
         if ready or busy:  # self._stamp: when the last of the work above ended
-            self._record_turn(self._stamp - t0)
+            spent_s = self._stamp - t0
+            self._record_turn(spent_s)
+            if spent_s >= SLOW_TURN_S:
+                served = self._served if busy else None
+                self.slow_turns.turn(spent_s, len(ready), reads_end_s - t0, served, self._stamp)
 
     def _share(self, ready: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """More connections are ready than a turn reads (or were at the last turn):
@@ -413,6 +422,13 @@ class Server:
             self._epoll.register(client.fd, select.EPOLLIN)
             log.debug("client %d connected (pid %d uid %d)", cid, pid, uid)
 
+    def _describe(self, cid: int) -> str:
+        """Who a turn-queue id stands for, in a log line."""
+        c = self.clients.get(cid)
+        if c is not None:
+            return f"client {cid} (pid {c.session.pid} uid {c.session.uid})"
+        return "releasing what leavers held" if cid == REAPER else f"client {cid} (gone)"
+
     def _refuse(self, conn: socket.socket, session: Session, code: ErrorCode) -> None:
         """A peer refused at connect (access rules, or its uid or everyone holds every
         connection it may): one error frame, then gone."""
@@ -514,6 +530,9 @@ class Server:
         turns, clients, cpu_s = self.turns, self.clients, time.thread_time
         t0 = t_read = self._stamp
         c_read = cpu_s()
+        phase = self._served
+        phase.started_s, phase.started_cpu_s = t0, c_read
+        units, longest_s, longest_of = 0, 0.0, -1
         while (cid := turns.next()) is not None:
             c = clients.get(cid)
             if c is not None:
@@ -524,15 +543,19 @@ class Server:
             else:
                 continue
             t1 = time.perf_counter()
-            cost_s = t1 - t0
+            cost_s = wall_s = t1 - t0
             if t1 - t_read >= CPU_READ_S:
                 c1 = cpu_s()
                 cost_s = min(cost_s, c1 - c_read)
                 t_read, c_read = t1, c1
             turns.served(cid, cost_s, 0 if gone else more, uid, t1, gone)
             t0 = self._stamp = t1
+            units += 1
+            if wall_s > longest_s:
+                longest_s, longest_of = wall_s, cid
             if t1 >= end_s:
-                return
+                break
+        phase.units, phase.longest_s, phase.longest_of = units, longest_s, longest_of
 
     def _serve_one(self, c: _Client) -> int:
         """Dispatch one unit of ``c``'s work; the bytes of work it has left now (0:
