@@ -36,7 +36,8 @@ GIVE_UP_S = 60.0  # a ping unanswered this long ends the canary (reported)
 
 class RunQueueWaits:
     """Nanoseconds the daemon's loop thread (its main thread) and the calling thread have
-    spent waiting for a CPU, together. Open it on the thread that pings."""
+    spent waiting for a CPU, together, and the loop thread on a CPU. Open it on the
+    thread that pings."""
 
     def __init__(self, daemon_pid: int) -> None:
         self._fds = [
@@ -44,11 +45,12 @@ class RunQueueWaits:
             os.open("/proc/thread-self/schedstat", os.O_RDONLY),
         ]
 
-    def ns(self) -> int:
-        total = 0
-        for fd in self._fds:
-            total += int(os.pread(fd, 128, 0).split()[1])
-        return total
+    def ns(self) -> tuple[int, int, int]:
+        """(the loop thread's waits for a CPU, the calling thread's, the loop thread's
+        time on a CPU)."""
+        loop = os.pread(self._fds[0], 128, 0).split()
+        mine = os.pread(self._fds[1], 128, 0).split()
+        return int(loop[1]), int(mine[1]), int(loop[0])
 
     def close(self) -> None:
         for fd in self._fds:
@@ -58,6 +60,8 @@ class RunQueueWaits:
 def _ping(path: str, daemon_pid: int, pause_s: float, stop: int, out: int) -> None:
     """The canary's process: ping until told to stop, then report."""
     worst_s = worst_wall_s = 0.0
+    # the worst charged one's wall time, and each thread's waits and the loop's running
+    worst_split = (0.0, 0.0, 0.0, 0.0)
     pings, error = 0, ""
     waits: RunQueueWaits | None = None
     t0 = time.perf_counter()
@@ -66,11 +70,15 @@ def _ping(path: str, daemon_pid: int, pause_s: float, stop: int, out: int) -> No
         waits = RunQueueWaits(daemon_pid)
         ping = m.Ping(0)
         while not select.select([stop], [], [], pause_s)[0]:
-            w0, t0 = waits.ns(), time.perf_counter()
+            before, t0 = waits.ns(), time.perf_counter()
             liar.call(ping)
             wall_s = time.perf_counter() - t0
-            charged_s = wall_s - (waits.ns() - w0) / 1e9
-            worst_wall_s, worst_s = max(worst_wall_s, wall_s), max(worst_s, charged_s)
+            loop_wait, my_wait, loop_ran = (b - a for a, b in zip(before, waits.ns()))
+            charged_s = wall_s - (loop_wait + my_wait) / 1e9
+            worst_wall_s = max(worst_wall_s, wall_s)
+            if charged_s > worst_s:
+                split = (wall_s, loop_wait / 1e9, my_wait / 1e9, loop_ran / 1e9)
+                worst_s, worst_split = charged_s, split
             pings += 1
             if pings == 1:
                 send(out, b"S")
@@ -83,7 +91,7 @@ def _ping(path: str, daemon_pid: int, pause_s: float, stop: int, out: int) -> No
     finally:
         if waits is not None:
             waits.close()
-    send(out, b"D", pickle.dumps((worst_s, worst_wall_s, pings, error)))
+    send(out, b"D", pickle.dumps((worst_s, worst_wall_s, worst_split, pings, error)))
 
 
 class Canary:
@@ -93,6 +101,7 @@ class Canary:
 
     def __init__(self, path: str, daemon_pid: int, pause_s: float = 0.001) -> None:
         self.worst_s = self.worst_wall_s = 0.0
+        self.worst_split = (0.0, 0.0, 0.0, 0.0)
         self.pings = 0
         self.error = ""
         stop_r, self._stop = os.pipe()
@@ -116,7 +125,8 @@ class Canary:
             with contextlib.suppress(OSError):  # it may have ended already
                 os.write(self._stop, b"x")
             _, payload = receive(self._out, time.monotonic() + GIVE_UP_S + 10)
-            self.worst_s, self.worst_wall_s, self.pings, self.error = pickle.loads(payload)
+            report = pickle.loads(payload)
+            self.worst_s, self.worst_wall_s, self.worst_split, self.pings, self.error = report
         except (OSError, EOFError, TimeoutError) as exc:
             self.error = f"no report from the canary: {exc!r}"
         finally:
@@ -131,12 +141,26 @@ class Canary:
             f"canary worst {self.worst_s * 1e3:.1f} ms charged to the daemon "
             f"({self.worst_wall_s * 1e3:.1f} ms wall) over {self.pings} pings"
         )
+        if self.worst_s >= ROUND_TRIP_LIMIT_S / 2:
+            text += f" [{self.split()}]"
         return f"{text} (ended: {self.error})" if self.error else text
+
+    def split(self) -> str:
+        """Where the worst charged round trip went: the loop thread on a CPU, waiting
+        for one, or neither (blocked: a lock, the kernel; or the host took the CPU), and
+        what the canary waited for a CPU."""
+        wall_s, loop_wait_s, my_wait_s, loop_ran_s = self.worst_split
+        blocked_s = wall_s - loop_ran_s - loop_wait_s
+        return (
+            f"worst {wall_s * 1e3:.1f} ms wall: the loop thread {loop_ran_s * 1e3:.1f} on a"
+            f" CPU, {loop_wait_s * 1e3:.1f} waiting for one, {blocked_s * 1e3:.1f} neither;"
+            f" the canary {my_wait_s * 1e3:.1f} waiting for a CPU"
+        )
 
     def check(self, name: str, limit_s: float = ROUND_TRIP_LIMIT_S) -> None:
         """Invariant 15: the canary served throughout, never waiting ``limit_s``."""
         assert not self.error, f"{name}: the canary failed: {self.error}"
         assert self.worst_s < limit_s, (
             f"{name}: another client waited {self.worst_s * 1e3:.0f} ms for a ping "
-            f"({self.worst_wall_s * 1e3:.0f} ms wall)"
+            f"({self.worst_wall_s * 1e3:.0f} ms wall; {self.split()})"
         )
