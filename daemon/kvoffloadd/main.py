@@ -23,7 +23,7 @@ from kvoffloadd.region.backing import HUGE_PAGES
 from kvoffloadd.region.bringup import RegionSetup, fit_check, plan_setup
 from kvoffloadd.region.region import RegionError, SharedOffloadRegion
 from kvoffloadd.region.regionstate import RegionState, open_region
-from kvoffloadd.server.logfmt import setup_logging
+from kvoffloadd.server.logfmt import setup_logging, written_off_the_loop
 from kvoffloadd.server.metrics import MetricsEndpoint
 from kvoffloadd.server.server import Server, bind_listener
 from kvoffloadd.server.systemd import Notifier, listen_fds
@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     server.service.loop.frozen_objects = gc.get_freeze_count()
     notifier.notify(READY=1, STATUS="serving; pre-faulting region", MAINPID=os.getpid())
     try:
-        server.serve_forever()
+        with written_off_the_loop():  # the loop never waits on its log's reader
+            server.serve_forever()
     finally:
         if server.metrics is not None:
             server.metrics.close()

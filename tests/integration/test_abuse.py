@@ -302,3 +302,58 @@ def test_idle_connections_to_the_metrics_port_are_bounded() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
             assert r.status == 200
         assert d.stop() == 0
+
+
+BAD_FRAMES = 3000  # a warning line each: past what the pipe, the writer and its queue hold
+
+
+def test_a_log_reader_that_stops_reading_holds_nobody_up() -> None:
+    """The daemon's stderr is a pipe whose reader has stopped reading (journald behind
+    a slow disk), and another uid makes it log a warning per connection (3,000 bad
+    frames): the canary is served throughout, the lines past what waits for the writer
+    are dropped and counted, and once the reader reads again the count is told."""
+    run = Path(tempfile.mkdtemp(prefix="kvoffload-abuse-"))
+    run.chmod(0o755)  # the other uid reaches the socket
+    fifo = str(run / "log")
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open, and never read until the end
+    d = DaemonProcess(
+        "64MiB", "--log-level", "warning", socket_path=str(run / "k.sock"), log_path=fifo
+    ).start()
+    try:
+        canary = Canary(d.socket_path, d.pid)
+
+        def bad_frames() -> int:
+            for _ in range(BAD_FRAMES):
+                with raw(d.socket_path) as s:
+                    s.sendall(b"\xff" * 64)  # not a frame: one warning, then closed
+                    s.settimeout(30)
+                    while s.recv(4096):  # the error reply, then the end
+                        pass
+            return BAD_FRAMES
+
+        assert as_uid(bad_frames, NOBODY, gid=0) == BAD_FRAMES  # group 0 reaches the socket
+        with kvoffload.connect(d.socket_path) as c:
+            poll(lambda: c.stats()["errors"].get("PROTOCOL_ERROR", 0) >= BAD_FRAMES,
+                 "every bad frame refused", deadline_s=60)  # fmt: skip
+        canary.stop()
+        print(f"\nlog reader stopped, {BAD_FRAMES} bad frames: {canary.line()}")
+        canary.check("a log reader that stopped")
+        assert d.alive()
+        text = b""
+        deadline = time.monotonic() + 30
+        while b"log lines dropped" not in text:  # it reads again; one more line tells
+            assert time.monotonic() < deadline, "no line told what was dropped"
+            with contextlib.suppress(BlockingIOError):
+                text += os.read(reader, 1 << 20)
+            with raw(d.socket_path) as s:  # one more warning, after the drops
+                s.sendall(b"\xff" * 64)
+                with contextlib.suppress(OSError):
+                    s.recv(4096)  # its error reply: the line is written by then
+    finally:
+        with contextlib.suppress(OSError):
+            while os.read(reader, 1 << 20):  # the rest, so the daemon can stop
+                pass
+        assert d.stop() == 0
+        os.close(reader)
+        shutil.rmtree(run, ignore_errors=True)

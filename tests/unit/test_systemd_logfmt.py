@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from kvoffloadd.server.logfmt import LogfmtFormatter
+from kvoffloadd.server.logfmt import WRITE_BATCH_LINES, LogfmtFormatter, written_off_the_loop
 from kvoffloadd.server.systemd import Notifier, listen_fds, watchdog_interval_s
 
 
@@ -78,3 +82,68 @@ def test_logfmt_is_one_line() -> None:
     assert "\n" not in line
     assert 'level=warning logger=kvoffloadd.x msg="bad \\"frame\\"\\nnext"' in line
     assert line.startswith("ts=")
+
+
+def test_a_log_reader_that_stops_reading_never_holds_the_thread_that_logs() -> None:
+    """stderr's reader (journald) stops reading: the writer thread blocks on a full pipe
+    with what it took (one batch at most), and the loop's lines go on being logged at
+    once, past ``capacity`` waiting dropped and counted. Once the reader reads again,
+    every line comes out in order or is counted in a line saying how many were
+    dropped, and the next line comes after them; each is a logfmt line."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(w, b"\n" * 65536)  # the pipe is full: its reader has stopped
+    os.set_blocking(w, True)
+    stream = os.fdopen(w, "w")
+    root = logging.getLogger()
+    before, level = root.handlers[:], root.level
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(LogfmtFormatter())
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    out: list[bytes] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: os.read(r, 65536), b"")))
+    n, capacity = 4 * WRITE_BATCH_LINES, 8
+    try:
+        with written_off_the_loop(capacity) as handoff:
+            logger = logging.getLogger("kvoffloadd.test")
+
+            def log_lines() -> None:
+                for i in range(n):
+                    logger.warning("line %d", i)
+
+            loop = threading.Thread(target=log_lines)
+            loop.start()
+            loop.join(30)
+            assert not loop.is_alive(), "logging waited on the log's reader"
+            reader.start()  # it reads again
+            deadline = time.monotonic() + 30
+            while not handoff.lines.empty():
+                assert time.monotonic() < deadline, "the writer never caught up"
+                time.sleep(0.001)
+            logger.warning("after")
+        stream.close()
+        reader.join(30)
+    finally:
+        root.handlers[:] = before
+        root.setLevel(level)
+        if not stream.closed:
+            stream.close()
+        os.close(r)
+    lines = [x for x in b"".join(out).decode().split("\n") if x]
+    assert all(x.startswith("ts=") and " level=warning " in x for x in lines)
+    assert lines[-1].endswith("msg=after")
+    told_re = re.compile(r'"(\d+) log lines dropped: the log\'s reader fell behind"')
+    shown: list[int] = []
+    told = 0
+    for x in lines[:-1]:
+        msg = x.rsplit("msg=", 1)[1]
+        if dropped := told_re.fullmatch(msg):
+            told += int(dropped[1])
+        else:
+            shown.append(int(re.fullmatch(r'"line (\d+)"', msg)[1]))  # type: ignore[index]
+    assert shown == sorted(set(shown))  # in order, none twice
+    assert len(shown) + told == n  # each written, or counted as dropped
+    assert told >= n - WRITE_BATCH_LINES - capacity  # what the blocked writer could not take
