@@ -12,7 +12,8 @@ Rules:
   anyway (``ServePhase`` is filled once per turn that serves), and reads the thread's
   CPU clock only for a slow turn.
 - At most one line per ``LOG_GAP_S``: a peer that keeps turns long cannot flood the log
-  (and the loop thread writes it); the turns not told are counted in the next line.
+  (the loop formats each line, and the log writer's queue is shared by every line); the
+  turns not told are counted in the next line.
 """
 
 from __future__ import annotations
