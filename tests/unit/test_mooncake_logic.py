@@ -11,6 +11,7 @@ import pathlib
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -22,8 +23,9 @@ import pytest
 from kvoffloadd.copies.crc import crc32
 from kvoffloadd.tiers.base import TierJob, TierNamespace, TierResult, WakeFd
 from kvoffloadd.tiers.blockauth import BlockMac
-from kvoffloadd.tiers.mooncake_local import read_own_segment, segment_span
+from kvoffloadd.tiers.mooncake_local import FIRST_ASK, read_own_segment, segment_span
 from kvoffloadd.tiers.mooncake_tier import HEADER_BYTES, MooncakeSettings, MooncakeTier
+from kvoffloadd.tiers.spread import TierThreads
 
 BLOCK = 4096
 NS = TierNamespace.of("llama", "fp", BLOCK)
@@ -343,6 +345,24 @@ def test_blocks_in_the_own_segment_are_copied_by_the_tier_not_by_mooncake(tier: 
     assert np.array_equal(region[5 * BLOCK : 7 * BLOCK], region[: 2 * BLOCK])
     own = t.statistics()["own_segment_reads_total"]
     assert (own, FakeStore.gets) == ((0, 2) if FakeStore.elsewhere else (2, 0))
+    # A lookup's keys: one job while loads find their blocks here (the promotion
+    # threads copy them), one per job thread while Mooncake copies them.
+    assert t.promotion_jobs == (2 if FakeStore.elsewhere else 1)
+
+
+def test_a_lookup_is_split_into_jobs_by_where_the_latest_load_found_its_blocks() -> None:
+    FakeStore.elsewhere = False
+    with make_tier() as (t, wake, region):
+        assert t.promotion_jobs == 1  # a tier that lends a segment expects its own blocks
+        job(t, wake, region, True, [0, 1], [b"a", b"b"])
+        FakeStore.elsewhere = True
+        job(t, wake, region, False, [4, 5], [b"a", b"b"])
+        assert t.promotion_jobs == 2
+        FakeStore.elsewhere = False
+        job(t, wake, region, False, [6, 7], [b"a", b"b"])
+        assert t.promotion_jobs == 1
+    with make_tier(lease_ttl_s=0.0) as (t, wake, region):
+        assert t.promotion_jobs == 2  # Mooncake copies every block
 
 
 @pytest.mark.parametrize("settings", [{"lease_ttl_s": 1e-9}, {"lease_ttl_s": 0.0}])
@@ -428,6 +448,117 @@ def test_copies_that_end_after_half_the_lease_are_all_handed_back() -> None:
         clock=lambda: next(ticks),
     )
     assert got.rest == [0] and got.tags == {}
+
+
+class AskedInTurn(Answering):
+    """``Answering`` that writes each question into ``events`` and fails the question
+    numbered ``fail_at`` (from 0) with ConnectionError, setting ``failed``."""
+
+    def __init__(self, answer: dict[str, list[Any]], events: list[Any], fail_at: int = -1):
+        super().__init__(answer)
+        self.events = events
+        self.fail_at = fail_at
+        self.failed = threading.Event()
+
+    def batch_get_replica_desc(self, names: list[str]) -> dict[str, list[Any]]:
+        asked = sum(1 for e in self.events if e[0] == "ask")
+        self.events.append(("ask", list(names)))
+        if asked == self.fail_at:
+            self.failed.set()
+            raise ConnectionError("the master went away")
+        return {k: v for k, v in self.answer.items() if k in names}
+
+
+def own_blocks(count: int) -> tuple[Any, dict[str, list[Any]], list[str]]:
+    n, h = BLOCK, HEADER_BYTES
+    segment = np.arange(count * (n + h), dtype=np.uint32).astype(np.uint8)
+    base = segment.ctypes.data
+    names = [f"b{j}" for j in range(count)]
+    answer = {name: [replica(base + j * (n + h), n + h, "me:1")] for j, name in enumerate(names)}
+    return segment, answer, names
+
+
+def test_the_first_blocks_are_copied_while_the_master_is_asked_about_the_rest() -> None:
+    count, n, h = FIRST_ASK + 3, BLOCK, HEADER_BYTES
+    segment, answer, names = own_blocks(count)
+    base, events = segment.ctypes.data, []
+    dest = np.zeros((count, n), np.uint8)
+    headers = np.zeros((count, h), np.uint8)
+
+    def copy(j: int, src: int) -> bytes:
+        events.append(("copy", j))
+        return MAC.copy_and_hash(NS, b"k", memoryview(dest[j]), dest[j].ctypes.data, src)
+
+    got = read_own_segment(
+        AskedInTurn(answer, events),
+        names,
+        n,
+        copy,
+        [row.ctypes.data for row in headers],
+        h,
+        (base, base + segment.nbytes),
+        lease_ttl_s=10.0,
+    )
+    assert events == [
+        ("ask", names[:FIRST_ASK]),
+        *(("copy", j) for j in range(FIRST_ASK)),
+        ("ask", names[FIRST_ASK:]),
+        *(("copy", j) for j in range(FIRST_ASK, count)),
+    ]
+    assert sorted(got.tags) == list(range(count)) and got.rest == []
+    assert sorted(got.answer) == names
+    for j in range(count):
+        assert np.array_equal(dest[j], segment[j * (n + h) : j * (n + h) + n])
+
+
+def test_a_question_that_fails_returns_only_once_no_copy_is_running() -> None:
+    """The copies of the first blocks run on the promotion threads while the master is
+    asked about the rest; that question fails, and the failure comes back only after
+    those copies are done (their slots may be reused at once)."""
+    count, n, h = FIRST_ASK + 2, BLOCK, HEADER_BYTES
+    segment, answer, names = own_blocks(count)
+    base, events = segment.ctypes.data, []
+    dest = np.zeros((count, n), np.uint8)
+    gate, copied = threading.Event(), []
+    threads = TierThreads(2, "test")
+
+    def copy(j: int, src: int) -> bytes:
+        assert gate.wait(timeout=30), "the test never opened the gate"
+        copied.append(j)
+        return MAC.copy_and_hash(NS, b"k", memoryview(dest[j]), dest[j].ctypes.data, src)
+
+    raised: list[BaseException] = []
+    client = AskedInTurn(answer, events, fail_at=1)
+
+    def promote() -> None:
+        try:
+            read_own_segment(
+                client,
+                names,
+                n,
+                copy,
+                [np.zeros(h, np.uint8).ctypes.data] * count,
+                h,
+                (base, base + segment.nbytes),
+                lease_ttl_s=10.0,
+                start=lambda k, work: threads.started(k, n, work),
+            )
+        except ConnectionError as exc:
+            raised.append(exc)
+
+    try:
+        t = threading.Thread(target=promote)
+        t.start()
+        assert client.failed.wait(timeout=30), "the second question was never asked"
+        t.join(timeout=0.05)
+        assert t.is_alive(), "returned while a copy into a slot was still held up"
+        gate.set()
+        t.join(timeout=30)
+        assert not t.is_alive() and len(raised) == 1
+        assert sorted(copied) == list(range(FIRST_ASK))  # none past the failed question
+    finally:
+        gate.set()
+        assert threads.close(timeout_s=10)
 
 
 def test_the_segment_span_never_reaches_past_the_mapping_that_holds_it(

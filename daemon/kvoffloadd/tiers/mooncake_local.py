@@ -17,8 +17,12 @@ Rules:
   each object's replicas and grants each object a read lease (the master's
   ``-default_kv_lease_ttl``, ``lease_ttl_s`` here). Until it runs out Mooncake neither
   evicts nor removes the object, so its bytes stay where the answer says. Copies that end
-  later than half the lease after the question was sent are not trusted: their keys are
-  read again through Mooncake, which checks its own lease.
+  later than half the lease after the first question was sent are not trusted: their
+  keys are read again through Mooncake, which checks its own lease.
+- A load asks about its first ``FIRST_ASK`` names alone, then about the rest: each
+  block's copy is released to the threads as soon as the answer about it is in, so the
+  copies start while the master is asked about the rest. A question that fails comes
+  back only once every copy already released has finished (their slots are then free).
 - Only a complete memory replica in the segment of the client that asked (the endpoint
   ``get_hostname()`` names), of exactly the object's size, lying wholly inside that
   segment's span, is copied here; every other key (absent from the answer, elsewhere,
@@ -39,7 +43,7 @@ import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -47,6 +51,7 @@ import numpy.typing as npt
 T = TypeVar("T")
 WARM_CHUNK_BYTES = 4 << 20  # objects that write the lent segment once at start
 WARM_FRACTION = 0.85  # of the segment: below Mooncake's eviction watermark (0.9)
+FIRST_ASK = 4  # names of a load asked about first, so their copies start sooner
 
 
 @dataclass
@@ -121,6 +126,30 @@ def in_turn(n: int, work: Callable[[int], T]) -> list[T | None]:
     return [work(i) for i in range(n)]
 
 
+class Released(Protocol[T]):
+    """Blocks whose work runs once released (``spread.Started``, or ``InTurn``)."""
+
+    def release(self, ready: int) -> None: ...
+
+    def wait(self) -> list[T | None]: ...
+
+
+class InTurn(Generic[T]):
+    """``Released`` on the caller's thread: each block runs as it is released."""
+
+    def __init__(self, n: int, work: Callable[[int], T]) -> None:
+        self._work = work
+        self._results: list[T | None] = []
+        self._n = n
+
+    def release(self, ready: int) -> None:
+        while len(self._results) < min(ready, self._n):
+            self._results.append(self._work(len(self._results)))
+
+    def wait(self) -> list[T | None]:
+        return self._results
+
+
 def read_own_segment(
     client: Any,
     names: Sequence[str],
@@ -131,36 +160,47 @@ def read_own_segment(
     span: Span,
     lease_ttl_s: float,
     clock: Callable[[], float] = time.monotonic,
-    run: Callable[[int, Callable[[int], bytes]], list[bytes | None]] = in_turn,
+    start: Callable[[int, Callable[[int], bytes | None]], Released[bytes]] = InTurn,
 ) -> OwnSegmentRead:
     """Copy the objects among ``names`` that lie in ``client``'s own segment: block ``j``
-    by ``copy(j, source address)``, which answers its MAC, its header to ``headers[j]``;
-    the copies run through ``run(count, work)`` (the tier's promotion threads). A copy
-    that raised leaves its block to Mooncake."""
+    by ``copy(j, source address)``, which answers its MAC, its header to ``headers[j]``.
+    The copies run through ``start(count, work)`` (the tier's promotion threads), each
+    released as soon as the master has said where its object lies: the first
+    ``FIRST_ASK`` names are asked alone, so copies start while the rest are asked. A
+    copy that raised leaves its block to Mooncake; none runs on once this returns."""
     out = OwnSegmentRead()
     started_s = clock()
-    answer = client.batch_get_replica_desc(list(names))
     endpoint = client.get_hostname()
     n = block_bytes
-    found: list[tuple[int, int]] = []  # (j, source address)
-    for j, name in enumerate(names):
-        src = _own_address(answer.get(name), endpoint, n + header_bytes, span)
-        if src is None:
-            out.rest.append(j)
-        else:
-            found.append((j, src))
+    sources: list[int | None] = [None] * len(names)  # set before each is released
 
-    def copy_one(k: int) -> bytes:
-        j, src = found[k]
+    def copy_one(j: int) -> bytes | None:
+        src = sources[j]
+        if src is None:
+            return None  # not in this segment: Mooncake reads it
         ctypes.memmove(headers[j], src + n, header_bytes)
         return copy(j, src)
 
-    for (j, _), tag in zip(found, run(len(found), copy_one)):
+    answer: dict[str, Any] = {}
+    copies = start(len(names), copy_one)
+    try:
+        first = min(FIRST_ASK, len(names))
+        for a, b in ((0, first), (first, len(names))):
+            if a == b:
+                continue
+            part = client.batch_get_replica_desc(list(names[a:b]))
+            answer.update(part)
+            for j in range(a, b):
+                sources[j] = _own_address(part.get(names[j]), endpoint, n + header_bytes, span)
+            copies.release(b)
+    finally:
+        copies.release(len(names))  # those never asked about copy nothing
+        tags = copies.wait()
+    for j, tag in enumerate(tags):
         if tag is None:
             out.rest.append(j)
         else:
             out.tags[j] = tag
-    out.rest.sort()
     out.answer = answer
     if out.tags and clock() - started_s > lease_ttl_s / 2:  # the lease may have run out
         return OwnSegmentRead(rest=list(range(len(names))), answer=answer)

@@ -147,7 +147,6 @@ class MooncakeTier(RemoteTier):
             settings.tier_threads,
         )
         self.seals = SealCheck(mac, name, MAGIC)
-        self.promotion_jobs = settings.threads  # a job's transfer runs on one job thread
         self._cls = cls
         self.s = settings
         self.healthy = False  # until the poller has connected (and written the segment)
@@ -160,6 +159,8 @@ class MooncakeTier(RemoteTier):
         self._poisoned: list[Any] = []  # clients a transfer may still use: kept alive
         self._lock = threading.Lock()
         self._own_reads_total = 0  # blocks promoted from this daemon's own segment
+        # Did most blocks of the latest load lie in the own segment (promotion_jobs)?
+        self._own_last = settings.lease_ttl_s > 0 and settings.segment_bytes > 0
         self._spans: dict[int, Span] = {}  # id(client) -> its own segment (poller writes)
         self._listing_cut_logged = False
         self._wanted: dict[Entry, None] = {}  # loop thread fills, poller swaps out
@@ -170,6 +171,14 @@ class MooncakeTier(RemoteTier):
         self._poller.daemon = True
 
     # ------------------------------------------------------------ loop thread
+
+    @property
+    def promotion_jobs(self) -> int:  # type: ignore[override]
+        """Jobs a lookup's keys are split into. While loads find their blocks in this
+        daemon's own segment, one: its blocks spread over the promotion threads, and a
+        job per job thread would only ask the master more often, CPU the copies need.
+        Otherwise one per job thread: Mooncake copies a job's batch on one thread."""
+        return 1 if self._own_last else self.s.threads
 
     def attach_region(self, address: int, nbytes: int) -> None:
         self._region = (address, nbytes)
@@ -271,8 +280,8 @@ class MooncakeTier(RemoteTier):
                 at = base + j * HEADER_BYTES
                 view[at : at + SEAL.size] = self.seals.seal(job.ns, job.keys[i], job.buffers[i])
             return [min(c, 0) for c in client.batch_put_from_multi_buffers(names, ptrs, sizes)]
-        for j in range(len(part)):  # a short object leaves no seal of an earlier job behind
-            view[base + j * HEADER_BYTES : base + j * HEADER_BYTES + SEAL.size] = bytes(SEAL.size)
+        # a short object leaves no seal of an earlier job behind
+        view[base : base + len(part) * HEADER_BYTES] = bytes(len(part) * HEADER_BYTES)
         own = self._read_own_segment(client, job, names, part, hdr)
         counts = dict.fromkeys(own.tags, n + HEADER_BYTES)
         # An object of another size is no block of ours: refused before any transfer
@@ -323,6 +332,7 @@ class MooncakeTier(RemoteTier):
         here; the rest is left to Mooncake."""
         span = self._spans.get(id(client))
         if not (self.s.lease_ttl_s > 0 and span is not None):
+            self._own_last = False
             return OwnSegmentRead(rest=list(range(len(part))))
         mac, ns, idx = self.seals.mac, job.ns, list(part)
 
@@ -340,10 +350,11 @@ class MooncakeTier(RemoteTier):
             HEADER_BYTES,
             span,
             self.s.lease_ttl_s,
-            run=lambda count, work: self.tier_threads.run(count, job.ns.block_bytes, work),
+            start=lambda count, work: self.tier_threads.started(count, ns.block_bytes, work),
         )
         with self._lock:
             self._own_reads_total += len(own.tags)
+            self._own_last = 2 * len(own.tags) >= len(part)
         return own
 
     def _poison(self, client: Any, hold_s: float) -> None:

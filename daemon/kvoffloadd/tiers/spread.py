@@ -68,6 +68,30 @@ class Spread(Generic[T]):
         self._owner.release(self, ready)
 
 
+class Started(Generic[T]):
+    """A spread its tier thread releases and waits for (``TierThreads.started``)."""
+
+    def __init__(
+        self, owner: TierThreads, n: int, block_bytes: int, work: Callable[[int], T]
+    ) -> None:
+        self._finished = threading.Event()
+        self._results: list[T | None] = []
+        self._spread = owner.spread(n, block_bytes, work, self._done, ready=0)
+
+    def _done(self, results: list[T | None]) -> None:
+        self._results = results
+        self._finished.set()
+
+    def release(self, ready: int) -> None:
+        """Blocks below ``ready`` may be taken from now on."""
+        self._spread.release(ready)
+
+    def wait(self) -> list[T | None]:
+        """Every block's result, once all are released and run (or failed)."""
+        self._finished.wait()
+        return self._results
+
+
 class TierThreads:
     """``count`` threads that run spreads for one tier (named after it)."""
 
@@ -107,16 +131,14 @@ class TierThreads:
 
     def run(self, n: int, block_bytes: int, work: Callable[[int], T]) -> list[T | None]:
         """``spread``, waited for: from a tier's own thread, never one of these."""
-        finished = threading.Event()
-        out: list[T | None] = []
+        started = self.started(n, block_bytes, work)
+        started.release(n)
+        return started.wait()
 
-        def done(results: list[T | None]) -> None:
-            out.extend(results)
-            finished.set()
-
-        self.spread(n, block_bytes, work, done)
-        finished.wait()
-        return out
+    def started(self, n: int, block_bytes: int, work: Callable[[int], T]) -> Started[T]:
+        """A ``spread`` with no block ready yet, for a tier's own thread to ``release``
+        bit by bit (as it learns where each block is) and ``wait`` for."""
+        return Started(self, n, block_bytes, work)
 
     def release(self, sp: Spread[Any], ready: int) -> None:
         with self._cv:
