@@ -23,9 +23,10 @@ from kvoffloadd.region.backing import HUGE_PAGES
 from kvoffloadd.region.bringup import RegionSetup, fit_check, plan_setup
 from kvoffloadd.region.region import RegionError, SharedOffloadRegion
 from kvoffloadd.region.regionstate import RegionState, open_region
+from kvoffloadd.server.listener import bind_listener
 from kvoffloadd.server.logfmt import setup_logging, written_off_the_loop
 from kvoffloadd.server.metrics import MetricsEndpoint
-from kvoffloadd.server.server import Server, bind_listener
+from kvoffloadd.server.server import Server
 from kvoffloadd.server.systemd import Notifier, listen_fds
 from kvoffloadd.service.service import Service
 from kvoffloadd.tiers import BlockMac, SecondaryTier, TierError, WakeFd, build_tier, read_secret

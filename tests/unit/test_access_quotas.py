@@ -208,7 +208,7 @@ def test_config_example_documents_every_key_and_loads(tmp_path: Path) -> None:
 def test_socket_is_0660_in_a_0750_directory(tmp_path: Path) -> None:
     import stat
 
-    from kvoffloadd.server.server import bind_listener
+    from kvoffloadd.server.listener import bind_listener
 
     path = tmp_path / "run" / "k.sock"
     sock = bind_listener(str(path))

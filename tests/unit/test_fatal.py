@@ -16,7 +16,8 @@ from kvoffload.protocol.connection import encode_frame
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
-from kvoffloadd.server.server import Server, bind_listener
+from kvoffloadd.server.listener import bind_listener
+from kvoffloadd.server.server import Server
 from kvoffloadd.service.service import Service
 from kvoffloadd.service.session import Session
 

@@ -28,8 +28,10 @@ from kvoffload.protocol import messages as m
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
+from kvoffloadd.server import ready as readyshare
 from kvoffloadd.server import server as srv
-from kvoffloadd.server.server import INLINE_BYTES, REAPER, Server, bind_listener
+from kvoffloadd.server.listener import bind_listener
+from kvoffloadd.server.server import INLINE_BYTES, REAPER, Server
 from kvoffloadd.server.slowturns import LOG_GAP_S, SlowTurns
 from kvoffloadd.service.budgets import TURN_S
 from kvoffloadd.service.service import Service
@@ -319,7 +321,7 @@ def test_a_turn_reads_at_most_its_share_of_ready_clients_and_the_rest_come_next(
     robin: four clients' pings are answered two per turn."""
     server, _clock = loop
     clients = connected(server, tmp_path, 4)
-    monkeypatch.setattr(srv, "READY_PER_TURN", 2)
+    monkeypatch.setattr(readyshare, "READY_PER_TURN", 2)
     for c in clients:
         c.sendall(encode_frame(m.Ping(2)))
     server.turn(0.0)
@@ -346,7 +348,7 @@ def test_a_turn_shares_its_reads_among_uids_when_more_are_ready_than_it_reads(
     clients = connected(server, tmp_path, 7)
     other = list(server.clients.values())[-1]
     other.session.uid = OTHER_UID
-    monkeypatch.setattr(srv, "READY_PER_TURN", 4)
+    monkeypatch.setattr(readyshare, "READY_PER_TURN", 4)
     server._epoll = LastFd(server._epoll, other.fd)  # type: ignore[assignment]
     frame = encode_frame(m.Ping(2))
     for c in clients:
@@ -354,17 +356,17 @@ def test_a_turn_shares_its_reads_among_uids_when_more_are_ready_than_it_reads(
     server.turn(0.0)
     first = [bool(n) for n in map(answered, ([c] for c in clients))]
     assert first[-1], "the other uid's connection waited behind the first uid's"
-    assert sum(first) == 4 and len(server._pending) == 3
+    assert sum(first) == 4 and len(server._ready.pending) == 3
     server.turn(0.0)
     second = [bool(n) for n in map(answered, ([c] for c in clients))]
-    assert second == [not f for f in first] and not server._pending
+    assert second == [not f for f in first] and not server._ready.pending
     for c in clients:
         c.close()
     deadline = time.monotonic() + 10
     while server.clients:
         assert time.monotonic() < deadline
         server.turn(0.0)
-    assert not server._pending and not server._waiting
+    assert not server._ready.pending and not server._ready._waiting
 
 
 def test_connections_that_hang_up_during_their_first_request_leave_nothing_in_the_loops_book(

@@ -240,7 +240,8 @@ class InProcess:
     def __init__(self) -> None:
         from kvoffloadd.copies.copier import CpuCopier
         from kvoffloadd.region.region import Geometry, SharedOffloadRegion
-        from kvoffloadd.server.server import Server, bind_listener
+        from kvoffloadd.server.listener import bind_listener
+        from kvoffloadd.server.server import Server
         from kvoffloadd.service.service import Service
 
         # what is made is released in reverse, by close() or by a failed start

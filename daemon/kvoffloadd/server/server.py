@@ -11,15 +11,14 @@ Rules:
   everyone else is unaffected (invariant 6).
 - What each connection holds is charged to it, its uid and everyone in the ledger
   (``kvoffloadd.ledger``): its connection (past the uid's or everyone's limit a new one
-  gets one ``QUOTA_EXCEEDED`` and is closed), its buffered request and reply bytes and
-  its parked descriptors (the connection, or the largest holder of its uid or of all,
-  is cut off past a limit). A reserve descriptor lets ``accept`` shed at EMFILE.
+  gets one ``QUOTA_EXCEEDED`` and is closed), and what its socket holds (``clients``).
+  A reserve descriptor lets ``accept`` shed at EMFILE.
 - Loop time: connections with work are served one unit at a time (a request, or one
   slice of a large engine batch) by start-time fair queueing on the loop time each
   used (turns.py); a turn serves ``TURN_S`` in total (past it, the unit in progress and
   at most one queued unit), requests served as they are read included, then polls; it
   reads at most ``READY_PER_TURN`` ready connections; when more are ready they are
-  shared out among their uids and the rest wait for the next turns (``_share``), so a
+  shared out among their uids and the rest wait for the next turns (``ready``), so a
   connection waits to be read behind its uid's share of a turn's reads, not behind
   every connection another uid has ready. A turn of ``SLOW_TURN_S`` or more is logged
   with where its time went (``slowturns``). A unit is charged its wall time;
@@ -48,38 +47,30 @@ import array
 import contextlib
 import errno
 import logging
-import math
-import os
 import select
 import signal
 import socket
-import stat
-import struct
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvoffload.protocol import NeedData, ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 from kvoffloadd import loopthread
 from kvoffloadd.copies.workers import close_fds
-from kvoffloadd.ledger import Line
+from kvoffloadd.server import ready as readyshare
+from kvoffloadd.server.clients import Charges, Client
+from kvoffloadd.server.listener import peer_credentials
 from kvoffloadd.server.metrics import MetricsEndpoint
 from kvoffloadd.server.slowturns import SLOW_TURN_S, ServePhase, SlowTurns
 from kvoffloadd.server.systemd import Notifier, watchdog_interval_s
 from kvoffloadd.server.turns import TurnQueue
-from kvoffloadd.service.budgets import (
-    MAX_OUTPUT_BYTES_PER_CLIENT,
-    PAUSE_OUTPUT_BYTES,
-    TURN_S,
-)
+from kvoffloadd.service.budgets import PAUSE_OUTPUT_BYTES, TURN_S
 from kvoffloadd.service.engines import split_batch
 from kvoffloadd.service.service import Service
 from kvoffloadd.service.session import Session
 from kvoffloadd.service.stats import render_stats
-from kvoffloadd.trust import UntrustedError, secure_dir, socket_in_use
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +85,7 @@ RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release
 # A request this small (a lookup of a thousand keys), with nobody waiting and the turn's
 # budget not spent, is served as it is read; anything else is buffered and queued.
 INLINE_BYTES = 64 << 10
-READY_PER_TURN = 256  # descriptors one turn handles, shared out among uids past it
-MAX_READY = 2048  # ready descriptors taken from epoll at once when more than a turn's
 CPU_READ_S = 0.001  # queued units: the loop thread's CPU clock read after this much wall
-CHARGE_STEP_BYTES = 16 << 10  # buffered bytes are charged in steps of this, rounded up
 # A connection's feed is pushed at most this often: a vLLM engine reads pushes once per
 # step's I/O (at most every ``batch_interval_s``, 20 ms), and each push read costs a
 # decode and a pass of its own, so a read finds one or two; a mirror is this much later
@@ -108,27 +96,6 @@ _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 _WRITABLE = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
 _IN_ONLY = select.EPOLLIN  # what epoll watches for a connection with nothing to send
-
-
-@dataclass(eq=False, slots=True)  # one per connection, kept in sets by identity
-class _Client:
-    sock: socket.socket
-    conn: ServerConnection
-    session: Session
-    fd: int
-    closed: bool = False  # dropped: events already polled for it are ignored
-    outbuf: bytearray = field(default_factory=bytearray)
-    sent_bytes: int = 0  # everything ever sent, to place descriptors in the stream
-    # (stream position, fds): descriptors that go out with the byte at that position
-    fd_marks: deque[tuple[int, list[int]]] = field(default_factory=deque)
-    events: int = select.EPOLLIN  # what epoll watches for it now
-    closing_by_s: float = 0.0  # after a protocol error: deliver the replies, then close
-    # what this connection has charged to the ledger for its buffers and parked fds
-    held_in: int = 0
-    held_out: int = 0
-    held_fds: int = 0
-    parts: deque[m.Request] = field(default_factory=deque)  # slices of a large batch
-    fed_at_s: float = -math.inf  # when its feed was last pushed (loop clock)
 
 
 class Server:
@@ -150,11 +117,8 @@ class Server:
         # epoll itself, not selectors: its wrapper costs a lookup and a tuple per event
         self._epoll = select.epoll()
         self._handlers: dict[int, Callable[[int], None]] = {}  # fd -> handler(events)
-        self._by_fd: dict[int, _Client] = {}  # client connections' descriptors
-        # connections that were ready and no turn has read yet: their events, and per
-        # uid in the order they came (``_share``)
-        self._pending: dict[int, int] = {}
-        self._waiting: dict[int, deque[int]] = {}
+        self._by_fd: dict[int, Client] = {}  # client connections' descriptors
+        self._ready = readyshare.ReadyShare(lambda n: self._epoll.poll(0.0, n))
         self._watch(listener.fileno(), self._accept)
         self._watch(service.copier.wake_fd, self._copies_done)
         if service.tiering is not None:
@@ -164,7 +128,7 @@ class Server:
         self._sig_r.setblocking(False)
         self._sig_w.setblocking(False)
         self._watch(self._sig_r.fileno(), self._signalled)
-        self.clients: dict[int, _Client] = {}
+        self.clients: dict[int, Client] = {}
         # connections with work, served fairly; on the clock the loop times units with
         self.turns = TurnQueue(time.perf_counter)
         self._queued = self.turns.queued  # tested for work without a call
@@ -178,8 +142,7 @@ class Server:
         self._push_due: set[int] = set()  # connections that fell behind their feed, read
         self.budgets = service.budgets
         self.ledger = service.ledger
-        self._buffered: Line = self.ledger["buffered_bytes"]
-        self._descriptors: Line = self.ledger["descriptors"]
+        self._charges = Charges(self.ledger, self.budgets, self.clients, self._drop)
         self._lagging = service.engines.lagging  # connections behind their feed
         self._record_turn = service.loop.record
         self._push_subs = service.engines.push_subs  # namespaces whose feeds are pushed
@@ -248,10 +211,10 @@ class Server:
     def turn(self, timeout_s: float) -> None:
         """One turn of the loop: wait up to ``timeout_s`` for input, completions or
         signals, handle them, serve queued work for up to ``TURN_S`` and push feeds."""
-        pending = self._pending
-        ready = self._epoll.poll(0.0 if pending else timeout_s, READY_PER_TURN)
-        if pending or len(ready) == READY_PER_TURN:
-            ready = self._share(ready)
+        pending, per_turn = self._ready.pending, readyshare.READY_PER_TURN
+        ready = self._epoll.poll(0.0 if pending else timeout_s, per_turn)
+        if pending or len(ready) == per_turn:
+            ready = self._ready.share(ready, self._uid_of)
         t0 = self._stamp = time.perf_counter()
         self._turn_end_s = t0 + TURN_S
         by_fd = self._by_fd
@@ -283,58 +246,16 @@ class Server:
                 served = self._served if busy else None
                 self.slow_turns.turn(spent_s, len(ready), reads_end_s - t0, served, self._stamp)
 
-    def _share(self, ready: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """More connections are ready than a turn reads (or were at the last turn):
-        take up to ``MAX_READY`` more from epoll, and hand this turn the watched
-        descriptors (listener, wake-ups, signals, timers) and ``READY_PER_TURN``
-        connections shared out among their uids, each uid's longest ready first; the
-        rest wait for the next turns. epoll alone goes round every ready descriptor in
-        turn: 1,000 connections of one uid ready at once held another uid's ping behind
-        all 1,000 reads. O(descriptors polled + uids waiting) a turn."""
-        pending, waiting, by_fd = self._pending, self._waiting, self._by_fd
-        if len(ready) == READY_PER_TURN:
-            ready += self._epoll.poll(0.0, MAX_READY)
-        watched: dict[int, int] = {}
-        for fd, events in ready:
-            c = by_fd.get(fd)
-            if c is None:
-                watched[fd] = watched.get(fd, 0) | events
-            elif fd in pending:
-                pending[fd] |= events
-            else:
-                pending[fd] = events
-                q = waiting.get(c.session.uid)
-                if q is None:
-                    waiting[c.session.uid] = q = deque()
-                q.append(fd)
-        out = list(watched.items())
-        room = READY_PER_TURN
-        while room > 0 and waiting:
-            share = max(1, room // len(waiting))
-            for uid in list(waiting):
-                q = waiting.pop(uid)
-                taken = 0
-                while q and taken < share:
-                    fd = q.popleft()
-                    events = pending.pop(fd, 0)
-                    if events:  # else it was dropped since
-                        out.append((fd, events))
-                        taken += 1
-                room -= taken
-                if q:
-                    waiting[uid] = q  # behind the others for what is left
-                if room <= 0:
-                    break
-        if not pending:
-            waiting.clear()  # what is left in it left the loop
-        return out
+    def _uid_of(self, fd: int) -> int | None:
+        c = self._by_fd.get(fd)
+        return None if c is None else c.session.uid
 
     def _cron(self) -> None:
         self.service.cron()
         for cid in self.service.pushes_due:  # what housekeeping told connections
             c = self.clients.get(cid)
             if c is not None:
-                self._queue_pushes(c)
+                c.queue_pushes()
                 self._flush(c)
         self.service.pushes_due.clear()
         self.budgets.trim()
@@ -403,9 +324,7 @@ class Server:
                 conn.close()
                 continue
             conn.setblocking(False)
-            pid, uid, gid = struct.unpack(
-                "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-            )
+            pid, uid, gid = peer_credentials(conn)
             cid = self._next_id
             self._next_id += 1
             session = self.service.open_session(cid, pid, uid, gid)
@@ -416,7 +335,7 @@ class Server:
                 self.budgets.shed_total += 1
                 self._refuse(conn, session, ErrorCode.QUOTA_EXCEEDED)
                 continue
-            client = _Client(conn, ServerConnection(self._max_frame), session, conn.fileno())
+            client = Client(conn, ServerConnection(self._max_frame), session, conn.fileno())
             self.clients[cid] = client
             self._by_fd[client.fd] = client
             self._epoll.register(client.fd, select.EPOLLIN)
@@ -438,7 +357,7 @@ class Server:
         conn.close()
         self.service.close_session(session)
 
-    def _read(self, c: _Client) -> bool:
+    def _read(self, c: Client) -> bool:
         """Read what ``c`` sent and serve it now if it is one whole small request,
         nobody waits and the turn's budget is not spent (requests served as they are
         read count in the turn's ``TURN_S`` like queued ones); else buffer (and charge)
@@ -483,7 +402,7 @@ class Server:
             self._drop(c, "disconnected")
             return False
         c.conn.receive_data(self._rview[:nbytes])
-        if not self._account(c):
+        if not self._charges.account(c):
             return False
         cid, pending = c.session.session_id, c.conn.buffered_bytes
         if not self._may_serve_now(c, pending):
@@ -498,7 +417,7 @@ class Server:
         self._stamp = t1
         return True
 
-    def _may_serve_now(self, c: _Client, nbytes: int) -> bool:
+    def _may_serve_now(self, c: Client, nbytes: int) -> bool:
         """Whether ``nbytes`` of ``c``'s request may be served as they are read: small,
         nobody queued, no slices of a batch left, the turn's budget not spent."""
         return (
@@ -508,9 +427,9 @@ class Server:
             and self._stamp < self._turn_end_s
         )
 
-    def _park_fds(self, c: _Client, anc: list[tuple[int, int, bytes]]) -> None:
+    def _park_fds(self, c: Client, anc: list[tuple[int, int, bytes]]) -> None:
         """Descriptors that came with the bytes: the session's until a request claims
-        them (charged with the bytes, in ``_account``)."""
+        them (charged with the bytes, ``Charges.account``)."""
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
@@ -557,7 +476,7 @@ class Server:
                 break
         phase.units, phase.longest_s, phase.longest_of = units, longest_s, longest_of
 
-    def _serve_one(self, c: _Client) -> int:
+    def _serve_one(self, c: Client) -> int:
         """Dispatch one unit of ``c``'s work; the bytes of work it has left now (0:
         none it can do now)."""
         if len(c.outbuf) > PAUSE_OUTPUT_BYTES or c.closing_by_s:
@@ -572,7 +491,7 @@ class Server:
         except ProtocolError as exc:
             return self._protocol_error(c, exc)
 
-    def _unit(self, c: _Client, req: m.Request, split: bool = True) -> int:
+    def _unit(self, c: Client, req: m.Request, split: bool = True) -> int:
         """Handle one request (the first slice of a large batch), send what it caused;
         the bytes of work ``c`` has left."""
         if split and type(req) is m.StepBatch:
@@ -583,9 +502,9 @@ class Server:
         if c.closed:
             return 0  # cut off by what the request made it hold
         self._flush(c)
-        return _pending_bytes(c)
+        return c.pending_bytes()
 
-    def _protocol_error(self, c: _Client, exc: ProtocolError) -> int:
+    def _protocol_error(self, c: Client, exc: ProtocolError) -> int:
         c.outbuf += encode_frame(m.ErrorReply(0, ErrorCode.PROTOCOL_ERROR, str(exc.args[0])))
         self.service.count_error(ErrorCode.PROTOCOL_ERROR.name)
         log.warning("client %d (pid %d): %s", c.session.session_id, c.session.pid, exc)
@@ -595,54 +514,7 @@ class Server:
         self._flush(c)
         return 0
 
-    def _account(self, c: _Client) -> bool:
-        """Charge the connection's buffered bytes (rounded up to ``CHARGE_STEP_BYTES``,
-        so a small request changes nothing) and parked descriptors to the ledger; cut
-        off whoever is over a limit. Whether ``c`` is still connected."""
-        held_in, fds = _rounded(c.conn.buffered_bytes), len(c.session.fds)
-        if held_in == c.held_in and fds == c.held_fds:
-            return True
-        cid = c.session.session_id
-        self._charge(self._buffered, cid, held_in - c.held_in)
-        self._charge(self._descriptors, cid, fds - c.held_fds)
-        c.held_in, c.held_fds = held_in, fds
-        for line in (self._descriptors, self._buffered):
-            self._enforce(line, c)
-        return cid in self.clients
-
-    @staticmethod
-    def _charge(line: Line, cid: int, delta: int) -> None:
-        if delta > 0:
-            line.add(cid, delta)
-        elif delta < 0:
-            line.give(cid, -delta)
-
-    def _enforce(self, line: Line, c: _Client) -> None:
-        """What arrived is held already: past a limit, cut off the connection (its own
-        limit) or the largest holder of its uid, or of everyone."""
-        cid = c.session.session_id
-        while cid in self.clients and (scope := line.excess(cid)):
-            if scope == "connection":
-                victim = c
-            else:
-                pool = [
-                    x
-                    for x in self.clients.values()
-                    if scope == "total" or x.session.uid == c.session.uid
-                ]
-                victim = max(pool, key=lambda x: line.held(x.session.session_id))
-            held = line.held(victim.session.session_id)
-            if not held:
-                return  # what is over is held by connections already gone
-            self._cut_off(victim, f"holds {held} {line.what} (over the {scope} limit)")
-
-    def _cut_off(self, c: _Client, why: str) -> None:
-        self.budgets.cut_off_total += 1
-        log.warning("client %d (pid %d uid %d) cut off: %s", c.session.session_id,
-                    c.session.pid, c.session.uid, why)  # fmt: skip
-        self._drop(c, why)
-
-    def _dispatch(self, c: _Client, req: m.Request) -> None:
+    def _dispatch(self, c: Client, req: m.Request) -> None:
         s = c.session
         try:
             reply = self.service.handle(s, req)
@@ -651,14 +523,14 @@ class Server:
         except Exception as exc:
             reply = self._failed(s, req, exc)
         if s.pushes:  # what the request caused goes out before its reply
-            self._queue_pushes(c)
+            c.queue_pushes()
         if reply is not None:
             if s.out_fds:
-                self._queue_reply(c, reply)
-            else:  # _queue_reply, written out: once per request
+                c.queue_reply(reply)
+            else:  # queue_reply, written out: once per request
                 c.conn.send_into(reply, c.outbuf)
         if len(s.fds) != c.held_fds:
-            self._account(c)  # the request claimed parked descriptors
+            self._charges.account(c)  # the request claimed parked descriptors
 
     def _failed(self, s: Session, req: m.Request, exc: Exception) -> m.Reply | None:
         """The error reply to a request whose handler raised ``exc`` (None for a
@@ -675,18 +547,6 @@ class Server:
             self.service.refuse_one_way(s, req, code, message)
             return None
         return m.ErrorReply(req.rid, code, message)
-
-    def _queue_reply(self, c: _Client, reply: m.Reply) -> None:
-        fds = c.session.out_fds.pop(reply.rid, None) if c.session.out_fds else None
-        if fds:  # they travel with the first byte of this reply
-            c.fd_marks.append((c.sent_bytes + len(c.outbuf), fds))
-        c.conn.send_into(reply, c.outbuf)
-
-    def _queue_pushes(self, c: _Client) -> None:
-        if c.session.pushes:
-            for push in c.session.pushes:
-                c.conn.send_into(push, c.outbuf)
-            c.session.pushes.clear()
 
     def _push_feeds(self) -> None:
         """Push the feeds that moved, to each connection at most once per
@@ -717,14 +577,14 @@ class Server:
         for session_id, reply in self.service.on_completions(self.service.copier.drain()):
             c = self.clients.get(session_id)
             if c is not None:
-                self._queue_reply(c, reply)
+                c.queue_reply(reply)
                 self._flush(c)
 
-    def _flush(self, c: _Client) -> None:
+    def _flush(self, c: Client) -> None:
         outbuf = c.outbuf
         while outbuf:
             try:
-                n = c.sock.send(outbuf) if not c.fd_marks else self._send_some(c)
+                n = c.sock.send(outbuf) if not c.fd_marks else c.send_some()
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
@@ -746,56 +606,31 @@ class Server:
         if c.closing_by_s and not outbuf:
             self._drop(c, "protocol error")
             return
+        if not self._charges.account_output(c):
+            return
         cid, left = c.session.session_id, len(outbuf)
-        if (left or c.held_out) and (held_out := _rounded(left)) != c.held_out:
-            self._charge(self._buffered, cid, held_out - c.held_out)
-            c.held_out = held_out
-            if left > MAX_OUTPUT_BYTES_PER_CLIENT:
-                self._cut_off(c, "not reading its replies")
-                return
-            self._enforce(self._buffered, c)
-            if c.closed:
-                return
         paused = left > PAUSE_OUTPUT_BYTES or bool(c.closing_by_s)
         events = (0 if paused else select.EPOLLIN) | (select.EPOLLOUT if left else 0)
         if events != c.events:
             self._epoll.modify(c.fd, events)
             c.events = events
-            if not paused and (pending := _pending_bytes(c)):
+            if not paused and (pending := c.pending_bytes()):
                 self.turns.wake(cid, pending, c.session.uid)  # resumed: buffered while paused
         if not paused and cid in self._lagging:
             self._lagging.discard(cid)
             self._push_due.add(cid)  # it fell behind its feed and has read: try again
 
-    @staticmethod
-    def _send_some(c: _Client) -> int:
-        """Send from the output buffer up to the next descriptors' mark, or from the
-        mark with the descriptors (they go with the byte they are marked at)."""
-        pos, fds = c.fd_marks[0]
-        if pos > c.sent_bytes:  # send up to the mark, without descriptors
-            return c.sock.send(memoryview(c.outbuf)[: pos - c.sent_bytes])
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        n = c.sock.sendmsg([c.outbuf], anc)
-        c.fd_marks.popleft()
-        close_fds(fds)  # the peer has its own copies now
-        return n
-
-    def _drop(self, c: _Client, why: str) -> None:
+    def _drop(self, c: Client, why: str) -> None:
         if self.clients.pop(c.session.session_id, None) is None:
             return
         c.closed = True
         self._by_fd.pop(c.fd, None)
-        self._pending.pop(c.fd, None)
-        cid = c.session.session_id
-        self.turns.drop(cid)
-        self.budgets.released_bytes += c.held_in + c.held_out
+        self._ready.forget(c.fd)
+        self.turns.drop(c.session.session_id)
         # What goes with the socket goes from the ledger now; the rest when released.
-        self._charge(self._buffered, cid, -(c.held_in + c.held_out))
-        self._charge(self._descriptors, cid, -c.held_fds)
-        self.ledger["connections"].give(cid, 1)
+        self._charges.release(c)
         close_fds(c.session.fds)  # descriptors it parked that no message claimed
         c.session.fds = []
-        c.held_in = c.held_out = c.held_fds = 0
         c.parts.clear()
         for _, fds in c.fd_marks:
             close_fds(fds)
@@ -816,42 +651,3 @@ class Server:
         if self.service.close_session(self._leaving[0], RELEASE_SLICE):
             self._leaving.popleft()
         return LEAVING_BYTES if self._leaving else 0
-
-
-def _rounded(nbytes: int) -> int:
-    """Bytes as the ledger is charged them: in steps of ``CHARGE_STEP_BYTES``, up."""
-    return -(-nbytes // CHARGE_STEP_BYTES) * CHARGE_STEP_BYTES
-
-
-def _pending_bytes(c: _Client) -> int:
-    """The size of ``c``'s next unit of work: its next slice of a batch, else the bytes
-    of requests it has buffered (0: nothing to do)."""
-    if c.parts:
-        p = c.parts[0]
-        assert isinstance(p, m.StepBatch)
-        return len(p.claim_keys) + len(p.pin_keys) + len(p.unpin_keys) + len(p.touch_keys)
-    return c.conn.buffered_bytes
-
-
-def bind_listener(path: str) -> socket.socket:
-    """Bind the control socket: 0750 directory, 0660 socket. A stale socket is replaced;
-    one something still answers on, or anything that is not a socket, is not."""
-    secure_dir(os.path.dirname(os.path.abspath(path)))
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise UntrustedError(f"{path} exists and is not a socket; remove it")
-        if socket_in_use(path):
-            raise UntrustedError(f"something already serves {path}; stop it first")
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    old = os.umask(0o117)
-    try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    sock.listen(512)
-    return sock
