@@ -121,11 +121,6 @@ def _own_address(replicas: Any, endpoint: str, object_bytes: int, span: Span) ->
     return None
 
 
-def in_turn(n: int, work: Callable[[int], T]) -> list[T | None]:
-    """``work`` of ``0 .. n-1``, one after the other on this thread."""
-    return [work(i) for i in range(n)]
-
-
 class Released(Protocol[T]):
     """Blocks whose work runs once released (``spread.Started``, or ``InTurn``)."""
 

@@ -57,7 +57,6 @@ from kvoffloadd.tiers.mooncake_local import (
     WARM_CHUNK_BYTES,
     OwnSegmentRead,
     Span,
-    in_turn,
     object_sizes,
     read_own_segment,
     warm_segment,
@@ -320,8 +319,8 @@ class MooncakeTier(RemoteTier):
 
         # Blocks Mooncake copied are hashed on the promotion threads; the others' tags
         # were taken as they were copied: only compared here.
-        threads = self.tier_threads
-        codes = threads.run(len(part), n, check) if rest else in_turn(len(part), check)
+        each = range(len(part))
+        codes = self.tier_threads.run(len(part), n, check) if rest else [check(j) for j in each]
         self.post_refused(refused)
         return [OBJECT_NOT_FOUND if c is None else c for c in codes]
 
