@@ -20,7 +20,7 @@ from kvoffload.plans import OffloadEvent
 from kvoffload.protocol import encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import HEADER_BYTES, frame_length
-from kvoffloadd.server import server as srv
+from kvoffloadd.server.output import FEED_PUSH_GAP_S
 from kvoffloadd.server.server import Server
 
 LAYOUT = m.KVLayout([4096])
@@ -95,7 +95,7 @@ def test_a_connections_feed_is_pushed_at_most_once_per_gap(
         assert frames(mirror) == []
     assert server._push_due  # held back, so the loop wakes for it
 
-    clock.advance(srv.FEED_PUSH_GAP_S)
+    clock.advance(FEED_PUSH_GAP_S)
     server.turn(0.0)
     pushes = frames(mirror)
     assert len(pushes) == 1  # all three in one push

@@ -29,11 +29,9 @@ Rules:
   is disconnected at once: it holds no slot and parks nothing.
 - One-way requests (rid 0) get no reply; a refused one becomes a push. Pushes the
   service queued (``Session.pushes``) go out after each request and each drain of copy
-  completions. Event feeds are pushed to the subscribers of namespaces whose feed
-  moved, and to connections that fell behind once they have read, each connection at
-  most once per ``FEED_PUSH_GAP_S``: what moves within the gap goes out together after
-  it (the loop wakes for it), so an engine reads one or two pushes per step's I/O, not
-  one per loop turn that moved its feed.
+  completions. Replies and pushes are written out, and event feeds pushed (each
+  connection's at most once per ``FEED_PUSH_GAP_S``), by ``output``; the loop wakes
+  after the gap for what it held back.
 - An ``AssertionError`` is a broken internal invariant: log the stats, exit non-zero.
 - SIGTERM/SIGINT: stop accepting, drain in-flight copies, close, unlink, exit 0.
 - The cron (every second, or every half watchdog interval when shorter) runs the
@@ -63,6 +61,7 @@ from kvoffloadd.server import ready as readyshare
 from kvoffloadd.server.clients import Charges, Client
 from kvoffloadd.server.listener import peer_credentials
 from kvoffloadd.server.metrics import MetricsEndpoint
+from kvoffloadd.server.output import FEED_PUSH_GAP_S, Output
 from kvoffloadd.server.slowturns import SLOW_TURN_S, ServePhase, SlowTurns
 from kvoffloadd.server.systemd import Notifier, watchdog_interval_s
 from kvoffloadd.server.turns import TurnQueue
@@ -86,16 +85,10 @@ RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release
 # budget not spent, is served as it is read; anything else is buffered and queued.
 INLINE_BYTES = 64 << 10
 CPU_READ_S = 0.001  # queued units: the loop thread's CPU clock read after this much wall
-# A connection's feed is pushed at most this often: a vLLM engine reads pushes once per
-# step's I/O (at most every ``batch_interval_s``, 20 ms), and each push read costs a
-# decode and a pass of its own, so a read finds one or two; a mirror is this much later
-# at most (evicted blocks stay readable for ``mirror_grace_s``).
-FEED_PUSH_GAP_S = 0.010
 _ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 # what epoll reports: hang-ups and errors count as both (a read or send then says which)
 _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 _WRITABLE = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
-_IN_ONLY = select.EPOLLIN  # what epoll watches for a connection with nothing to send
 
 
 class Server:
@@ -139,11 +132,14 @@ class Server:
         self._served = ServePhase()  # what the last serving of queued units did
         self.slow_turns = SlowTurns(self._describe)
         self._leaving: deque[Session] = deque()  # connections gone, to be released
-        self._push_due: set[int] = set()  # connections that fell behind their feed, read
         self.budgets = service.budgets
         self.ledger = service.ledger
         self._charges = Charges(self.ledger, self.budgets, self.clients, self._drop)
-        self._lagging = service.engines.lagging  # connections behind their feed
+        self.output = Output(
+            self._epoll, self._charges, self.turns, service.engines, self.clients, self._drop
+        )
+        self._flush = self.output.flush
+        self._push_due = self.output.due  # pushes held back by the gap (never replaced)
         self._record_turn = service.loop.record
         self._push_subs = service.engines.push_subs  # namespaces whose feeds are pushed
         self._next_id = 1
@@ -237,7 +233,7 @@ class Server:
         if busy:
             self._serve(self._turn_end_s)
         if self._push_subs or self._push_due:
-            self._push_feeds()
+            self.output.push_feeds(self._stamp)
             self._stamp = time.perf_counter()
         if ready or busy:  # self._stamp: when the last of the work above ended
             spent_s = self._stamp - t0
@@ -548,77 +544,12 @@ class Server:
             return None
         return m.ErrorReply(req.rid, code, message)
 
-    def _push_feeds(self) -> None:
-        """Push the feeds that moved, to each connection at most once per
-        ``FEED_PUSH_GAP_S``; a connection inside its gap stays due."""
-        engines = self.service.engines
-        feeds = engines.feed_pushes
-        due = engines.due()
-        if self._push_due:
-            due |= self._push_due
-            self._push_due = set()
-        now_s = self._stamp
-        for cid in due:
-            c = self.clients.get(cid)
-            if c is None or c.closing_by_s:
-                continue
-            if now_s - c.fed_at_s < FEED_PUSH_GAP_S:
-                self._push_due.add(cid)
-                continue
-            sent = False
-            for push in feeds(c.session, len(c.outbuf)):
-                c.conn.send_into(push, c.outbuf)
-                sent = True
-            if sent:
-                c.fed_at_s = now_s
-                self._flush(c)
-
     def _copies_done(self, events: int) -> None:
         for session_id, reply in self.service.on_completions(self.service.copier.drain()):
             c = self.clients.get(session_id)
             if c is not None:
                 c.queue_reply(reply)
                 self._flush(c)
-
-    def _flush(self, c: Client) -> None:
-        outbuf = c.outbuf
-        while outbuf:
-            try:
-                n = c.sock.send(outbuf) if not c.fd_marks else c.send_some()
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
-                    log.warning("client %d: send failed: %s", c.session.session_id, exc)
-                self._drop(c, "write failed")
-                return
-            if n == len(outbuf):
-                outbuf.clear()
-            else:
-                del outbuf[:n]
-            c.sent_bytes += n
-        if not outbuf and c.events == _IN_ONLY and not c.held_out and not c.closing_by_s:
-            # all of it went out, and nothing was held or watched for: nothing changes
-            if self._lagging and c.session.session_id in self._lagging:
-                self._lagging.discard(c.session.session_id)
-                self._push_due.add(c.session.session_id)  # it fell behind and has read
-            return
-        if c.closing_by_s and not outbuf:
-            self._drop(c, "protocol error")
-            return
-        if not self._charges.account_output(c):
-            return
-        cid, left = c.session.session_id, len(outbuf)
-        paused = left > PAUSE_OUTPUT_BYTES or bool(c.closing_by_s)
-        events = (0 if paused else select.EPOLLIN) | (select.EPOLLOUT if left else 0)
-        if events != c.events:
-            self._epoll.modify(c.fd, events)
-            c.events = events
-            if not paused and (pending := c.pending_bytes()):
-                self.turns.wake(cid, pending, c.session.uid)  # resumed: buffered while paused
-        if not paused and cid in self._lagging:
-            self._lagging.discard(cid)
-            self._push_due.add(cid)  # it fell behind its feed and has read: try again
 
     def _drop(self, c: Client, why: str) -> None:
         if self.clients.pop(c.session.session_id, None) is None:
