@@ -18,6 +18,9 @@ in blocks of 100-200 steps came out up to 1.8x apart per block and 7% apart per 
 in blocks of 10 within 3%. The first ``SETTLE_STEPS`` steps of each block run
 untimed: what the previous engine's steps caused (the daemon waking on its writes, the
 second engine reading its stores) lands in them, not in another engine's figures.
+The kvoffload engine reads its batch interval on a clock that stands still between its
+blocks (``OwnClock``), so it writes and reads once per interval of its own steps, as
+an engine running alone does, in timed steps as often as in untimed ones.
 Prompt lengths are spread over a block's 16 tokens, so with
 ``offload_prompt_only=False`` N/16 requests fill a block, a store, in nearly every
 step; with vLLM's default ``True`` only prompts store.
@@ -206,6 +209,32 @@ def io_total(clients: list[Any]) -> int:
     return sum(c.writes_total + c.reads_total for c in clients)
 
 
+class OwnClock:
+    """A monotonic clock that stands still while stopped: what the kvoffload engine
+    reads its batch interval on, so the interval counts its own steps' time. On the
+    wall clock the other engines' blocks had always passed it by the start of its next
+    block, so each of its blocks wrote and read in the first, untimed step and (at N =
+    16, a block shorter than the interval) never in a timed one; an engine that runs
+    alone does I/O once per interval of its own steps, wherever that falls."""
+
+    def __init__(self) -> None:
+        self.stood_s = 0.0
+        self._since: float | None = None
+
+    def __call__(self) -> float:
+        now = self._since if self._since is not None else time.monotonic()
+        return now - self.stood_s
+
+    def stop(self) -> None:
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def go(self) -> None:
+        if self._since is not None:
+            self.stood_s += time.monotonic() - self._since
+            self._since = None
+
+
 def step(
     e: Any, clock: ClientTime | None = None, io: set[str] | None = None
 ) -> tuple[float, float]:
@@ -302,9 +331,16 @@ def _measure(
     load0, cpu0, bg0 = os.getloadavg()[0], cpu_s(d.pid), bg_steps.value
     order = list(engines.items())
     io: set[str] = set()
+    own = OwnClock()  # kvoffload's batch interval runs only while its blocks do
+    kvo.manager.clock = own
+    for w in kvo.offload_workers:
+        w.clock = own
+    own.stop()
     for p in range(passes):  # one block each, the first rotating
         for j in range(len(order)):
             spec, e = order[(p + j) % len(order)]
+            if e is kvo:
+                own.go()
             for _ in range(SETTLE_STEPS):
                 step(e)
             for _ in range(block):
@@ -315,6 +351,9 @@ def _measure(
                 stores[spec] += bool(e.last_stores)
                 if e is kvo:
                     io_steps.append(" and ".join(sorted(io)) or "neither")
+            if e is kvo:
+                own.stop()
+    own.go()
     measured = passes * block
     taken = passes * (SETTLE_STEPS + block)  # each engine's steps, untimed ones included
     cpu1, bg1, load1 = cpu_s(d.pid), bg_steps.value, os.getloadavg()[0]

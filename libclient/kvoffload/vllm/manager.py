@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -126,6 +126,7 @@ class KVOffloadManager(OffloadingManager):
         self.tiers = {id(v): TierProbes(v.ns) for v in self.views}  # used with tiers only
         self._in_step = False
         self._io_at = 0.0  # the next step end that writes and reads
+        self.clock: Callable[[], float] = time.monotonic  # what the interval is read on
         self._stored: set[bytes] = set()  # several stages: keys reported stored
         self._single = len(self.views) == 1
 
@@ -155,7 +156,7 @@ class KVOffloadManager(OffloadingManager):
         if not self._in_step:
             self._begin()
         self._in_step = False
-        now = time.monotonic()
+        now = self.clock()
         due = now >= self._io_at or any(v.low for v in self.views)
         for v in self.views:
             v.end_step(flush=False)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +138,7 @@ class KVOffloadWorker(OffloadingWorker):
         self._jobs: dict[int, _Job] = {}
         self._done: list[TransferResult] = []
         self._io_at = 0.0
+        self.clock: Callable[[], float] = time.monotonic  # what the interval is read on
         self._in_step = False  # a call of this step was made (the next result call ends it)
         self.unplaced_stores_total = 0
 
@@ -247,7 +248,7 @@ class KVOffloadWorker(OffloadingWorker):
         if self._in_step:
             return
         self._in_step = True
-        now = time.monotonic()
+        now = self.clock()
         if now >= self._io_at:
             self._io_at = now + self.batch_interval_s
             for w in self.workers:
