@@ -38,8 +38,7 @@ class ReadyShare:
         self, ready: list[tuple[int, int]], uid_of: Callable[[int], int | None]
     ) -> list[tuple[int, int]]:
         """What this turn handles of ``ready`` (what epoll gave it) and of those still
-        waiting; ``uid_of(fd)`` is a connection's uid, None for a watched descriptor.
-        ``ready_per_turn``: connections a turn reads."""
+        waiting; ``uid_of(fd)`` is a connection's uid, None for a watched descriptor."""
         pending, waiting = self.pending, self._waiting
         if len(ready) == READY_PER_TURN:
             ready += self._poll_more(MAX_READY)

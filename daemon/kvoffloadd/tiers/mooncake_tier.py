@@ -319,8 +319,11 @@ class MooncakeTier(RemoteTier):
 
         # Blocks Mooncake copied are hashed on the promotion threads; the others' tags
         # were taken as they were copied: only compared here.
-        each = range(len(part))
-        codes = self.tier_threads.run(len(part), n, check) if rest else [check(j) for j in each]
+        codes = (
+            self.tier_threads.run(len(part), n, check)
+            if rest
+            else [check(j) for j in range(len(part))]  # all copied here: only compared
+        )
         self.post_refused(refused)
         return [OBJECT_NOT_FOUND if c is None else c for c in codes]
 
