@@ -99,16 +99,22 @@ test-gpu: $(STAMP)
 
 # The GPU check for a short GPU slot (docs/gpu-check.md). `make gpu-wheels` runs where
 # pip reaches PyPI and fetches the CPython 3.12 manylinux x86_64 wheels the project needs
-# beyond the GPU machine's image into .gpu-wheels/ (carried there); `make gpu-check`
-# builds .venv-gpu offline from the image's Python (its CUDA PyTorch) and those wheels,
-# and runs every part: figures in $$OUT/gpu-check.json (or ARGS="--json FILE").
+# beyond the GPU machine's image, and the Debian packages of Mooncake's libraries, into
+# .gpu-wheels/ (carried there); `make gpu-check` builds .venv-gpu offline from the
+# image's Python (its CUDA PyTorch) and those wheels, and runs every part: figures in
+# $$OUT/gpu-check.json (or ARGS="--json FILE").
 GPU_WHEELS := .gpu-wheels
+# the Debian libraries Mooncake's client loads, for an image without them (tools/gpu-venv)
+MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200
 gpu-wheels:
 	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		--platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
 		-d $(GPU_WHEELS) -r tools/gpu-requirements.txt
+	rm -rf $(GPU_WHEELS)/debs && mkdir -p $(GPU_WHEELS)/debs
+	cd $(GPU_WHEELS)/debs && apt-get download -q $(MOONCAKE_DEBS) >/dev/null 2>&1 \
+		|| echo "gpu-wheels: could not fetch $(MOONCAKE_DEBS): gpu-check's Mooncake rows skip"
 	@du -sh $(GPU_WHEELS)
 
 gpu-check:

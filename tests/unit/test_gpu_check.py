@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fake_cuda import FakeCuda
 
-from kvoffloadbench import gpu_check, gpu_kernel_bench
+from kvoffloadbench import bench_tiers, gpu_check, gpu_kernel_bench
 from kvoffloadd.copies import calibrate
 
 
@@ -55,6 +55,49 @@ def test_the_summary_says_which_targets_were_met() -> None:
     assert report["summary"]["ratio_auto_32k"]["met"] is False
     text = "\n".join(gpu_check.table(report))
     assert "MISSED" in text and "no result after 90 s" in text and "bench: none" in text
+
+
+def _tier_run(threads: int, promote_gbps: float, same: float) -> dict[str, float]:
+    return {"threads": threads, "promote_gbps": promote_gbps, "same_threads_ratio": same}
+
+
+def test_the_tier_promotion_targets_are_judged_on_free_cores_only() -> None:
+    r = {
+        "memcpy_gbps": 10.0,
+        "disk": [_tier_run(1, 2.0, 0.9), _tier_run(4, 5.5, 0.85), _tier_run(8, 6.0, 0.82)],
+        "mooncake": [_tier_run(1, 2.5, 0.9), _tier_run(4, 4.0, 0.7)],
+        "redis": [_tier_run(1, 1.2, 0.4)],
+    }
+    on16 = bench_tiers.promotion_targets(r, free_cores=15)
+    assert on16["disk"]["memcpy_checked"] and on16["disk"]["memcpy_met"]
+    assert on16["disk"]["same_threads_met"]
+    assert [x["of_memcpy"] for x in on16["disk"]["runs"]] == [0.2, 0.55, 0.6]
+    # 0.4 of memcpy on 4 threads misses; and 0.7 of copy+MAC misses the same-thread target
+    assert on16["mooncake"]["memcpy_checked"] and not on16["mooncake"]["memcpy_met"]
+    assert not on16["mooncake"]["same_threads_met"]
+    # Redis: its 0.1 target holds on any machine, and no same-thread target (its server
+    # copies on the same cores)
+    assert on16["redis"]["memcpy_met"] and on16["redis"]["same_threads_met"]
+    # fewer free cores than a run's threads: that run is not judged
+    on5 = bench_tiers.promotion_targets(r, free_cores=5)
+    assert on5["disk"]["memcpy_met"]  # 4 threads: 0.55
+    r["disk"][1] = _tier_run(4, 4.0, 0.85)
+    assert not bench_tiers.promotion_targets(r, free_cores=5)["disk"]["memcpy_met"]
+    assert bench_tiers.promotion_targets(r, free_cores=15)["disk"]["memcpy_met"]  # 8: 0.6
+    on1 = bench_tiers.promotion_targets(r, free_cores=1)
+    assert not on1["disk"]["memcpy_checked"] and not on1["disk"]["memcpy_met"]
+    report = {
+        "gpu": False,
+        "seconds": 1.0,
+        "skipped": [],
+        "parts": {
+            "tiers": {"status": "ok", "seconds": 1, "figures": {"free_cores": 1, "targets": on1}}
+        },
+    }
+    report["summary"] = gpu_check.summarize(report)
+    text = "\n".join(gpu_check.table(report))
+    assert "disk promotion, of memcpy/of copy+MAC: 1T 0.20/0.90, 4T 0.40/0.85" in text
+    assert "memcpy >= 0.5 not checked" in text and "same threads MISSED" in text
 
 
 def test_a_part_is_killed_with_everything_it_started() -> None:

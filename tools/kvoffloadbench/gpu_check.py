@@ -14,7 +14,10 @@ never the slot), all within ``--budget-s`` (8 minutes by default):
   NHD fragments; both directions; ratios to one large pinned copy in the same run),
   once with DMA only (``gpu_kernel = "off"``) and once as the daemon runs by default;
 - ``startup``: a 64 GiB region's start-up and pinning, and the worst wait of another
-  process's CUDA calls meanwhile (gpu_startup).
+  process's CUDA calls meanwhile (gpu_startup);
+- ``tiers``: secondary-tier promotion with MACs verified on 1 to 8 threads, against
+  memcpy and the machine's copy+MAC on as many threads (bench_tiers; CPU only, last: the
+  16 cores check the 0.5-of-memcpy targets that a 2-vCPU machine cannot).
 
 Without a GPU the parts that need none run (``engines`` with CPU caches, ``startup``
 without pinning, ``unit``) and the others are listed as skipped, with why; the exit
@@ -60,6 +63,7 @@ PARTS = (
     Part("kernel", 90, True, "gather kernel GB/s and SM time"),
     Part("bench", 200, True, "GPU bench rows, DMA only and default"),
     Part("startup", 200, False, "64 GiB region start-up and pinning"),
+    Part("tiers", 150, False, "tier promotion on 1-8 threads against memcpy"),
 )
 
 
@@ -185,6 +189,18 @@ def launch(part: Part, opts: argparse.Namespace, timeout_s: float, log: Path) ->
     return result
 
 
+def use_carried_libs() -> list[str]:
+    """The libraries that ``tools/gpu-venv`` unpacked beside the virtualenv (Mooncake's
+    client needs them and the image lacks them) go on every part's library path."""
+    root = Path(sys.prefix) / "sysroot"
+    dirs = [str(d) for d in (root / "usr/lib/x86_64-linux-gnu", root / "lib/x86_64-linux-gnu")]
+    dirs = [d for d in dirs if os.path.isdir(d)]
+    if dirs:
+        old = os.environ.get("LD_LIBRARY_PATH")
+        os.environ["LD_LIBRARY_PATH"] = ":".join(dirs + ([old] if old else []))
+    return dirs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvoffloadbench.gpu_check")
     p.add_argument("--json", help="the figures' file (default: $OUT/gpu-check.json)")
@@ -214,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget_s": opts.budget_s,
         "parts": {},
         "skipped": [],
+        "carried_libs": use_carried_libs(),
     }
     start = time.monotonic()
     become_subreaper()
@@ -294,6 +311,9 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         if "probe" in st:
             s["startup"]["probe_worst_ms"] = st["probe"].get("pinning_worst_ms")
             s["startup"]["probe_idle_worst_ms"] = st["probe"].get("idle_worst_ms")
+    tiers = parts.get("tiers", {}).get("figures", {})
+    if tiers:
+        s["tiers"] = {"free_cores": tiers.get("free_cores"), **tiers.get("targets", {})}
     eng = parts.get("engines", {}).get("figures", {})
     if eng:
         s["engines"] = {
@@ -329,9 +349,28 @@ def table(report: dict[str, Any]) -> list[str]:
         lines.append(f"  startup: {json.dumps(s['startup'])}")
     if "engines" in s:
         lines.append(f"  engines: {json.dumps(s['engines'])}")
+    lines += tier_lines(s.get("tiers", {}))
     if report["skipped"]:
         lines.append("  skipped:")
         lines += [f"    - {x}" for x in report["skipped"]]
+    return lines
+
+
+def tier_lines(t: dict[str, Any]) -> list[str]:
+    """Tier promotion per thread count: of memcpy and of copy+MAC, targets judged."""
+    lines = []
+    for kind, x in t.items():
+        if not isinstance(x, dict):
+            continue
+        runs = ", ".join(
+            f"{r['threads']}T {r['of_memcpy']:.2f}/{r['of_copy_mac']:.2f}" for r in x["runs"]
+        )
+        memcpy = ("ok" if x["memcpy_met"] else "MISSED") if x["memcpy_checked"] else "not checked"
+        same = "ok" if x["same_threads_met"] else "MISSED"
+        lines.append(
+            f"  {kind} promotion, of memcpy/of copy+MAC: {runs}; memcpy >= "
+            f"{x['memcpy_target']} {memcpy}, same threads {same}"
+        )
     return lines
 
 

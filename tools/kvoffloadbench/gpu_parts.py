@@ -165,6 +165,26 @@ def part_startup(opts: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def part_tiers(opts: argparse.Namespace) -> dict[str, Any]:
+    """``make bench``'s secondary-tier rows on as many promotion threads as the machine
+    has free cores (1 to 8), with the targets judged (``promotion_targets``): on the
+    GPU machine's 16 cores, the 0.5-of-memcpy promotion targets that 2 vCPUs cannot
+    check."""
+    from .bench import run
+    from .bench_tiers import promotion_targets, tier_rows
+
+    free = len(os.sched_getaffinity(0)) - 1  # one for the daemon's loop
+    threads = tuple(t for t in (1, 2, 4, 8) if t <= max(2, free))
+    out = run(False, only_tiers=True, tier_threads=threads)
+    out["free_cores"] = free
+    out["rows"] = tier_rows(out)
+    out["targets"] = promotion_targets(out, free)
+    out["skips"] = [out[f"{k}_skipped"] for k in ("redis", "mooncake") if f"{k}_skipped" in out]
+    if free < 4:
+        out["skips"].append(f"the 0.5-of-memcpy promotion targets: {free} free cores (needs 4)")
+    return out
+
+
 RUNNERS = {
     "env": part_env,
     "unit": part_unit,
@@ -173,6 +193,7 @@ RUNNERS = {
     "kernel": part_kernel,
     "bench": part_bench,
     "startup": part_startup,
+    "tiers": part_tiers,
 }
 
 
