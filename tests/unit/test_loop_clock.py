@@ -276,7 +276,7 @@ def test_a_slow_turn_is_logged_with_where_its_time_went_once_per_gap(
     server, clock = loop
     cpu, gap_clock = Clock(), Clock()
     monkeypatch.setattr(time, "thread_time", cpu)
-    server.slow_turns = SlowTurns(server._describe, clock=gap_clock, cpu_clock=cpu)
+    server.slow_turns = SlowTurns(server.admission.describe, clock=gap_clock, cpu_clock=cpu)
     (client,) = connected(server, tmp_path, 1)
     (cid,) = server.clients
     handlers = server.service._handlers

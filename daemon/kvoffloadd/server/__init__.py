@@ -3,8 +3,9 @@
 Rules:
 - ``server.Server`` is the only event loop: it reads frames (with SCM_RIGHTS
   descriptors), hands requests to the service within each turn's budget, and writes
-  replies and pushes. It owns no metadata rules. Beside it: ``clients`` (one
-  connection's state and what its socket is charged in the ledger), ``output``
+  replies and pushes. It owns no metadata rules. Beside it: ``admission``
+  (connections accepted, refused, dropped, and what they held released), ``clients``
+  (one connection's state and what its socket is charged in the ledger), ``output``
   (replies written out, event feeds pushed), ``ready`` (a turn's reads shared out
   among uids), ``listener`` (the control socket and its peers' credentials),
   ``turns`` (the fair queue of work), ``slowturns`` (slow turns told).

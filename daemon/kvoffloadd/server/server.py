@@ -9,10 +9,11 @@ Rules:
 - A protocol error (bad frame, oversized frame, unknown tag, request before Hello)
   gets one ``ErrorReply(rid=0, PROTOCOL_ERROR)`` and that connection is closed;
   everyone else is unaffected (invariant 6).
-- What each connection holds is charged to it, its uid and everyone in the ledger
-  (``kvoffloadd.ledger``): its connection (past the uid's or everyone's limit a new one
-  gets one ``QUOTA_EXCEEDED`` and is closed), and what its socket holds (``clients``).
-  A reserve descriptor lets ``accept`` shed at EMFILE.
+- Connections come and go through ``admission``: refused peers (access rules, or
+  their uid's or everyone's connections in the ledger) get one error frame and are
+  closed; a dropped connection leaves the loop at once, and what its session held is
+  released later as units of loop work. What each connection's socket holds is
+  charged to it, its uid and everyone in the ledger (``clients``).
 - Loop time: connections with work are served one unit at a time (a request, or one
   slice of a large engine batch) by start-time fair queueing on the loop time each
   used (turns.py); a turn serves ``TURN_S`` in total (past it, the unit in progress and
@@ -25,8 +26,6 @@ Rules:
   one served from the queue no more than the loop thread's CPU time (what the kernel
   gave other work meanwhile is no connection's; ``_serve``). A connection with more
   than ``PAUSE_OUTPUT_BYTES`` of replies unsent is not served (it must read first).
-- A peer the access rules refuse gets one ``ErrorReply(rid=0, PERMISSION_DENIED)`` and
-  is disconnected at once: it holds no slot and parks nothing.
 - One-way requests (rid 0) get no reply; a refused one becomes a push. Pushes the
   service queued (``Session.pushes``) go out after each request and each drain of copy
   completions. Replies and pushes are written out, and event feeds pushed (each
@@ -43,23 +42,20 @@ from __future__ import annotations
 
 import array
 import contextlib
-import errno
 import logging
 import select
 import signal
 import socket
 import time
-from collections import deque
 from collections.abc import Callable
 
-from kvoffload.protocol import NeedData, ServerConnection, encode_frame
+from kvoffload.protocol import NeedData, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 from kvoffloadd import loopthread
-from kvoffloadd.copies.workers import close_fds
 from kvoffloadd.server import ready as readyshare
-from kvoffloadd.server.clients import Charges, Client
-from kvoffloadd.server.listener import peer_credentials
+from kvoffloadd.server.admission import REAPER, Admission
+from kvoffloadd.server.clients import Client
 from kvoffloadd.server.metrics import MetricsEndpoint
 from kvoffloadd.server.output import FEED_PUSH_GAP_S, Output
 from kvoffloadd.server.slowturns import SLOW_TURN_S, ServePhase, SlowTurns
@@ -78,9 +74,6 @@ MAX_FDS_PER_MSG = 253
 CRON_PERIOD_S = 1.0
 DRAIN_TIMEOUT_S = 30.0
 LINGER_S = 5.0  # how long a client closed for a protocol error has to read its replies
-REAPER = 0  # the turn queue's id for releasing what connections that left held
-LEAVING_BYTES = 64 << 10  # a leaver's release, as bytes of work: a heavy unit
-RELEASE_SLICE = 2048  # stores and pinned keys per namespace one unit of release drops
 # A request this small (a lookup of a thousand keys), with nobody waiting and the turn's
 # budget not spent, is served as it is read; anything else is buffered and queued.
 INLINE_BYTES = 64 << 10
@@ -110,9 +103,16 @@ class Server:
         # epoll itself, not selectors: its wrapper costs a lookup and a tuple per event
         self._epoll = select.epoll()
         self._handlers: dict[int, Callable[[int], None]] = {}  # fd -> handler(events)
-        self._by_fd: dict[int, Client] = {}  # client connections' descriptors
         self._ready = readyshare.ReadyShare(lambda n: self._epoll.poll(0.0, n))
-        self._watch(listener.fileno(), self._accept)
+        # connections with work, served fairly; on the clock the loop times units with
+        self.turns = TurnQueue(time.perf_counter)
+        self._queued = self.turns.queued  # tested for work without a call
+        self.admission = Admission(service, listener, self._epoll, self._ready, self.turns)
+        self.clients = self.admission.clients
+        self._by_fd = self.admission.by_fd
+        self._charges = self.admission.charges
+        self._drop = self.admission.drop
+        self._watch(listener.fileno(), self.admission.accept)
         self._watch(service.copier.wake_fd, self._copies_done)
         if service.tiering is not None:
             tiering = service.tiering
@@ -121,20 +121,13 @@ class Server:
         self._sig_r.setblocking(False)
         self._sig_w.setblocking(False)
         self._watch(self._sig_r.fileno(), self._signalled)
-        self.clients: dict[int, Client] = {}
-        # connections with work, served fairly; on the clock the loop times units with
-        self.turns = TurnQueue(time.perf_counter)
-        self._queued = self.turns.queued  # tested for work without a call
         # when the loop's work that is charged (or not) last ended: a unit's loop time
         # runs from here to its end, so one clock reading ends a unit and starts the next
         self._stamp = 0.0
         self._turn_end_s = 0.0  # when this turn's budget (TURN_S) is spent
         self._served = ServePhase()  # what the last serving of queued units did
-        self.slow_turns = SlowTurns(self._describe)
-        self._leaving: deque[Session] = deque()  # connections gone, to be released
+        self.slow_turns = SlowTurns(self.admission.describe)
         self.budgets = service.budgets
-        self.ledger = service.ledger
-        self._charges = Charges(self.ledger, self.budgets, self.clients, self._drop)
         self.output = Output(
             self._epoll, self._charges, self.turns, service.engines, self.clients, self._drop
         )
@@ -142,9 +135,7 @@ class Server:
         self._push_due = self.output.due  # pushes held back by the gap (never replaced)
         self._record_turn = service.loop.record
         self._push_subs = service.engines.push_subs  # namespaces whose feeds are pushed
-        self._next_id = 1
         self._stop = False
-        self._max_frame = service.config.max_frame_bytes
         if metrics is not None:  # every series and the probes from the first scrape on
             metrics.publish(render_stats(service), self._cron_period_s)
         # One preallocated receive buffer: allocating a fresh 256 KiB bytes object per
@@ -195,10 +186,7 @@ class Server:
         """Drop every connection, release what each held, and close what the loop made
         (its epoll, its signal socketpair, the descriptor reserve); the listener stays
         its owner's."""
-        for c in list(self.clients.values()):
-            self._drop(c, "daemon stopping")
-        while self._leaving:
-            self._reap()
+        self.admission.close()
         self._epoll.close()
         self.budgets.close()
         self._sig_r.close()
@@ -286,7 +274,7 @@ class Server:
         with contextlib.suppress(BlockingIOError):
             sigs = self._sig_r.recv(64)
             log.info("signal %s received: draining and stopping", list(sigs))
-        self._stop = True
+        self._stop = self.admission.stopping = True
         self.service.shutting_down = True
 
     def _drain(self) -> None:
@@ -301,57 +289,6 @@ class Server:
             )
 
     # ------------------------------------------------------------ connections
-
-    def _accept(self, events: int) -> None:
-        for _ in range(64):  # a burst of connections does not hold the loop either
-            try:
-                conn, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    self.budgets.shed(self.listener)
-                    log.warning("out of descriptors: shed a new connection")
-                else:
-                    log.warning("accept failed: %s", exc)
-                return
-            if self._stop:
-                self.budgets.shed_total += 1
-                conn.close()
-                continue
-            conn.setblocking(False)
-            pid, uid, gid = peer_credentials(conn)
-            cid = self._next_id
-            self._next_id += 1
-            session = self.service.open_session(cid, pid, uid, gid)
-            if not session.allowed:
-                self._refuse(conn, session, ErrorCode.PERMISSION_DENIED)
-                continue
-            if self.ledger.take(cid, {"connections": 1}):
-                self.budgets.shed_total += 1
-                self._refuse(conn, session, ErrorCode.QUOTA_EXCEEDED)
-                continue
-            client = Client(conn, ServerConnection(self._max_frame), session, conn.fileno())
-            self.clients[cid] = client
-            self._by_fd[client.fd] = client
-            self._epoll.register(client.fd, select.EPOLLIN)
-            log.debug("client %d connected (pid %d uid %d)", cid, pid, uid)
-
-    def _describe(self, cid: int) -> str:
-        """Who a turn-queue id stands for, in a log line."""
-        c = self.clients.get(cid)
-        if c is not None:
-            return f"client {cid} (pid {c.session.pid} uid {c.session.uid})"
-        return "releasing what leavers held" if cid == REAPER else f"client {cid} (gone)"
-
-    def _refuse(self, conn: socket.socket, session: Session, code: ErrorCode) -> None:
-        """A peer refused at connect (access rules, or its uid or everyone holds every
-        connection it may): one error frame, then gone."""
-        reason = self.service.refusal(session, code)
-        with contextlib.suppress(OSError):
-            conn.send(encode_frame(m.ErrorReply(0, code, reason)))
-        conn.close()
-        self.service.close_session(session)
 
     def _read(self, c: Client) -> bool:
         """Read what ``c`` sent and serve it now if it is one whole small request,
@@ -453,8 +390,8 @@ class Server:
             if c is not None:
                 more = self._serve_one(c)
                 uid, gone = c.session.uid, c.closed
-            elif cid == REAPER and self._leaving:
-                more, uid, gone = self._reap(), None, False
+            elif cid == REAPER and self.admission.leaving:
+                more, uid, gone = self.admission.reap(), None, False
             else:
                 continue
             t1 = time.perf_counter()
@@ -550,35 +487,3 @@ class Server:
             if c is not None:
                 c.queue_reply(reply)
                 self._flush(c)
-
-    def _drop(self, c: Client, why: str) -> None:
-        if self.clients.pop(c.session.session_id, None) is None:
-            return
-        c.closed = True
-        self._by_fd.pop(c.fd, None)
-        self._ready.forget(c.fd)
-        self.turns.drop(c.session.session_id)
-        # What goes with the socket goes from the ledger now; the rest when released.
-        self._charges.release(c)
-        close_fds(c.session.fds)  # descriptors it parked that no message claimed
-        c.session.fds = []
-        c.parts.clear()
-        for _, fds in c.fd_marks:
-            close_fds(fds)
-        c.fd_marks.clear()
-        log.debug("client %d (pid %d): %s", c.session.session_id, c.session.pid, why)
-        with contextlib.suppress(OSError):
-            self._epoll.unregister(c.fd)
-        c.sock.close()
-        # What it held is released as a unit of loop work of its own (fairly, among
-        # the others), not in the middle of reading: 1,000 connections closing at once
-        # cost their readers nothing.
-        self._leaving.append(c.session)
-        self.turns.wake(REAPER, LEAVING_BYTES)
-
-    def _reap(self) -> int:
-        """Release a slice of what the first connection that left held; the work left
-        (bytes)."""
-        if self.service.close_session(self._leaving[0], RELEASE_SLICE):
-            self._leaving.popleft()
-        return LEAVING_BYTES if self._leaving else 0
