@@ -52,6 +52,7 @@ SPECS = ("none", "vllm", "kvoffload")
 SECOND_ENGINE_START_S = 300.0  # importing vLLM in a fresh process, on a loaded machine
 SETTLE_STEPS = 2  # untimed steps at the start of each block
 PROFILE_STEPS = 200  # kvoffload's steps with its client's calls timed, after the others
+PREEMPTED_MS = 0.2  # a step whose wall time passes its CPU time by this much waited for a CPU
 
 
 def prompt(i: int, n: int, salt: int = 0) -> list[int]:
@@ -370,6 +371,9 @@ def _measure(
             "p50_ms": statistics.median(xs),
             "p99_ms": pct(xs, 0.99),
             "cpu_p50_ms": statistics.median(cpu[spec]),
+            "cpu_p99_ms": pct(cpu[spec], 0.99),
+            # steps the kernel gave the CPU away in: wall past CPU by PREEMPTED_MS
+            "preempted": sum(w - c > PREEMPTED_MS for w, c in zip(xs, cpu[spec])) / len(xs),
             "steps_with_stores": stores[spec] / measured,
         }
     point["ratio_p50"] = point["kvoffload"]["p50_ms"] / point["vllm"]["p50_ms"]
