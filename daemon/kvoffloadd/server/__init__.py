@@ -8,7 +8,9 @@ Rules:
   (one connection's state and what its socket is charged in the ledger), ``output``
   (replies written out, event feeds pushed), ``ready`` (a turn's reads shared out
   among uids), ``listener`` (the control socket and its peers' credentials),
-  ``turns`` (the fair queue of work), ``slowturns`` (slow turns told).
+  ``turns`` (the fair queue of work), ``slowturns`` (slow turns told),
+  ``heartbeat`` (once per cron period: the stats snapshot published, systemd told
+  the progress and that the loop turns).
 - A protocol error closes that connection only (invariant 6); an ``AssertionError``
   is a broken invariant and stops the daemon with its stats logged.
 - The metrics/health endpoint runs on its own thread and serves a snapshot the loop

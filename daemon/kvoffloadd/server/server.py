@@ -34,8 +34,8 @@ Rules:
 - An ``AssertionError`` is a broken internal invariant: log the stats, exit non-zero.
 - SIGTERM/SIGINT: stop accepting, drain in-flight copies, close, unlink, exit 0.
 - The cron (every second, or every half watchdog interval when shorter) runs the
-  service's housekeeping, publishes a stats snapshot to the metrics endpoint, and
-  tells systemd about progress (STATUS=) and liveness (WATCHDOG=1).
+  service's housekeeping and the ``heartbeat``: a stats snapshot to the metrics
+  endpoint, progress (STATUS=) and liveness (WATCHDOG=1) to systemd.
 """
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ from kvoffloadd import loopthread
 from kvoffloadd.server import ready as readyshare
 from kvoffloadd.server.admission import REAPER, Admission
 from kvoffloadd.server.clients import Client
+from kvoffloadd.server.heartbeat import Heartbeat
 from kvoffloadd.server.metrics import MetricsEndpoint
 from kvoffloadd.server.output import FEED_PUSH_GAP_S, Output
 from kvoffloadd.server.slowturns import SLOW_TURN_S, ServePhase, SlowTurns
-from kvoffloadd.server.systemd import Notifier, watchdog_interval_s
+from kvoffloadd.server.systemd import Notifier
 from kvoffloadd.server.turns import TurnQueue
 from kvoffloadd.service.budgets import PAUSE_OUTPUT_BYTES, TURN_S
 from kvoffloadd.service.engines import split_batch
@@ -71,7 +72,6 @@ log = logging.getLogger(__name__)
 
 RECV_BYTES = 256 * 1024
 MAX_FDS_PER_MSG = 253
-CRON_PERIOD_S = 1.0
 DRAIN_TIMEOUT_S = 30.0
 LINGER_S = 5.0  # how long a client closed for a protocol error has to read its replies
 # A request this small (a lookup of a thousand keys), with nobody waiting and the turn's
@@ -96,9 +96,6 @@ class Server:
         self.listener = listener
         self.notifier = notifier or Notifier("")
         self.metrics = metrics
-        self._watchdog_s = watchdog_interval_s() if self.notifier.enabled else None
-        self._cron_period_s = min(CRON_PERIOD_S, self._watchdog_s or CRON_PERIOD_S)
-        self._status = ""
         listener.setblocking(False)
         # epoll itself, not selectors: its wrapper costs a lookup and a tuple per event
         self._epoll = select.epoll()
@@ -136,8 +133,8 @@ class Server:
         self._record_turn = service.loop.record
         self._push_subs = service.engines.push_subs  # namespaces whose feeds are pushed
         self._stop = False
-        if metrics is not None:  # every series and the probes from the first scrape on
-            metrics.publish(render_stats(service), self._cron_period_s)
+        self.heartbeat = Heartbeat(service, self.notifier, metrics)
+        self._cron_period_s = self.heartbeat.period_s
         # One preallocated receive buffer: allocating a fresh 256 KiB bytes object per
         # recvmsg costs more than the rest of a ping (research/stack.md section 4).
         self._rbuf = bytearray(RECV_BYTES)
@@ -246,29 +243,7 @@ class Server:
         now = time.monotonic()
         for c in [c for c in self.clients.values() if c.closing_by_s and now > c.closing_by_s]:
             self._drop(c, "did not read its replies after a protocol error")
-        if self.metrics is not None:
-            self.metrics.publish(render_stats(self.service), self._cron_period_s)
-        if not self.notifier.enabled:
-            return
-        region = self.service.region
-        data_bytes = region.geometry.num_extents * region.geometry.extent_bytes
-        done = region.prefaulted_bytes
-        pinner = self.service.gpu.pinner if self.service.gpu is not None else None
-        fields: dict[str, str | int] = {}
-        if pinner is not None and pinner.running and pinner.total_bytes:
-            status = f"serving; pinning region {100 * pinner.pinned_bytes // pinner.total_bytes}%"
-            # Pinning hundreds of GiB takes minutes: keep systemd's timeouts ahead of it.
-            fields["EXTEND_TIMEOUT_USEC"] = int(4 * self._cron_period_s * 1e6)
-        elif done < data_bytes and region.prefaulting:
-            status = f"serving; pre-faulting region {100 * done // data_bytes}%"
-        else:
-            status = f"serving {len(self.clients)} clients"
-        if status != self._status:
-            fields["STATUS"] = self._status = status
-        if self._watchdog_s is not None:
-            fields["WATCHDOG"] = 1
-        if fields:
-            self.notifier.notify(**fields)
+        self.heartbeat.beat(len(self.clients))
 
     def _signalled(self, events: int) -> None:
         with contextlib.suppress(BlockingIOError):
