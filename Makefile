@@ -105,7 +105,7 @@ test-gpu: $(STAMP)
 # $$OUT/gpu-check.json (or ARGS="--json FILE").
 GPU_WHEELS := .gpu-wheels
 # the Debian libraries Mooncake's client loads, for an image without them (tools/gpu-venv)
-MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200
+MOONCAKE_DEBS := $(shell awk '!/^\#/ && NF { print $$2 }' tools/mooncake-libs.txt)
 gpu-wheels:
 	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
