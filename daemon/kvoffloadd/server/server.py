@@ -134,7 +134,6 @@ class Server:
         self._push_subs = service.engines.push_subs  # namespaces whose feeds are pushed
         self._stop = False
         self.heartbeat = Heartbeat(service, self.notifier, metrics)
-        self._cron_period_s = self.heartbeat.period_s
         # One preallocated receive buffer: allocating a fresh 256 KiB bytes object per
         # recvmsg costs more than the rest of a ping (research/stack.md section 4).
         self._rbuf = bytearray(RECV_BYTES)
@@ -156,7 +155,8 @@ class Server:
 
     def serve_forever(self) -> None:
         self.catch_signals()
-        next_cron = time.monotonic() + self._cron_period_s
+        period_s = self.heartbeat.period_s
+        next_cron = time.monotonic() + period_s
         loopthread.claim()
         try:
             while not self._stop:
@@ -164,7 +164,7 @@ class Server:
                 if now >= next_cron:
                     self._cron()
                     now = time.monotonic()
-                    next_cron = now + self._cron_period_s
+                    next_cron = now + period_s
                 wait_s = 0.0 if self._queued else next_cron - now
                 if self._push_due:  # pushes held back by the gap go out after it
                     wait_s = min(wait_s, FEED_PUSH_GAP_S)
