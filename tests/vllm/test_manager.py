@@ -246,7 +246,13 @@ def test_a_daemon_that_goes_away_costs_hits_never_waits() -> None:
     mgr.complete_store(k(1), CTX)
     settled(mgr, (1,), [HIT])
     assert d.stop() == 0
-    step(mgr)  # the step that finds it gone
+    # The hang-up is seen by the client's keeper thread, or by a step's I/O (at most one
+    # per batch interval): steps until then still answer from the mirror.
+    deadline = time.monotonic() + 20
+    while mgr.connected:
+        assert time.monotonic() < deadline, "the manager never saw the daemon go"
+        step(mgr)
+        time.sleep(0.001)
     assert results(mgr, 1, 2) == [MISS, MISS]  # at once, no RETRY: nothing to wait for
     plan = mgr.prepare_store(k(2), CTX)
     assert plan is not None and plan.keys_to_store == []  # nothing to do, nothing to warn
