@@ -9,8 +9,13 @@ this breaks one request down, for working on the loop and the client library:
   whatever else the machine runs.
 - **client CPU per call**: the calling thread's CPU time (``time.thread_time``) per
   call, for the library's calls and for a raw socket sending pre-encoded frames.
-- **wall p50**, interleaved: blocks of echoes, raw pings and library calls alternate,
-  so a neighbour's burst hits all of them alike.
+- **wall p50**, interleaved: blocks of echoes, bare-loop pings, raw pings and library
+  calls alternate, so a neighbour's burst hits all of them alike.
+- **the bare loop** (``wire``): a Python epoll loop in another process doing only the
+  wire work the daemon does per request (``recvmsg_into`` with room for descriptors,
+  decode of the request union, encode of the reply, one send), with no sessions,
+  accounting or dispatch: the floor of any Python daemon, so that the gap from the
+  echo splits into what the wire costs and what the daemon's own work does.
 - Placement: every thread of the echo server and of the daemon pinned to the client's
   CPU, as ``make bench``'s target rows are (``echo_floor.placed``); ``--apart`` puts
   them on another CPU.
@@ -52,6 +57,36 @@ if TYPE_CHECKING:
 
 _replies: msgspec.msgpack.Decoder[m.Reply] = msgspec.msgpack.Decoder(m.Reply)
 
+WIRE_SERVER = """
+import select, socket, struct, sys
+import msgspec
+from kvoffload.protocol import messages as m
+from kvoffloadd.server.server import _ANC_BYTES
+decode = msgspec.msgpack.Decoder(m.Request).decode
+encode_into = msgspec.msgpack.Encoder().encode_into
+length = struct.Struct("<I")
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(sys.argv[1])
+srv.listen()
+conn, _ = srv.accept()
+conn.setblocking(False)
+ep = select.epoll()
+ep.register(conn.fileno(), select.EPOLLIN)
+rbuf = bytearray(65536)
+rview, rbufs, out = memoryview(rbuf), [memoryview(rbuf)], bytearray()
+while True:
+    for _fd, _ev in ep.poll(-1, 64):
+        n, _anc, _flags, _ = conn.recvmsg_into(rbufs, _ANC_BYTES)
+        if not n:
+            sys.exit(0)
+        req = decode(rview[4:n])
+        out.clear()
+        out += bytes(4)
+        encode_into(m.Pong(req.rid), out, -1)
+        length.pack_into(out, 0, len(out) - 4)
+        conn.send(out)
+"""
+
 _RUNNER = """
 import cProfile, os, sys
 from kvoffloadd.server import server as srv
@@ -81,12 +116,13 @@ def p50(samples: list[float]) -> float:
 
 
 class Echo:
-    """A plain Python epoll echo server in another process, and a connection to it."""
+    """A plain Python epoll echo server (or ``code``: another server taking its socket's
+    path) in another process, and a connection to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, code: str = _ECHO_SERVER) -> None:
         self._tmp = tempfile.mkdtemp(prefix="kvoffload-echo-")
         path = os.path.join(self._tmp, "echo.sock")
-        self.proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, path])
+        self.proc = subprocess.Popen([sys.executable, "-c", code, path])
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         end = time.monotonic() + 10
         while True:
@@ -98,11 +134,15 @@ class Echo:
                     raise RuntimeError("the echo server did not start") from None
                 time.sleep(0.01)
 
-    def round_trip(self, frame: bytes, buf: bytearray) -> None:
+    def round_trip(self, frame: bytes, buf: bytearray, reply_bytes: int = 0) -> None:
+        """Send ``frame``, read ``reply_bytes`` (default: as many as were sent)."""
         self.sock.sendall(frame)
-        got = 0
-        while got < len(frame):
-            got += self.sock.recv_into(buf)
+        got, want = 0, reply_bytes or len(frame)
+        while got < want:
+            n = self.sock.recv_into(buf)
+            if not n:
+                raise ConnectionError("the server closed the connection")
+            got += n
 
     def close(self) -> None:
         self.sock.close()
@@ -182,20 +222,24 @@ def measure(n: int, apart: bool = False) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         echo = Echo()
         stack.callback(echo.close)
+        wire = Echo(WIRE_SERVER)
+        stack.callback(wire.close)
         d = stack.enter_context(
             DaemonProcess("256MiB", "--log-level", "warning", settings=BULK_STORES)
         )
         client = kvoffload.connect(d.socket_path)
         stack.callback(client.close)
         ns, keys = filled(client)
-        if not stack.enter_context(echo_floor.placed([echo.proc.pid, d.pid], apart)):
+        servers = [echo.proc.pid, wire.proc.pid, d.pid]
+        if not stack.enter_context(echo_floor.placed(servers, apart)):
             raise SystemExit("--apart needs two CPUs this process may use")
-        return _measured(n, echo, d, client, ns, keys)
+        return _measured(n, echo, wire, d, client, ns, keys)
 
 
 def _measured(
     n: int,
     echo: Echo,
+    wire: Echo,
     d: DaemonProcess,
     client: kvoffload.Client,
     ns: kvoffload.Namespace,
@@ -208,6 +252,9 @@ def _measured(
     def echo_rt() -> None:
         echo.round_trip(frame, buf)
 
+    def wire_rt() -> None:
+        wire.round_trip(frame, buf, raw.reply)
+
     # daemon loop CPU per request against the echo server's per echo
     e0 = run_ns(echo.proc.pid)
     for _ in range(n):
@@ -215,11 +262,12 @@ def _measured(
     out["echo_server_cpu_us"] = (run_ns(echo.proc.pid) - e0) / n / 1e3
     out["raw_ping"] = per_call(raw.round_trip, n, d.pid)
     out["echo"] = per_call(echo_rt, n, d.pid)
+    out["wire"] = per_call(wire_rt, n, wire.proc.pid)
     out["ping"] = per_call(client.ping, n, d.pid)
     out["lookup1000"] = per_call(lambda: ns.lookup(keys), n // 4, d.pid)
     out["store_round16"] = per_call(store_rounds(ns), n // 8, d.pid)
     out["wall_interleaved"] = interleaved(
-        {"echo": echo_rt, "raw_ping": raw.round_trip, "ping": client.ping}, n
+        {"echo": echo_rt, "wire": wire_rt, "raw_ping": raw.round_trip, "ping": client.ping}, n
     )
     raw.sock.close()
     return out
@@ -412,7 +460,7 @@ def profile(what: str, n: int, top: int) -> str:
 def report(r: dict[str, Any]) -> str:
     lines = [f"echo server CPU per echo: {r['echo_server_cpu_us']:.1f} us"]
     lines.append(f"{'':14} {'p50 us':>8} {'client CPU':>10} {'daemon CPU':>10}")
-    for k in ("echo", "raw_ping", "ping", "lookup1000", "store_round16"):
+    for k in ("echo", "wire", "raw_ping", "ping", "lookup1000", "store_round16"):
         x = r[k]
         lines.append(
             f"{k:14} {x['p50_us']:8.1f} {x['client_cpu_us']:10.1f} {x['daemon_cpu_us']:10.1f}"
@@ -421,8 +469,10 @@ def report(r: dict[str, Any]) -> str:
     lines.append(
         "interleaved p50: "
         + ", ".join(f"{k} {v:.1f} us" for k, v in w.items())
-        + f"; ping / echo {w['ping'] / w['echo']:.2f}, raw / echo {w['raw_ping'] / w['echo']:.2f}"
+        + "; / echo: "
+        + ", ".join(f"{k} {w[k] / w['echo']:.2f}" for k in ("wire", "raw_ping", "ping"))
     )
+    lines.append("(wire: the bare loop's CPU in the daemon CPU column)")
     return "\n".join(lines)
 
 
