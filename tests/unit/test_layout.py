@@ -87,7 +87,7 @@ LAYERS = {
         {"", "trust", "ledger", "loopthread"},
         {"region"},
         {"index"},
-        {"config", "access"},
+        {"configtables", "config", "access"},
         {"copies"},
         {"tiers"},
         {"service"},
