@@ -5,7 +5,8 @@ Rules:
   its store completed whole; pinned and written blocks are never evicted; eviction for
   one store is all or nothing.
 - Engines' one-way batches (claims, pins, commits) are lenient: nothing they send is
-  an error that could reach the engine (``index``).
+  an error that could reach the engine (``index``, over ``loads``: pins and loads,
+  over ``storeindex``: stores).
 - Leases, graves and event feeds are bounded and charged to whoever made them
   (``leases``, ``graves``, ``events``, ``kvoffloadd.ledger``).
 - Lookups probe the ready keys where the request's packed field lies, in C where it
