@@ -49,16 +49,10 @@ class LoadIndex(StoreIndex):
                 continue
             block = self._policy.get(key)
             if block is not None and block.ref >= 0 and key not in self.sums.corrupt:
-                if block.ref == 0:
-                    if limit is not None and self._num_pinned >= limit:
-                        self._pins_missed += 1
-                        continue
-                    self._num_evictable -= 1
-                    self._num_pinned += 1
-                block.ref += 1
-                if not pins[key]:
-                    self._pinned_at(client, key)
-                pins[key] += 1
+                if block.ref == 0 and limit is not None and self._num_pinned >= limit:
+                    self._pins_missed += 1
+                    continue
+                self._pin_block(pins, client, key, block)
                 taken += 1
             elif (grave := self.graves.loadable(key)) is not None:
                 self.graves.pin(client, grave.block.slot)
@@ -124,13 +118,7 @@ class LoadIndex(StoreIndex):
             if id(block) in buried:
                 self.graves.pin(client, block.slot)
                 continue
-            if block.ref == 0:
-                self._num_evictable -= 1
-                self._num_pinned += 1
-            block.ref += 1
-            if not pins[key]:
-                self._pinned_at(client, key)
-            pins[key] += 1
+            self._pin_block(pins, client, key, block)
         if not pins:
             del self._pins[client]
         self._loads_prepared += len(keys)
@@ -160,6 +148,16 @@ class LoadIndex(StoreIndex):
         if not pins[key]:
             del pins[key]
             self._pin_since.pop((client, key), None)
+
+    def _pin_block(self, pins: Counter[bytes], client: int, key: bytes, block: Block) -> None:
+        """One more of ``client``'s pins (``pins``) of ``key``'s ready ``block``."""
+        if block.ref == 0:
+            self._num_evictable -= 1
+            self._num_pinned += 1
+        block.ref += 1
+        if not pins[key]:
+            self._pinned_at(client, key)
+        pins[key] += 1
 
     def _pinned_at(self, client: int, key: bytes) -> None:
         """``client`` pinned ``key`` (its first pin of it): from now its pin ages."""
@@ -239,11 +237,7 @@ class LoadIndex(StoreIndex):
             block = self._policy.get(key)
             if block is None or block.ref < 0 or key in self.sums.corrupt:
                 continue
-            if block.ref == 0:
-                self._num_evictable -= 1
-                self._num_pinned += 1
-            block.ref += 1
-            pins[key] += 1
+            self._pin_block(pins, client, key, block)
             out.append((key, block.slot))
         if not pins:
             del self._pins[client]
