@@ -15,7 +15,9 @@ import tempfile
 import pytest
 
 import kvoffload
-from kvoffloadbench import bench, bench_control
+from kvoffload.protocol import encode_frame
+from kvoffload.protocol import messages as m
+from kvoffloadbench import bench, bench_control, echo_floor
 from kvoffloadbench.launch import SHM, DaemonProcess
 
 
@@ -67,17 +69,12 @@ def test_an_in_process_loop_that_fails_to_start_releases_what_it_made(
 
 
 def test_the_bare_loop_answers_a_ping_as_the_daemon_does() -> None:
-    """``bench_control``'s floor for any Python daemon: the same frames in and out."""
-    from kvoffload.protocol import encode_frame
-    from kvoffload.protocol import messages as m
-
-    wire = bench_control.Echo(bench_control.WIRE_SERVER)
+    """``echo_floor``'s floor for any Python daemon: the daemon's frames in and out."""
+    wire = echo_floor.wire_peer()
     wire.sock.settimeout(10.0)  # a server that does not answer fails, not hangs
     try:
-        buf = bytearray(1024)
-        reply = encode_frame(m.Pong(7))
-        wire.round_trip(encode_frame(m.Ping(7)), buf, len(reply))
-        assert bytes(buf[: len(reply)]) == reply
+        wire.round_trip()
+        assert bytes(wire._buf[: echo_floor.PONG_BYTES]) == encode_frame(m.Pong(2))
     finally:
         wire.close()
     assert wire.proc.returncode == 0  # it saw the connection close and stopped

@@ -30,7 +30,7 @@ from kvoffload.worker import Worker
 from .bench_control import filled, store_rounds
 from .bench_gpu import cuda_available, report_gpu, run_gpu
 from .bench_tiers import TIER_THREADS, run_tiers, tier_rows
-from .echo_floor import EchoPeer, interleaved, percentiles_us, placed
+from .echo_floor import EchoPeer, interleaved, percentiles_us, placed, wire_peer
 from .launch import BULK_STORES, DaemonProcess, wait_prefault
 
 MIB = 1 << 20
@@ -246,16 +246,17 @@ def run(
 
         n = 2000 if quick else 10000
         ns, keys = filled(client)
-        echo = EchoPeer()
+        echo, wire = EchoPeer(), wire_peer()
         try:
-            # the floor and the daemon pinned alike (echo_floor.placed): on one CPU
+            # the floors and the daemon pinned alike (echo_floor.placed): on one CPU
             # (the work's cost; the targets' rows), then client and server apart
             for apart, suffix in ((False, ""), (True, "_apart")):
-                with placed([echo.proc.pid, d.pid], apart) as made:
+                with placed([echo.proc.pid, wire.proc.pid, d.pid], apart) as made:
                     if made:
-                        r.update(control_path(client, echo, ns, keys, n, suffix))
+                        r.update(control_path(client, echo, wire, ns, keys, n, suffix))
         finally:
             echo.close()
+            wire.close()
         r["mirror_lookup_us"], r["set_lookup_us"] = mirror_lookup_us(
             ns, keys, 200 if quick else 1000
         )
@@ -271,17 +272,23 @@ def run(
 def control_path(
     client: kvoffload.Client,
     echo: EchoPeer,
+    wire: EchoPeer,
     ns: kvoffload.Namespace,
     keys: list[bytes],
     n: int,
     suffix: str,
 ) -> dict[str, float]:
-    """Echo and ping p50/p99 (in alternating blocks: a neighbour's burst hits both),
-    a lookup of the 1,000 stored ``keys`` and a store round of 16 new keys."""
+    """Echo, bare wire loop and ping p50/p99 (in alternating blocks: a neighbour's
+    burst hits all three), a lookup of the 1,000 stored ``keys`` and a store round of
+    16 new keys."""
     out: dict[str, float] = {}
-    took = interleaved({"echo": echo.round_trip, "ping": client.ping}, n)
-    out["echo_p50_us" + suffix], out["echo_p99_us" + suffix] = percentiles_us(took["echo"])
-    out["ping_p50_us" + suffix], out["ping_p99_us" + suffix] = percentiles_us(took["ping"])
+    fns: dict[str, Callable[[], object]] = {
+        "echo": echo.round_trip,
+        "wire": wire.round_trip,
+        "ping": client.ping,
+    }
+    for name, took in interleaved(fns, n).items():
+        out[f"{name}_p50_us{suffix}"], out[f"{name}_p99_us{suffix}"] = percentiles_us(took)
     lk = latencies(lambda: ns.lookup(keys), n // 2)
     out["lookup1000_p50_us" + suffix] = pct(lk, 0.5) * 1e6
     out["lookup1000_p99_us" + suffix] = pct(lk, 0.99) * 1e6
@@ -301,8 +308,14 @@ def control_rows(r: dict[str, Any], suffix: str, where: str) -> list[tuple[str, 
         return f"{r[key + '_p50_us' + suffix]:.1f} / {r[key + '_p99_us' + suffix]:.1f} us"
 
     ratio = r["ping_p50_us" + suffix] / r["echo_p50_us" + suffix]
+    wire = []
+    if "wire_p50_us" + suffix in r:  # absent from figures saved before it was timed
+        wire_ratio = r["wire_p50_us" + suffix] / r["echo_p50_us" + suffix]
+        what = f"{wire_ratio:.2f} x the floor: the daemon's wire work alone"
+        wire.append((f"bare Python loop p50 / p99, {where}", us("wire"), what))
     return [
         (f"unix-socket echo p50 / p99 (floor), {where}", us("echo"), "plain Python, no daemon"),
+        *wire,
         (
             f"ping p50 / p99, {where}",
             us("ping"),

@@ -34,7 +34,6 @@ import os
 import pstats
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,43 +48,13 @@ from kvoffload.protocol import encode_frame
 from kvoffload.protocol import messages as m
 
 from . import echo_floor
-from .echo_floor import _SERVER as _ECHO_SERVER
+from .echo_floor import PING_FRAME, PONG_BYTES, EchoPeer, wire_peer
 from .launch import BULK_STORES, DaemonProcess
 
 if TYPE_CHECKING:
     from kvoffloadd.config import DaemonConfig
 
 _replies: msgspec.msgpack.Decoder[m.Reply] = msgspec.msgpack.Decoder(m.Reply)
-
-WIRE_SERVER = """
-import select, socket, struct, sys
-import msgspec
-from kvoffload.protocol import messages as m
-from kvoffloadd.server.server import _ANC_BYTES
-decode = msgspec.msgpack.Decoder(m.Request).decode
-encode_into = msgspec.msgpack.Encoder().encode_into
-length = struct.Struct("<I")
-srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-srv.bind(sys.argv[1])
-srv.listen()
-conn, _ = srv.accept()
-conn.setblocking(False)
-ep = select.epoll()
-ep.register(conn.fileno(), select.EPOLLIN)
-rbuf = bytearray(65536)
-rview, rbufs, out = memoryview(rbuf), [memoryview(rbuf)], bytearray()
-while True:
-    for _fd, _ev in ep.poll(-1, 64):
-        n, _anc, _flags, _ = conn.recvmsg_into(rbufs, _ANC_BYTES)
-        if not n:
-            sys.exit(0)
-        req = decode(rview[4:n])
-        out.clear()
-        out += bytes(4)
-        encode_into(m.Pong(req.rid), out, -1)
-        length.pack_into(out, 0, len(out) - 4)
-        conn.send(out)
-"""
 
 _RUNNER = """
 import cProfile, os, sys
@@ -115,43 +84,6 @@ def p50(samples: list[float]) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-class Echo:
-    """A plain Python epoll echo server (or ``code``: another server taking its socket's
-    path) in another process, and a connection to it."""
-
-    def __init__(self, code: str = _ECHO_SERVER) -> None:
-        self._tmp = tempfile.mkdtemp(prefix="kvoffload-echo-")
-        path = os.path.join(self._tmp, "echo.sock")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, path])
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        end = time.monotonic() + 10
-        while True:
-            try:
-                self.sock.connect(path)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > end:
-                    raise RuntimeError("the echo server did not start") from None
-                time.sleep(0.01)
-
-    def round_trip(self, frame: bytes, buf: bytearray, reply_bytes: int = 0) -> None:
-        """Send ``frame``, read ``reply_bytes`` (default: as many as were sent)."""
-        self.sock.sendall(frame)
-        got, want = 0, reply_bytes or len(frame)
-        while got < want:
-            n = self.sock.recv_into(buf)
-            if not n:
-                raise ConnectionError("the server closed the connection")
-            got += n
-
-    def close(self) -> None:
-        self.sock.close()
-        self.proc.wait(10)
-        for name in os.listdir(self._tmp):  # the server's socket
-            os.unlink(os.path.join(self._tmp, name))
-        os.rmdir(self._tmp)
-
-
 class RawPing:
     """A bare socket to the daemon after a Hello: pre-encoded Ping frames, one recv."""
 
@@ -161,13 +93,11 @@ class RawPing:
         self.sock.sendall(encode_frame(m.Hello(1, m.PROTOCOL_VERSION, "raw", os.getpid())))
         self.buf = bytearray(65536)
         self.sock.recv_into(self.buf)  # the Welcome (small: one read)
-        self.frame = encode_frame(m.Ping(2))
-        self.reply = len(encode_frame(m.Pong(2)))
 
     def round_trip(self) -> None:
-        self.sock.sendall(self.frame)
+        self.sock.sendall(PING_FRAME)
         got = 0
-        while got < self.reply:
+        while got < PONG_BYTES:
             got += self.sock.recv_into(self.buf)
 
 
@@ -220,9 +150,9 @@ def store_rounds(ns: kvoffload.Namespace) -> Callable[[], None]:
 
 def measure(n: int, apart: bool = False) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        echo = Echo()
+        echo = EchoPeer(message=PING_FRAME)  # the same bytes as a raw ping
         stack.callback(echo.close)
-        wire = Echo(WIRE_SERVER)
+        wire = wire_peer()
         stack.callback(wire.close)
         d = stack.enter_context(
             DaemonProcess("256MiB", "--log-level", "warning", settings=BULK_STORES)
@@ -238,8 +168,8 @@ def measure(n: int, apart: bool = False) -> dict[str, Any]:
 
 def _measured(
     n: int,
-    echo: Echo,
-    wire: Echo,
+    echo: EchoPeer,
+    wire: EchoPeer,
     d: DaemonProcess,
     client: kvoffload.Client,
     ns: kvoffload.Namespace,
@@ -247,13 +177,7 @@ def _measured(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     raw = RawPing(d.socket_path)
-    frame, buf = raw.frame, bytearray(65536)
-
-    def echo_rt() -> None:
-        echo.round_trip(frame, buf)
-
-    def wire_rt() -> None:
-        wire.round_trip(frame, buf, raw.reply)
+    echo_rt, wire_rt = echo.round_trip, wire.round_trip
 
     # daemon loop CPU per request against the echo server's per echo
     e0 = run_ns(echo.proc.pid)
@@ -382,10 +306,9 @@ def echo_turn_us(n: int) -> float:
     ep = select.epoll()
     ep.register(b.fileno(), select.EPOLLIN)
     buf, rbuf = bytearray(65536), bytearray(65536)
-    frame = encode_frame(m.Ping(2))
     took = []
     for _ in range(n):
-        a.sendall(frame)
+        a.sendall(PING_FRAME)
         t0 = time.perf_counter()
         for _fd, _ev in ep.poll(0):
             k = b.recv_into(buf)

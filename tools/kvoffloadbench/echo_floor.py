@@ -15,6 +15,11 @@ times a whole round trip on one (measured: 2 vCPUs, echo p50 20 us on one CPU, 1
 us across two), so the ratio said where the scheduler put each, not what either costs.
 On one CPU a round trip is the client's and the server's work plus two switches: the
 cost of the work. Across two it adds the machine's cross-CPU wake-up to both.
+
+``WIRE_SERVER`` is the same loop doing the daemon's wire work per request and nothing
+else (``recvmsg_into`` with room for descriptors, msgspec's decode of the request and
+encode of a ``Pong``, one send): what any Python daemon pays per request, so that a
+ping's distance from the echo splits into the wire's part and the daemon's own.
 """
 
 from __future__ import annotations
@@ -28,13 +33,22 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-_SERVER = """
-import selectors, socket, sys
+from kvoffload.protocol import encode_frame
+from kvoffload.protocol.messages import Ping, Pong
+
+_ACCEPT = """
+import socket, sys
 srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 srv.bind(sys.argv[1])
 srv.listen()
 conn, _ = srv.accept()
 conn.setblocking(False)
+"""  # a server's one connection, on the socket path it is given
+
+_SERVER = (
+    _ACCEPT
+    + """
+import selectors
 sel = selectors.EpollSelector()
 sel.register(conn, selectors.EVENT_READ)
 while True:
@@ -44,18 +58,58 @@ while True:
             sys.exit(0)
         conn.sendall(data)
 """
+)
+
+WIRE_SERVER = (
+    _ACCEPT
+    + """
+import select, struct
+import msgspec
+from kvoffload.protocol import messages as m
+from kvoffloadd.server.server import _ANC_BYTES
+decode = msgspec.msgpack.Decoder(m.Request).decode
+encode_into = msgspec.msgpack.Encoder().encode_into
+length = struct.Struct("<I")
+ep = select.epoll()
+ep.register(conn.fileno(), select.EPOLLIN)
+rbuf = bytearray(65536)
+rview, rbufs, out = memoryview(rbuf), [memoryview(rbuf)], bytearray()
+while True:
+    for _fd, _ev in ep.poll(-1, 64):
+        n, _anc, _flags, _ = conn.recvmsg_into(rbufs, _ANC_BYTES)
+        if not n:
+            sys.exit(0)
+        req = decode(rview[4:n])
+        out.clear()
+        out += bytes(4)
+        encode_into(m.Pong(req.rid), out, -1)
+        length.pack_into(out, 0, len(out) - 4)
+        conn.send(out)
+"""
+)
+
+PING_FRAME = encode_frame(Ping(2))  # what the wire loop is sent, and a raw ping
+PONG_BYTES = len(encode_frame(Pong(2)))  # what it answers
 
 
 class EchoPeer:
-    """A fresh echo server process and a blocking connection to it."""
+    """A fresh server process (by default the echo) and a blocking connection to it:
+    ``round_trip`` sends ``message`` and reads ``reply_bytes`` (default: as many)."""
 
     MESSAGE = b"x" * 40
 
-    def __init__(self, deadline_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        deadline_s: float = 10.0,
+        code: str = _SERVER,
+        message: bytes = MESSAGE,
+        reply_bytes: int = 0,
+    ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvoffload-echo-")
         path = os.path.join(self._tmp.name, "echo.sock")
         self.deadline_s = deadline_s
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, path])
+        self.message, self.reply_bytes = message, reply_bytes or len(message)
+        self.proc = subprocess.Popen([sys.executable, "-c", code, path])
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         end = time.monotonic() + deadline_s
         try:
@@ -73,10 +127,13 @@ class EchoPeer:
         self._buf = bytearray(65536)
 
     def round_trip(self) -> None:
-        self.sock.sendall(self.MESSAGE)
+        self.sock.sendall(self.message)
         got = 0
-        while got < len(self.MESSAGE):
-            got += self.sock.recv_into(self._buf)
+        while got < self.reply_bytes:
+            n = self.sock.recv_into(self._buf)
+            if not n:
+                raise ConnectionError("the server closed the connection")
+            got += n
 
     def close(self) -> None:
         self.sock.close()
@@ -109,6 +166,11 @@ def percentiles_us(took: list[float]) -> tuple[float, float]:
     """(p50, p99) in µs."""
     took = sorted(took)
     return took[len(took) // 2] * 1e6, took[min(len(took) - 1, int(0.99 * len(took)))] * 1e6
+
+
+def wire_peer(deadline_s: float = 10.0) -> EchoPeer:
+    """A fresh bare wire loop (``WIRE_SERVER``), sent raw pings."""
+    return EchoPeer(deadline_s, WIRE_SERVER, PING_FRAME, PONG_BYTES)
 
 
 def echo_round_trip_us(n: int, deadline_s: float = 10.0) -> tuple[float, float]:
