@@ -12,7 +12,8 @@ Rules:
   ``pin_timeout_s`` (``expire_pins``): nobody keeps a block, or its extent, for good.
 - A pinned block that a mirror may still hit after its eviction lies in a grave
   (graves.py): its pins are the grave's, and a load reads it there (``resolve_load``).
-- A block found corrupt is never served again: no new pin, and evicted with its last.
+- A block found corrupt is never served again: no new pin, and it is evicted once its
+  last pin goes.
 - Loop thread only, no locks.
 """
 
