@@ -193,7 +193,7 @@ def render_points(points: list[dict[str, Any]]) -> list[str]:
             f"{pt['one_way_frames_per_step']:.2f} | "
             f"{pt['daemon_cpu_us_per_engine_step']:.0f} us | "
             f"{_cpu_ratio(pt, 'cpu_p50_ms')} / {_cpu_ratio(pt, 'cpu_p99_ms')} | "
-            f"{_mean([pt], 'vllm'):.1%} / {_mean([pt], 'kvoffload'):.1%} |"
+            f"{_preempted([pt], 'vllm'):.1%} / {_preempted([pt], 'kvoffload'):.1%} |"
         )
     for pt in points:
         prof = pt.get("profile") or {}
@@ -261,15 +261,17 @@ def summary(runs: list[dict[str, Any]]) -> list[str]:
             f"{' '.join(f'{x:.2f}' for x in p99)} ({min(p99):.2f}-{max(p99):.2f}) | "
             f"{sum(x <= TARGET_P99 for x in p99)} of {len(p99)} | "
             f"{' '.join(_cpu_ratio(pt, 'cpu_p99_ms') for pt in pts)} | "
-            f"{_mean(pts, 'vllm'):.1%} / {_mean(pts, 'kvoffload'):.1%} | {trips:.3f} per step |"
+            f"{_preempted(pts, 'vllm'):.1%} / {_preempted(pts, 'kvoffload'):.1%} | "
+            f"{trips:.3f} per step |"
         )
     loads = ", ".join(f"{r['load_average'][0]:.1f}->{r['load_average'][1]:.1f}" for r in runs)
     lines.append(f"\nload average around each run: {loads}")
     return lines
 
 
-def _mean(pts: list[dict[str, Any]], spec: str) -> float:
-    """The mean share of ``spec``'s steps preempted over ``pts``."""
+def _preempted(pts: list[dict[str, Any]], spec: str) -> float:
+    """The share of ``spec``'s steps preempted, averaged over ``pts`` (one point's own,
+    or a summary's over its runs)."""
     return sum(float(pt[spec].get("preempted", 0.0)) for pt in pts) / len(pts)
 
 
