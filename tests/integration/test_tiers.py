@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 
 import pytest
 import torch
@@ -36,8 +37,11 @@ def test_disk_tier_promotes_evicted_blocks_byte_identical(tmp_path: pathlib.Path
         data = e.store(a, seed=1)
         evict_by_storing_more(e, "disk")
         assert e.client.stats()["namespaces"]["llama"]["stored_blocks"] == 4
+        assert e.tier("disk")["last_promotion_done_s"] == 0  # none yet
+        started_s = time.monotonic()  # the daemon's clock too
         assert e.ns.lookup(a) is None  # found on disk: promotion started, ask again
         poll(lambda: e.ns.lookup(a) == 4, "the promotion")
+        assert started_s < e.tier("disk")["last_promotion_done_s"] <= time.monotonic()
         assert e.load(a) == data
         st = e.tier("disk")
         assert st["promoted_blocks_total"] == 4 and st["found_keys_total"] == 4

@@ -78,6 +78,9 @@ class _TierState:
     found_keys_total: int = 0  # lookups that found a key here
     promoted_blocks_total: int = 0
     promotion_failures_total: int = 0
+    # time.monotonic() (CLOCK_MONOTONIC: one clock for every process on the host) when
+    # the loop last finished a promotion job here and its blocks became ready (0: never)
+    last_promotion_done_s: float = 0.0
     cascade_dropped_total: int = 0  # backlog full, tier unhealthy, or evicted first
     stalled: bool = False  # a job ran past job_timeout_s and has not finished
     stalls_total: int = 0
@@ -308,6 +311,7 @@ class Tiering:
             for rank in range(index.layout.world_size):
                 index.mark_written(slots, rank)
             index.complete_store(good, True, TIER_CLIENT)
+        job.state.last_promotion_done_s = time.monotonic()
 
     # ------------------------------------------------------------ admin
 
@@ -319,6 +323,7 @@ class Tiering:
                 found_keys_total=st.found_keys_total,
                 promoted_blocks_total=st.promoted_blocks_total,
                 promotion_failures_total=st.promotion_failures_total,
+                last_promotion_done_s=st.last_promotion_done_s,
                 promoting_blocks=sum(
                     len(j.keys) for j in self._jobs.values() if j.state is st and j.promotion
                 ),
