@@ -57,10 +57,10 @@ def test_leases_nobody_claims_go_back_and_the_engine_is_told() -> None:
         granted = wish(svc, a, ns, 16)
         assert granted and svc.namespaces[ns].leases.unclaimed(a.leases[ns]) == 16
         index = svc.namespaces[ns]
-        svc._take_back_leases(index, time.monotonic() + 1)  # still fresh: kept
+        svc.members.take_back_leases(index, time.monotonic() + 1)  # still fresh: kept
         assert index.leases.unclaimed(a.leases[ns]) == 16
         a.pushes.clear()
-        svc._take_back_leases(index, time.monotonic() + 31)
+        svc.members.take_back_leases(index, time.monotonic() + 31)
         revoked = [p for p in a.pushes if isinstance(p, m.LeaseRevoke)]
         assert len(revoked) == 1 and sorted(unpack_ids(revoked[0].slots).tolist()) == sorted(
             granted

@@ -262,6 +262,7 @@ def test_a_uid_below_its_share_of_a_full_table_takes_an_entry_from_the_largest_h
         assert svc.table.by_id[ns].name == "mine" and svc.table.revoked_total == 1
         taken = [p for s in hogs for p in s.pushes if isinstance(p, m.Notice)]
         assert len(taken) == 1 and "taken back" in taken[0].message
+        assert svc.pushes_due == {hogs[0].session_id}  # told at housekeeping, idle or not
         assert svc.table.by_id[ns].creator_uid == 3000 and len(hogs[0].namespaces) == 32
         # a second uid below its share takes another; root never loses its entries
         open_ns(svc, session(svc, 98, 3001), "theirs")

@@ -9,6 +9,8 @@ Rules:
 - Copies are validated in full here (``transfers``) before any address reaches
   ``kvoffloadd.copies`` (invariant 4).
 - Engines' per-step batches and the pushes they get back live in ``engines``; the
-  namespace table and the region's share-out in ``namespaces``; statistics are one
-  pure function over per-component records (``stats``).
+  namespace table and the region's share-out in ``namespaces``; which connections
+  have which namespace open, and what opening, leaving and losing one hold and
+  release, in ``membership``; statistics are one pure function over per-component
+  records (``stats``).
 """

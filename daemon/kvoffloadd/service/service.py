@@ -1,8 +1,9 @@
 """Request handlers: the daemon's metadata and what each message does to it.
 
 Rules:
-- Runs on the loop thread only; it owns namespaces and sessions, and its
-  ``transfers`` (transfers.py) own the workers and their copy jobs.
+- Runs on the loop thread only; it owns namespaces and sessions, its ``members``
+  (membership.py) who has which namespace open, and its ``transfers``
+  (transfers.py) the workers and their copy jobs.
 - A handler returns the reply, or ``None`` when the reply is deferred (``WaitJobs``)
   or there is none (one-way requests, rid 0). Client mistakes raise
   ``KVOffloadError`` and become an ``ErrorReply`` for that request, or, for a one-way
@@ -43,11 +44,11 @@ from kvoffloadd.copies.gpu import GpuRuntime
 from kvoffloadd.copies.workers import AttachedWorker, close_fds
 from kvoffloadd.index.events import EventFeed, FeedBudget
 from kvoffloadd.index.index import NamespaceIndex
-from kvoffloadd.index.leases import new_token
 from kvoffloadd.ledger import Ledger, Limits, configured
 from kvoffloadd.region.region import SharedOffloadRegion
 from kvoffloadd.service.budgets import Budgets
 from kvoffloadd.service.engines import EngineChannel
+from kvoffloadd.service.membership import Membership, deny
 from kvoffloadd.service.namespaces import NamespaceTable
 from kvoffloadd.service.session import Session
 from kvoffloadd.service.stats import LoopTurns, clients_for, stats_for
@@ -83,13 +84,15 @@ class Service:
         # what each connection holds, per uid and in total (ledger.py)
         self.ledger = Ledger(configured(config.limit_overrides(), self._derived_limits()))
         self.feeds = FeedBudget()  # every namespace's event log together
-        self.table = NamespaceTable(
-            config, region, self._namespace_new, self._namespace_dropped, self._revoke
+        self.table = NamespaceTable(  # it calls back only once a namespace is opened
+            config,
+            region,
+            self._namespace_new,
+            self._namespace_dropped,
+            lambda index: self.members.revoke(index),
         )
         self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
         self.sessions: dict[int, Session] = {}
-        self.ns_sessions: dict[int, set[int]] = {}  # namespace -> connections that have it
-        self.pushes_due: set[int] = set()  # connections with pushes queued outside a request
         self.errors_by_code: dict[str, int] = {}
         self.transfers = Transfers(
             config,
@@ -104,6 +107,11 @@ class Service:
             self.ledger,
         )
         self.engines = EngineChannel(self.namespaces, config.max_frame_bytes, self.ledger)
+        tiers = tiering.count if tiering is not None else 0
+        self.members = Membership(
+            self.table, self.sessions, self.ledger, self.access, self.engines, self.transfers, tiers
+        )
+        self.pushes_due = self.members.pushes_due  # the server sends them at housekeeping
         self.loop = LoopTurns()
         self.shutting_down = False
         self.started_s = time.monotonic()
@@ -163,12 +171,14 @@ class Service:
             m.GetFinished: self._on_get_finished,
             m.WaitJobs: self._on_wait,
             m.TakeEvents: self._on_take_events,
-            m.SyncKeys: lambda s, r: self.engines.snapshot_page(s, self._ns(s, r.ns), r),
+            m.SyncKeys: lambda s, r: self.engines.snapshot_page(
+                s, self.members.readable(s, r.ns), r
+            ),
             m.StepBatch: self._on_step,
             m.Wrote: self._on_wrote,
             m.ClientCopyDone: self._on_client_copy_done,
             m.Ping: lambda s, r: m.Pong(r.rid),
-            m.OpenNamespace: lambda s, r: self._open_namespace(
+            m.OpenNamespace: lambda s, r: self.members.open(
                 s, r.rid, r.name, r.layout, r.subscribe, r.join
             ),
             m.AttachWorker: lambda s, r: self.transfers.attach(s, r),
@@ -181,7 +191,7 @@ class Service:
         }
 
     def _on_lookup(self, s: Session, r: m.Lookup) -> m.Reply:
-        index = self._ns(s, r.ns)
+        index = self.members.readable(s, r.ns)
         hits = index.lookup_packed(r.keys, r.key_bytes)  # probed where the keys lie
         if self.tiering is None or hits * r.key_bytes == len(r.keys):
             return m.LookupReply(r.rid, hits)
@@ -189,7 +199,7 @@ class Service:
         return m.LookupReply(r.rid, self.tiering.lookup_rest(index, keys, hits))
 
     def _on_probe(self, s: Session, r: m.Probe) -> m.Reply:
-        index = self._ns(s, r.ns)
+        index = self.members.readable(s, r.ns)
         if self.tiering is None:
             hits = index.lookup_packed(r.keys, r.key_bytes)
             states = [m.KEY_READY] * hits + [m.KEY_ABSENT] * (hits * r.key_bytes < len(r.keys))
@@ -198,22 +208,22 @@ class Service:
         return m.ProbeReply(r.rid, bytes(states))
 
     def _on_prepare_store(self, s: Session, r: m.PrepareStore) -> m.Reply:
-        return self._prepare_store(s, r.rid, self._writable(s, r.ns), state_keys(r))
+        return self._prepare_store(s, r.rid, self.members.writable(s, r.ns), state_keys(r))
 
     def _on_complete_store(self, s: Session, r: m.CompleteStore) -> m.Reply:
-        self._writable(s, r.ns).complete_store(state_keys(r), r.success, s.session_id)
+        self.members.writable(s, r.ns).complete_store(state_keys(r), r.success, s.session_id)
         return m.OkReply(r.rid)
 
     def _on_prepare_load(self, s: Session, r: m.PrepareLoad) -> m.Reply:
-        slots = self._ns(s, r.ns).prepare_load(state_keys(r), s.session_id)
+        slots = self.members.readable(s, r.ns).prepare_load(state_keys(r), s.session_id)
         return m.LoadPlanReply(r.rid, pack_ids(slots))
 
     def _on_complete_load(self, s: Session, r: m.CompleteLoad) -> m.Reply:
-        self._ns(s, r.ns).complete_load(state_keys(r), s.session_id)
+        self.members.readable(s, r.ns).complete_load(state_keys(r), s.session_id)
         return m.OkReply(r.rid)
 
     def _on_touch(self, s: Session, r: m.Touch) -> m.Reply:
-        self._ns(s, r.ns).touch(unpack_keys(r.keys, r.key_bytes))
+        self.members.readable(s, r.ns).touch(unpack_keys(r.keys, r.key_bytes))
         return m.OkReply(r.rid)
 
     def _on_submit_store(self, s: Session, r: m.SubmitStore) -> m.Reply | None:
@@ -224,7 +234,7 @@ class Service:
         return self.transfers.submit(s, r, slots, ids, r.skip, False)
 
     def _on_step(self, s: Session, r: m.StepBatch) -> m.Reply | None:
-        index = self._ns(s, r.ns)
+        index = self.members.readable(s, r.ns)
         if r.ns not in s.writable and (r.claim_keys or r.commit_keys or r.fail_keys):
             self.engines.refused_claims_total += len(r.claim_keys) // max(1, r.key_bytes)
             r = msgspec.structs.replace(r, claim_keys=b"", claim_slots=b"", commit_keys=b"",
@@ -263,16 +273,12 @@ class Service:
         return None  # answered by on_completions
 
     def _on_take_events(self, s: Session, r: m.TakeEvents) -> m.Reply:
-        events, lost = self._ns(s, r.ns).take_feed(s.session_id)
+        events, lost = self.members.readable(s, r.ns).take_feed(s.session_id)
         return m.EventsReply(r.rid, events, lost)
-
-    def _deny(self, s: Session, what: str, fix: str) -> PermissionDeniedError:
-        log.warning("refused uid %d gid %d (pid %d): %s", s.uid, s.gid, s.pid, what)
-        return PermissionDeniedError(f"uid {s.uid} may not {what}; {fix}")
 
     def _require_admin(self, s: Session, what: str) -> None:
         if not self.access.may_administer(s.peer):
-            raise self._deny(s, what, "list it in admin_uids or admin_gids of the daemon config")
+            raise deny(s, what, "list it in admin_uids or admin_gids of the daemon config")
 
     def _on_evict(self, s: Session, r: m.Evict) -> m.Reply:
         self._require_admin(s, "evict")
@@ -333,108 +339,6 @@ class Service:
         s = self.sessions.get(session_id)
         return s.uid if s is not None else -1 - session_id
 
-    def _revoke(self, index: NamespaceIndex) -> None:
-        """The table takes ``index`` back: every connection that has it open loses
-        it (stores failed, pins dropped, leases freed, workers detached), and is told."""
-        ns_id = index.ns_id
-        for sid in list(self.ns_sessions.get(ns_id, ())):
-            s = self.sessions[sid]
-            self._leave_namespace(s, ns_id)
-            for wid in [w for w in s.workers if self.workers[w].ns_id == ns_id]:
-                self.transfers.detach(self.workers[wid])
-            s.pushes.append(
-                m.Notice(
-                    0,
-                    ErrorCode.NOT_FOUND,
-                    f"namespace {index.name!r} was taken back: uid {s.uid} holds more than "
-                    "its share of the namespace table",
-                )
-            )
-
-    def _leave_namespace(self, s: Session, ns_id: int, budget: int = 1 << 62) -> bool:
-        """Release what ``s`` holds in one namespace (at most ``budget`` stores and
-        pinned keys of it) and, once all is, forget it there; whether it is."""
-        index = self.namespaces[ns_id]
-        index.events.unsubscribe(s.session_id)
-        writes, pins, done = index.release_client(s.session_id, s.leases[ns_id], budget)
-        if not done:
-            return False
-        if writes or pins:
-            log.info(
-                "client %d (pid %d) gone: failed %d stores, dropped %d pins in %s",
-                s.session_id,
-                s.pid,
-                writes,
-                pins,
-                index.name,
-            )
-        s.namespaces.discard(ns_id)
-        s.writable.discard(ns_id)
-        self.ledger.give(s.session_id, {"namespaces": 1})
-        held = self.ns_sessions.get(ns_id)
-        if held is not None:
-            held.discard(s.session_id)
-            if not held:
-                del self.ns_sessions[ns_id]
-        s.leases.pop(ns_id, None)
-        s.want_leases.pop(ns_id, None)
-        self.engines.stop_pushing(s, ns_id)
-        if ns_id in s.snapshots:
-            self.engines.drop_snapshot(s)
-        return True
-
-    def _users_of(self, ns_id: int) -> set[int]:
-        """The uids of the connections that have the namespace open or joined."""
-        return {self.sessions[sid].uid for sid in self.ns_sessions.get(ns_id, ())}
-
-    def _writable(self, s: Session, ns_id: int) -> NamespaceIndex:
-        index = self._ns(s, ns_id)
-        if ns_id not in s.writable:
-            raise self._deny(
-                s, f"store into namespace {index.name!r} (it may read it)",
-                "list it in the uids or gids of the namespace_access rule that matches",
-            )  # fmt: skip
-        return index
-
-    def _ns(self, s: Session, ns_id: int) -> NamespaceIndex:
-        if ns_id not in s.namespaces:
-            raise InvalidArgumentError(f"namespace id {ns_id} was not opened on this connection")
-        return self.namespaces[ns_id]
-
-    def _open_namespace(
-        self,
-        s: Session,
-        rid: int,
-        name: str,
-        layout: m.KVLayout,
-        subscribe: bool = True,
-        join: bool = False,
-    ) -> m.Reply:
-        if not self.access.may_open(s.peer, name):
-            raise self._deny(s, f"open namespace {name!r}", "add a namespace_access rule for it")
-        known = self.table.by_name.get(name)
-        new = known is None or known.ns_id not in s.namespaces
-        if new:  # a cursor, a lease token, a mirror: charged before anything is held
-            self.ledger.require(s.session_id, {"namespaces": 1}, f"open namespace {name!r}")
-        try:
-            index = self.table.open(name, layout, s.uid, self._users_of, join)
-        except BaseException:
-            if new:
-                self.ledger.give(s.session_id, {"namespaces": 1})
-            raise
-        if index.ns_id not in s.namespaces:
-            s.namespaces.add(index.ns_id)
-            if self.access.may_write(s.peer, name):
-                s.writable.add(index.ns_id)
-            self.ns_sessions.setdefault(index.ns_id, set()).add(s.session_id)
-            s.leases[index.ns_id] = new_token()
-            if subscribe:
-                index.events.subscribe(s.session_id)
-        tiers = self.tiering.count if self.tiering is not None else 0
-        lease = s.leases[index.ns_id]
-        fp, slot_bytes = index.fingerprint, index.slots.slot_bytes
-        return m.NamespaceOpened(rid, index.ns_id, slot_bytes, fp, tiers, lease)
-
     def _prepare_store(
         self, s: Session, rid: int, index: NamespaceIndex, keys: list[bytes]
     ) -> m.Reply:
@@ -486,7 +390,7 @@ class Service:
         at most ``budget`` stores and pinned keys per namespace a call; whether all is
         released (else call again: a leaver's release is loop work in slices)."""
         for ns_id in list(s.namespaces):
-            if not self._leave_namespace(s, ns_id, budget):
+            if not self.members.leave(s, ns_id, budget):
                 return False
         for wid in list(s.workers):
             self.transfers.detach(self.workers[wid])
@@ -496,22 +400,6 @@ class Service:
         # Released above, or (copies, mappings) draining, charged to nobody from now.
         self.ledger.leave(s.session_id)
         return True
-
-    def _take_back_leases(self, index: NamespaceIndex, now_s: float) -> None:
-        """Leases unused for ``lease_timeout_s`` go back; their engines are told, and
-        get new ones once they wish again."""
-        revoked = dict(index.expire_leases(now_s))
-        if not revoked:
-            return
-        for sid in self.ns_sessions.get(index.ns_id, ()):
-            s = self.sessions[sid]
-            slots = revoked.get(s.leases.get(index.ns_id, 0))
-            if slots:
-                s.want_leases[index.ns_id] = 0
-                s.pushes.append(m.LeaseRevoke(0, index.ns_id, pack_ids(slots)))
-                self.pushes_due.add(sid)
-        log.info("namespace %s: leases unused for %.0f s taken back from %d connections",
-                 index.name, index.lease_timeout_s, len(revoked))  # fmt: skip
 
     def on_completions(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
         """Apply finished copies; returns deferred replies as (session id, reply)."""
@@ -524,7 +412,7 @@ class Service:
             if expired := ns.expire_pins(now):
                 log.warning("namespace %s: %d pins held too long were dropped", ns.name, expired)
             ns.free_graves()
-            self._take_back_leases(ns, now)
+            self.members.take_back_leases(ns, now)
             if late := ns.expire_commits(now):
                 log.warning(
                     "namespace %s: %d committed stores never got their copies", ns.name, late
