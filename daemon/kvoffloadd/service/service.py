@@ -3,7 +3,7 @@
 Rules:
 - Runs on the loop thread only; it owns namespaces and sessions, its ``members``
   (membership.py) who has which namespace open, and its ``transfers``
-  (transfers.py) the workers and their copy jobs.
+  (transfers.py, completions.py) the workers and their copy jobs.
 - A handler returns the reply, or ``None`` when the reply is deferred (``WaitJobs``)
   or there is none (one-way requests, rid 0). Client mistakes raise
   ``KVOffloadError`` and become an ``ErrorReply`` for that request, or, for a one-way
