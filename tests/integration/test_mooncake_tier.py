@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import signal
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ from tiered import Engine, evict_by_storing_more, keys, mooncake_toml, shared_by
 
 import kvoffload
 from kvoffloadbench.mooncake_master import MooncakeMaster
+from kvoffloadbench.server_process import free_ports
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,6 +34,20 @@ def master(mooncake_ready: None) -> Iterator[MooncakeMaster]:
     m = MooncakeMaster().start()
     yield m
     m.stop()
+
+
+def test_a_master_that_cannot_bind_its_ports_says_why_and_leaves_nothing(
+    mooncake_ready: None,
+) -> None:
+    """A master whose admin port is taken exits at start: the error names the cause
+    from the master's own log, and its temporary directory goes with it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        m = MooncakeMaster(ports=(*free_ports(2), taken.getsockname()[1]))
+        with pytest.raises(RuntimeError, match=r"exited with .*Address already in use"):
+            m.start()
+    assert m._dir == "" and m.proc is not None and m.proc.poll() is not None
 
 
 def ours(m: MooncakeMaster) -> list[str]:

@@ -9,13 +9,14 @@ not installed, or its libraries missing), so callers can skip with that reason.
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 
-from .server_process import ServerProcess, accepts, free_port
+from .server_process import ServerProcess, accepts, free_ports
 
 
 def _binary() -> str:
@@ -26,11 +27,7 @@ def _binary() -> str:
 class MooncakeMaster(ServerProcess):
     def __init__(self, lease_ttl_ms: int = 500, ports: tuple[int, int, int] | None = None):
         self.binary = _binary()
-        self.rpc_port, self.metadata_port, self.admin_port = ports or (
-            free_port(),
-            free_port(),
-            free_port(),
-        )
+        self.rpc_port, self.metadata_port, self.admin_port = ports or free_ports(3)
         self.lease_ttl_ms = lease_ttl_ms
 
     @staticmethod
@@ -69,7 +66,9 @@ class MooncakeMaster(ServerProcess):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
+                why = self._last_error()
+                self.stop()
+                raise RuntimeError(f"mooncake_master exited with {proc.returncode}{why}")
             if self.healthy():
                 return self
             time.sleep(0.05)
@@ -78,6 +77,18 @@ class MooncakeMaster(ServerProcess):
             f"mooncake_master did not answer on all of ports {self.rpc_port} (RPC), "
             f"{self.metadata_port} (metadata), {self.admin_port} (admin)"
         )
+
+    def _last_error(self) -> str:
+        """The first error line of the master's log (it writes it where it runs: the
+        cause comes before what failed of it), or nothing."""
+        errors = [
+            line.split("] ", 1)[-1].strip()
+            for log in sorted(pathlib.Path(self._dir).glob("mooncake_master.*"))
+            if not log.is_symlink()
+            for line in log.read_text(errors="replace").splitlines()
+            if line.startswith(("E", "F"))
+        ]
+        return f": {errors[0]}" if errors else ""
 
     def healthy(self) -> bool:
         """Its admin server says so, and its RPC and metadata ports accept connections

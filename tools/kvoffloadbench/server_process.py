@@ -1,10 +1,11 @@
 """A throwaway server process for tests and benchmarks: its own session and temporary
 directory, stopped with SIGTERM (SIGKILL after 10 s), or killed at once as in a crash.
 
-Ports (``free_port``) are chosen below the kernel's ephemeral range: a port taken from
-that range is free when chosen but may be the local port of some outgoing connection
-by the time the server binds it (a busy suite makes thousands), and a server that
-cannot bind one of its ports may still answer on the others.
+Ports (``free_port``; ``free_ports`` for several, distinct) are chosen below the
+kernel's ephemeral range: a port taken from that range is free when chosen but may be
+the local port of some outgoing connection by the time the server binds it (a busy
+suite makes thousands), and a server that cannot bind one of its ports may still
+answer on the others.
 """
 
 from __future__ import annotations
@@ -31,17 +32,33 @@ def _ephemeral_low() -> int:
 
 def free_port() -> int:
     """A loopback TCP port that nothing is bound to now, outside the ephemeral range."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback TCP ports that nothing is bound to now, outside the
+    ephemeral range: each is held bound until all are chosen, so no two are the same
+    (three separate choices gave a master the same port twice, and it exited)."""
     high = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(_PORTS_FROM, high) if high > _PORTS_FROM + 1000 else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    held: list[socket.socket] = []
+    try:
+        for _ in range(200 * n):
+            if len(held) == n:
+                break
+            port = random.randrange(_PORTS_FROM, high) if high > _PORTS_FROM + 1000 else 0
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
+                s.close()
                 continue
-            bound: int = s.getsockname()[1]
-            return bound
-    raise RuntimeError("no free loopback port below the ephemeral range")
+            held.append(s)
+        if len(held) < n:
+            raise RuntimeError("no free loopback port below the ephemeral range")
+        return [int(s.getsockname()[1]) for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def accepts(port: int, timeout_s: float = 0.5) -> bool:
