@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 import signal
 import socket
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -41,13 +42,19 @@ def test_a_master_that_cannot_bind_its_ports_says_why_and_leaves_nothing(
 ) -> None:
     """A master whose admin port is taken exits at start: the error names the cause
     from the master's own log, and its temporary directory goes with it."""
+    dirs = pathlib.Path(tempfile.gettempdir())
+    before = set(dirs.glob("kvoffload-mooncake-*"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         m = MooncakeMaster(ports=(*free_ports(2), taken.getsockname()[1]))
-        with pytest.raises(RuntimeError, match=r"exited with .*Address already in use"):
-            m.start()
-    assert m._dir == "" and m.proc is not None and m.proc.poll() is not None
+        try:
+            with pytest.raises(RuntimeError, match=r"exited with .*Address already in use"):
+                m.start()
+            assert m.proc is not None and m.proc.poll() is not None
+            assert set(dirs.glob("kvoffload-mooncake-*")) == before  # its directory went
+        finally:
+            m.stop()
 
 
 def ours(m: MooncakeMaster) -> list[str]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from test_feed_push_gap import ask, frames, opened
 from test_loop_clock import Clock, connected, loop  # noqa: F401 (loop: a fixture)
 
@@ -23,44 +25,48 @@ from kvoffload.protocol.errors import ErrorCode
 from kvoffloadd.server.server import Server
 
 
-def test_a_namespace_taken_back_is_told_to_an_idle_connection(
+@pytest.fixture
+def idle(
     loop: tuple[Server, Clock],  # noqa: F811
     tmp_path: Path,
-) -> None:
+) -> Iterator[tuple[Server, socket.socket, int]]:
+    """A connection past its Hello with namespace ns open, then idle: (the server,
+    its socket, ns); closed whatever the test did."""
     server, _ = loop
-    (idle,) = connected(server, tmp_path, 1)
-    ns = opened(server, idle, 2)
-    index = server.service.namespaces[ns]
-    server.service.members.revoke(index)  # what the table does for a newcomer
-    assert frames(idle) == []  # nothing goes out within another's request
+    (sock,) = connected(server, tmp_path, 1)
+    try:
+        yield server, sock, opened(server, sock, 2)
+    finally:
+        sock.close()
+        server.turn(0.0)
+
+
+def test_a_namespace_taken_back_is_told_to_an_idle_connection(
+    idle: tuple[Server, socket.socket, int],
+) -> None:
+    server, sock, ns = idle
+    # what the table does when a newcomer takes the entry (test_namespace_table has
+    # the table's side): the connection is not in a request of its own
+    server.service.members.revoke(server.service.namespaces[ns])
+    assert frames(sock) == []  # nothing is sent outside a turn
     server._cron()
-    (notice,) = frames(idle)
+    (notice,) = frames(sock)
     assert isinstance(notice, m.Notice) and notice.code == ErrorCode.NOT_FOUND
     assert "was taken back" in notice.message
-    got = ask(server, idle, m.Lookup(3, ns, b"k" * 8, 8))
+    got = ask(server, sock, m.Lookup(3, ns, b"k" * 8, 8))
     assert isinstance(got[-1], m.ErrorReply) and "was not opened" in got[-1].message
-    _close(server, idle)
 
 
 def test_leases_taken_back_are_told_to_an_idle_connection(
-    loop: tuple[Server, Clock],  # noqa: F811
-    tmp_path: Path,
+    idle: tuple[Server, socket.socket, int],
 ) -> None:
-    server, _ = loop
-    (idle,) = connected(server, tmp_path, 1)
-    ns = opened(server, idle, 2)
-    idle.sendall(encode_frame(m.StepBatch(0, ns, 8, want_leases=4)))  # one-way wish
+    server, sock, ns = idle
+    sock.sendall(encode_frame(m.StepBatch(0, ns, 8, want_leases=4)))  # one-way wish
     server.turn(0.0)
-    (grant,) = frames(idle)
+    (grant,) = frames(sock)
     assert isinstance(grant, m.LeaseGrant) and len(m.unpack_ids(grant.slots)) == 4
     index = server.service.namespaces[ns]
     server.service.members.take_back_leases(index, time.monotonic() + 1e6)  # long unused
     server._cron()
-    (revoke,) = frames(idle)
+    (revoke,) = frames(sock)
     assert isinstance(revoke, m.LeaseRevoke) and revoke.slots == grant.slots
-    _close(server, idle)
-
-
-def _close(server: Server, sock: socket.socket) -> None:
-    sock.close()
-    server.turn(0.0)

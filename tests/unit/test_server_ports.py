@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,8 @@ def test_ports_chosen_together_are_distinct_even_when_the_draw_repeats(
         probe.bind(("127.0.0.1", 0))
         first = probe.getsockname()[1]
     draws = itertools.chain([first, first, first], itertools.count(first + 1))
-    monkeypatch.setattr(server_process.random, "randrange", lambda lo, hi: next(draws))
+    draw = SimpleNamespace(randrange=lambda lo, hi: next(draws))
+    monkeypatch.setattr(server_process, "random", draw)
     monkeypatch.setattr(server_process, "_PORTS_FROM", 0)
     monkeypatch.setattr(server_process, "_ephemeral_low", lambda: 1 << 16)
     ports = free_ports(3)

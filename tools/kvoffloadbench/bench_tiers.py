@@ -10,8 +10,9 @@ of all of them, and the time from that lookup until the daemon's loop made the l
 them ready (``last_promotion_done_s`` in the tier's stats, read from the clock this
 process reads: ``CLOCK_MONOTONIC``) is the promotion rate: the median of
 ``PROMOTION_ROUNDS`` such rounds. The benchmark's lookups only find out that the
-round is over (``_until_promoted``), so how often they look does not change the time
-measured; they are kept out of the promotion's way: none in the first
+round is over (``_until_promoted``): their waits no longer add to the time measured,
+but their CPU still comes out of the promotion's, so they are kept out of its way:
+none in the first
 ``QUIET_FRACTION`` of the time the copies alone would take, then one key every
 ``POLL_S``. A poll costs the daemon's loop and this process a few hundred
 microseconds of CPU, which on 2 vCPUs comes out of the promotion's threads.

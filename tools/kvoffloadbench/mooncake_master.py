@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import time
 import urllib.request
 
 from .server_process import ServerProcess, accepts, free_ports
+
+_GLOG_ERROR = re.compile(r"[EF]\d{4} ")  # glog's prefix of an ERROR or FATAL line
 
 
 def _binary() -> str:
@@ -66,8 +69,10 @@ class MooncakeMaster(ServerProcess):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                why = self._last_error()
-                self.stop()
+                try:
+                    why = self._first_error()
+                finally:
+                    self.stop()
                 raise RuntimeError(f"mooncake_master exited with {proc.returncode}{why}")
             if self.healthy():
                 return self
@@ -78,7 +83,7 @@ class MooncakeMaster(ServerProcess):
             f"{self.metadata_port} (metadata), {self.admin_port} (admin)"
         )
 
-    def _last_error(self) -> str:
+    def _first_error(self) -> str:
         """The first error line of the master's log (it writes it where it runs: the
         cause comes before what failed of it), or nothing."""
         errors = [
@@ -86,7 +91,7 @@ class MooncakeMaster(ServerProcess):
             for log in sorted(pathlib.Path(self._dir).glob("mooncake_master.*"))
             if not log.is_symlink()
             for line in log.read_text(errors="replace").splitlines()
-            if line.startswith(("E", "F"))
+            if _GLOG_ERROR.match(line)
         ]
         return f": {errors[0]}" if errors else ""
 

@@ -37,8 +37,9 @@ def free_port() -> int:
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback TCP ports that nothing is bound to now, outside the
-    ephemeral range: each is held bound until all are chosen, so no two are the same
-    (three separate choices gave a master the same port twice, and it exited)."""
+    ephemeral range (inside it, the kernel's choice, where the range leaves less than
+    1,000 ports below it): each is held bound until all are chosen, so no two are the
+    same (three separate choices gave a master the same port twice, and it exited)."""
     high = _ephemeral_low()
     held: list[socket.socket] = []
     try:

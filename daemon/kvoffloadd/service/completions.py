@@ -114,11 +114,10 @@ class JobBook:
         expected = None if is_store else index.sums.expected(slots.tolist(), rank)
         return ChecksumCheck(areas, rank_bytes, expected)
 
-    def completed(
-        self, done: list[Completion], replies: list[tuple[int, m.Reply]]
-    ) -> list[tuple[int, m.Reply]]:
-        """Apply finished copies, seals and unmappings; adds the deferred replies and
-        pushed results to ``replies`` as (session id, message) and returns it."""
+    def completed(self, done: list[Completion]) -> list[tuple[int, m.Reply]]:
+        """Apply finished copies, seals and unmappings; returns the deferred replies
+        and pushed results as (session id, message)."""
+        replies: list[tuple[int, m.Reply]] = []
         pushed: dict[int, list[m.JobResult]] = {}
         now_ns = time.monotonic_ns()
         for c in done:

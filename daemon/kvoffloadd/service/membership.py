@@ -33,10 +33,10 @@ from kvoffloadd.access import AccessPolicy
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.index.leases import new_token
 from kvoffloadd.ledger import Ledger
+from kvoffloadd.service.completions import JobBook
 from kvoffloadd.service.engines import EngineChannel
 from kvoffloadd.service.namespaces import NamespaceTable
 from kvoffloadd.service.session import Session
-from kvoffloadd.service.transfers import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Membership:
         ledger: Ledger,
         access: AccessPolicy,
         engines: EngineChannel,
-        transfers: Transfers,
+        transfers: JobBook,
         tier_count: int,
     ) -> None:
         self.table = table

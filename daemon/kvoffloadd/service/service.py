@@ -84,7 +84,7 @@ class Service:
         # what each connection holds, per uid and in total (ledger.py)
         self.ledger = Ledger(configured(config.limit_overrides(), self._derived_limits()))
         self.feeds = FeedBudget()  # every namespace's event log together
-        self.table = NamespaceTable(  # it calls back only once a namespace is opened
+        self.table = NamespaceTable(  # takes back only once namespaces are opened
             config,
             region,
             self._namespace_new,
@@ -111,7 +111,6 @@ class Service:
         self.members = Membership(
             self.table, self.sessions, self.ledger, self.access, self.engines, self.transfers, tiers
         )
-        self.pushes_due = self.members.pushes_due  # the server sends them at housekeeping
         self.loop = LoopTurns()
         self.shutting_down = False
         self.started_s = time.monotonic()
@@ -420,6 +419,12 @@ class Service:
             ns.slots.release_free_tail()
         if self.tiering is not None:
             self.tiering.check_stalls(now)
+
+    @property
+    def pushes_due(self) -> set[int]:
+        """Connections told something outside a request; the server sends their
+        pushes at housekeeping and clears this."""
+        return self.members.pushes_due
 
     @property
     def inflight_jobs(self) -> int:

@@ -15,7 +15,7 @@ Rules:
   to, ledger.py) before it starts. The loop validates a job and hands over its plan:
   copiers build its runs (a tiny CPU job is copied at once, on the loop).
 - A store names its engine's lease token: only slots leased to that token may be
-  written (invariant 9); a store arriving after its ``deadline_ns`` is not started. A
+  written (invariant 9); a job arriving after its ``deadline_ns`` is not started. A
   load that names its keys reads each key wherever its block is now.
 - Client-copy workers (trusted uids only, see access.py) get the region's descriptor.
   Blocking ones get, per submitted job, the copy runs the daemon validated and end the
@@ -247,7 +247,9 @@ class Transfers(JobBook):
         """Apply what the copiers finished (imports for attaches, copies, seals,
         unmappings); returns deferred replies and pushed results as (session id,
         message). An import's reply comes first: no job of its worker can be among
-        them, as none is started before the attach is answered."""
+        them, as none is started before the attach is answered; replies to other
+        requests of the connection may come in another order than their completions,
+        as deferred replies always could (clients match replies by request id)."""
         replies: list[tuple[int, m.Reply]] = []
         rest = []
         for c in done:
@@ -255,7 +257,7 @@ class Transfers(JobBook):
                 replies.extend(self.attacher.imported(c))
             else:
                 rest.append(c)
-        return self.completed(rest, replies)
+        return replies + self.completed(rest)
 
     def wrote(self, s: Session, r: m.Wrote) -> None:
         """A push client-copy worker copied a store into its engine's leased slots."""

@@ -79,7 +79,7 @@ class _TierState:
     promoted_blocks_total: int = 0
     promotion_failures_total: int = 0
     # time.monotonic() (CLOCK_MONOTONIC: one clock for every process on the host) when
-    # the loop last finished a promotion job here and its blocks became ready (0: never)
+    # the loop last finished a promotion job here (its good blocks ready; 0: never)
     last_promotion_done_s: float = 0.0
     cascade_dropped_total: int = 0  # backlog full, tier unhealthy, or evicted first
     stalled: bool = False  # a job ran past job_timeout_s and has not finished
