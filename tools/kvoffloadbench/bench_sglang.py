@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import statistics
 import tempfile
 import time
@@ -64,9 +63,12 @@ def backends(args: argparse.Namespace) -> Iterator[list[tuple[str, str, dict[str
     batch_bytes = args.pages * page_bytes(args)
     # both kvoffload backends' batches (and their warm-up rounds) fit: no eviction
     region = max(1 << 30, (2 * (args.rounds + 1) + 2) * batch_bytes)
-    tmp = tempfile.mkdtemp(prefix="kvoffload-hicache-", dir="/dev/shm")
     out: list[tuple[str, str, dict[str, Any]]] = []
     with contextlib.ExitStack() as stack:
+        # removed however the set-up below ends (a master that fails to start included)
+        tmp = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvoffload-hicache-", dir="/dev/shm")
+        )
         d = stack.enter_context(
             DaemonProcess(f"{region >> 20}MiB", "--log-level", "warning",
                           settings={"max_writing_fraction": 1.0})
@@ -88,10 +90,7 @@ def backends(args: argparse.Namespace) -> Iterator[list[tuple[str, str, dict[str
             }))  # fmt: skip
         else:
             print(f"mooncake backend skipped: {why}")
-        try:
-            yield out
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        yield out
 
 
 def page_bytes(args: argparse.Namespace) -> int:
