@@ -12,10 +12,9 @@ process reads: ``CLOCK_MONOTONIC``) is the promotion rate: the median of
 ``PROMOTION_ROUNDS`` such rounds. The benchmark's lookups only find out that the
 round is over (``_until_promoted``): their waits no longer add to the time measured,
 but their CPU still comes out of the promotion's, so they are kept out of its way:
-none in the first
-``QUIET_FRACTION`` of the time the copies alone would take, then one key every
-``POLL_S``. A poll costs the daemon's loop and this process a few hundred
-microseconds of CPU, which on 2 vCPUs comes out of the promotion's threads.
+none in the first ``QUIET_FRACTION`` of the time the copies alone would take, then
+one key every ``POLL_S``. A poll costs the daemon's loop and this process a few
+hundred microseconds of CPU, which on 2 vCPUs comes out of the promotion's threads.
 Before each round and after the last, the machine's own copy+MAC rate with as many
 threads is measured in this process (``CopyMac``: the same bytes copied in the same
 ``PIECE_BYTES`` pieces, each hashed with the same keyed BLAKE3 just after its copy, by
