@@ -31,14 +31,8 @@ from kvoffload.protocol.errors import (
     NoSpaceError,
     QuotaExceededError,
 )
-from kvoffload.protocol.messages import (
-    MAX_STATE_KEYS,
-    KVLayout,
-    id_list,
-    pack_keys,
-    unpack_ids,
-    unpack_keys,
-)
+from kvoffload.protocol.messages import MAX_STATE_KEYS, KVLayout
+from kvoffload.protocol.packing import id_list, pack_keys, unpack_ids, unpack_keys
 from kvoffload.worker import Worker
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ from kvoffload.datapath.runs import CacheGeometry
 from kvoffload.link.transport import Transport
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import DaemonUnavailableError, InvalidArgumentError, KVOffloadError
-from kvoffload.protocol.messages import pack_ids
+from kvoffload.protocol.packing import pack_ids
 
 if TYPE_CHECKING:
     from kvoffload.link.channel import NamespaceHandle

@@ -19,7 +19,7 @@ import numpy as np
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
-from kvoffload.protocol.messages import pack_ids
+from kvoffload.protocol.packing import pack_ids
 
 _DECODER = msgspec.msgpack.Decoder(m.Reply)
 

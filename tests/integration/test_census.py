@@ -36,7 +36,8 @@ from test_isolation import FdLiar, memfd, run, start
 import kvoffload
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
-from kvoffload.protocol.messages import MAX_KEYS_PER_MESSAGE, MAX_STATE_KEYS, pack_ids
+from kvoffload.protocol.messages import MAX_KEYS_PER_MESSAGE, MAX_STATE_KEYS
+from kvoffload.protocol.packing import pack_ids
 from kvoffloadd.server.clients import CHARGE_STEP_BYTES
 
 __all__ = ["run"]  # the fixture

@@ -10,7 +10,8 @@ import pytest
 import kvoffload
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import MAX_STATE_KEYS, pack_keys
+from kvoffload.protocol.messages import MAX_STATE_KEYS
+from kvoffload.protocol.packing import pack_keys
 from kvoffloadbench.launch import DaemonProcess
 
 PAGE = 4096

@@ -12,7 +12,7 @@ import pytest
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import PermissionDeniedError, QuotaExceededError
-from kvoffload.protocol.messages import pack_keys, unpack_ids
+from kvoffload.protocol.packing import pack_keys, unpack_ids
 from kvoffloadd.access import AccessPolicy, NamespaceRule, Peer, peer_groups
 from kvoffloadd.config import DaemonConfig, NamespaceQuota, TierConfig, load_config
 from kvoffloadd.copies.copier import CpuCopier

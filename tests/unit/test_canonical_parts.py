@@ -27,7 +27,7 @@ from kvoffload.datapath.canonical import CanonicalPart, expand
 from kvoffload.datapath.copyplan import place_caches
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffload.protocol.packing import pack_ids, pack_keys
 from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier

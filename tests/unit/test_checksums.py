@@ -15,7 +15,7 @@ from kvoffload import shared_kv_cache
 from kvoffload.cache import describe_cache
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError
-from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffload.protocol.packing import pack_ids, pack_keys
 from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier

@@ -338,7 +338,7 @@ def test_engines_of_a_full_region_find_their_refills_free_every_step() -> None:
     evict ahead for every holder's next refill, not one's: otherwise the later engines
     of a step find their pools dry and fall back to blocking stores that fail."""
     from kvoffload.protocol import messages as m
-    from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids
+    from kvoffload.protocol.packing import pack_ids, pack_keys, unpack_ids
     from kvoffloadd.ledger import Ledger
     from kvoffloadd.service.engines import EngineChannel
     from kvoffloadd.service.session import Session
@@ -397,7 +397,7 @@ def test_a_storing_engine_beside_an_idle_mirror_finds_its_refills_free(
     stores ahead: evicting only for the next refills left the storing engine's pool dry
     for most of each grace period (its stores refused as no space)."""
     from kvoffload.protocol import messages as m
-    from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids
+    from kvoffload.protocol.packing import pack_ids, pack_keys, unpack_ids
     from kvoffloadd.index import storeindex
     from kvoffloadd.ledger import Ledger
     from kvoffloadd.service.engines import EngineChannel

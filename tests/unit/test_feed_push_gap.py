@@ -20,6 +20,7 @@ from kvoffload.plans import OffloadEvent
 from kvoffload.protocol import encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import HEADER_BYTES, frame_length
+from kvoffload.protocol.packing import unpack_keys
 from kvoffloadd.server.output import FEED_PUSH_GAP_S
 from kvoffloadd.server.server import Server
 
@@ -71,7 +72,7 @@ def feed_keys(pushes: list[m.Reply]) -> list[bytes]:
     for p in pushes:
         assert isinstance(p, m.FeedPush)
         for e in p.events:
-            keys += m.unpack_keys(e.keys, e.key_bytes)
+            keys += unpack_keys(e.keys, e.key_bytes)
     return keys
 
 

@@ -21,7 +21,7 @@ from test_gpu_path import BLOCKS, PAGES, Rig, attach, gpu_caches, make_rig, open
 
 from kvoffload.cuda.export import StoreFence, export_cuda_caches
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffload.protocol.packing import pack_ids, pack_keys
 from kvoffloadbench.inproc import handle_now
 from kvoffloadd.copies.calibrate import calibrate
 from kvoffloadd.copies.choice import (

@@ -24,7 +24,7 @@ from kvoffload.cuda.export import StoreFence, export_cuda_caches
 from kvoffload.datapath.runs import split_at_boundaries
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffload.protocol.packing import pack_ids, pack_keys
 from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier

@@ -22,6 +22,7 @@ from test_loop_clock import Clock, connected, loop  # noqa: F401 (loop: a fixtur
 from kvoffload.protocol import encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode
+from kvoffload.protocol.packing import unpack_ids
 from kvoffloadd.server.server import Server
 
 
@@ -64,7 +65,7 @@ def test_leases_taken_back_are_told_to_an_idle_connection(
     sock.sendall(encode_frame(m.StepBatch(0, ns, 8, want_leases=4)))  # one-way wish
     server.turn(0.0)
     (grant,) = frames(sock)
-    assert isinstance(grant, m.LeaseGrant) and len(m.unpack_ids(grant.slots)) == 4
+    assert isinstance(grant, m.LeaseGrant) and len(unpack_ids(grant.slots)) == 4
     index = server.service.namespaces[ns]
     server.service.members.take_back_leases(index, time.monotonic() + 1e6)  # long unused
     server._cron()

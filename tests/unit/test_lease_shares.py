@@ -9,7 +9,7 @@ from test_namespace_table import config, open_ns, service, session
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import KVOffloadError
-from kvoffload.protocol.messages import pack_keys, unpack_ids
+from kvoffload.protocol.packing import pack_keys, unpack_ids
 from kvoffloadd.service.service import Service
 from kvoffloadd.service.session import Session
 

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.messages import pack_ids
+from kvoffload.protocol.packing import pack_ids
 from kvoffloadd.server.turns import HALF_LIFE_S, LEAD_S, TurnQueue
 from kvoffloadd.service.engines import split_batch
 from kvoffloadd.service.stats import LoopTurns

@@ -22,7 +22,7 @@ from kvoffload.protocol.errors import (
     NotFoundError,
     QuotaExceededError,
 )
-from kvoffload.protocol.messages import pack_keys, unpack_ids
+from kvoffload.protocol.packing import pack_keys, unpack_ids
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion

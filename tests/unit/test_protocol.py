@@ -19,6 +19,7 @@ from kvoffload.protocol import (
     encode_frame,
     pack_ids,
     pack_keys,
+    packing,
     unpack_ids,
     unpack_keys,
 )
@@ -324,12 +325,12 @@ GOLDEN = [
         " c2 c2 c2 02 91 94 40 c400 02 01",
     ),
     (
-        m.StepBatch(0, 1, 2, b"ab", m.pack_ids([3]), ack_seq=7, want_leases=8),
+        m.StepBatch(0, 1, 2, b"ab", packing.pack_ids([3]), ack_seq=7, want_leases=8),
         "23000000 9d a473746570 00 01 02 c4026162 c408 0300000000000000 c400 c400 c400 c400 c400"
         " 07 08",
     ),
     (
-        m.FeedPush(0, 1, 9, [m.EventMsg(b"ab", 2, False, m.pack_ids([3]))]),
+        m.FeedPush(0, 1, 9, [m.EventMsg(b"ab", 2, False, packing.pack_ids([3]))]),
         "1c000000 96 a466656564 00 01 09 91 94 c4026162 02 c2 c408 0300000000000000 c2",
     ),
 ]
@@ -374,20 +375,20 @@ def test_small_and_large_fields_unpack_alike(n: int, kb: int) -> None:
     packed, kb = pack_keys(keys)
     assert unpack_keys(packed, kb) == keys
     ids = [i * 2**33 - 7 for i in range(n)]
-    assert m.id_list(pack_ids(ids)) == ids == unpack_ids(pack_ids(ids)).tolist()
+    assert packing.id_list(pack_ids(ids)) == ids == unpack_ids(pack_ids(ids)).tolist()
     assert pack_ids(ids) == pack_ids(np.array(ids, dtype=np.int64))  # a list packs alike
     with pytest.raises(ValueError, match="multiple of 8"):
-        m.id_list(b"1234567")
+        packing.id_list(b"1234567")
 
 
 def test_key_splitters_stay_bounded() -> None:
     """Whoever sends keys chooses their length and count: the splitters kept for them
     never pass SPLITTERS, and a field splits the same after the memo was cleared."""
     for kb in range(1, m.MAX_KEY_BYTES + 1):
-        for n in (2, 3, m.SPLIT_MAX_KEYS):
+        for n in (2, 3, packing.SPLIT_MAX_KEYS):
             keys = [bytes([i % 256]) * kb for i in range(n)]
             assert unpack_keys(b"".join(keys), kb) == keys
-            assert len(m._splitters) <= m.SPLITTERS
+            assert len(packing._splitters) <= packing.SPLITTERS
     assert unpack_keys(b"abcdef", 3) == [b"abc", b"def"]
 
 

@@ -20,7 +20,7 @@ from kvoffload.datapath.regionfmt import (
     ready_crc,
 )
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.messages import pack_keys, unpack_ids
+from kvoffload.protocol.packing import pack_keys, unpack_ids
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.journal import _READY_LOOP_MAX

@@ -18,7 +18,7 @@ from fake_node import gpu_uuid, two_socket_node
 
 from kvoffload.cuda.export import StoreFence, export_cuda_caches
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.messages import pack_keys
+from kvoffload.protocol.packing import pack_keys
 from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier

@@ -13,7 +13,7 @@ from kvoffload.namespace import Snapshot
 from kvoffload.plans import StorePlan
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import DaemonUnavailableError
-from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids, unpack_keys
+from kvoffload.protocol.packing import pack_ids, pack_keys, unpack_ids, unpack_keys
 
 HIT, MISS, PENDING = KeyState.HIT, KeyState.MISS, KeyState.HIT_PENDING
 

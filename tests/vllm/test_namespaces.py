@@ -12,7 +12,7 @@ from kvoffload.engine.view import EngineView
 from kvoffload.namespace import Snapshot
 from kvoffload.plans import StorePlan
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffload.protocol.packing import pack_ids, pack_keys
 from kvoffload.vllm.manager import KVOffloadManager, SlotsSpec
 
 CTX = ReqContext(req_id="r")

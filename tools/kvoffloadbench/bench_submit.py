@@ -35,7 +35,7 @@ import numpy as np
 import kvoffload
 from kvoffload.cache import describe_cache
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.messages import pack_ids, pack_keys, unpack_ids
+from kvoffload.protocol.packing import pack_ids, pack_keys, unpack_ids
 from kvoffloadbench.inproc import handle_now
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import Completion, CpuCopier

@@ -26,7 +26,8 @@ import itertools
 from collections import deque
 
 from kvoffload.plans import OffloadEvent
-from kvoffload.protocol.messages import EventMsg, pack_ids, pack_keys, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import EventMsg
+from kvoffload.protocol.packing import pack_ids, pack_keys, unpack_ids, unpack_keys
 
 MAX_PENDING_EVENTS = 65536
 MAX_PENDING_EVENT_BYTES = 4 << 20

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import takewhile
 from typing import Protocol
 
-from kvoffload.protocol.messages import unpack_keys
+from kvoffload.protocol.packing import unpack_keys
 
 try:
     from kvoffloadd.index._keyset import KeySet as _NativeKeySet

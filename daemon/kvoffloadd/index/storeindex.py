@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 from kvoffload.plans import OffloadEvent, StorePlan
 from kvoffload.protocol.errors import InvalidArgumentError, NotLeasedError, QuotaExceededError
-from kvoffload.protocol.messages import KVLayout, packed_count
+from kvoffload.protocol.messages import KVLayout
+from kvoffload.protocol.packing import packed_count
 from kvoffloadd.index.checksums import BlockChecksums
 from kvoffloadd.index.events import EventFeed
 from kvoffloadd.index.graves import Graveyard
@@ -179,7 +180,7 @@ class StoreIndex:
         return self._counted(len(keys), self._ready.prefix(keys))
 
     def lookup_packed(self, packed: bytes, key_bytes: int) -> int:
-        """``lookup`` of a packed key field (validated: ``messages.packed_count``),
+        """``lookup`` of a packed key field (validated: ``packing.packed_count``),
         probed where it lies."""
         n = packed_count(packed, key_bytes)
         return self._counted(n, self._ready.prefix_packed(packed, key_bytes) if n else 0)

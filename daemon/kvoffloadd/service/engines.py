@@ -49,7 +49,7 @@ import msgspec
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError
-from kvoffload.protocol.messages import id_list, pack_ids, unpack_keys
+from kvoffload.protocol.packing import id_list, pack_ids, unpack_keys
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.ledger import Ledger
 from kvoffloadd.service.session import Session

@@ -28,7 +28,7 @@ import logging
 
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, InvalidArgumentError, PermissionDeniedError
-from kvoffload.protocol.messages import pack_ids
+from kvoffload.protocol.packing import pack_ids
 from kvoffloadd.access import AccessPolicy
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.index.leases import new_token

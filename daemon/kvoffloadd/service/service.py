@@ -35,7 +35,8 @@ from kvoffload.protocol.errors import (
     ShuttingDownError,
     VersionMismatchError,
 )
-from kvoffload.protocol.messages import MAX_STATE_KEYS, pack_ids, pack_keys, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import MAX_STATE_KEYS
+from kvoffload.protocol.packing import pack_ids, pack_keys, unpack_ids, unpack_keys
 from kvoffloadd import __version__
 from kvoffloadd.access import Peer, peer_groups
 from kvoffloadd.config import DaemonConfig

@@ -47,7 +47,7 @@ from kvoffload.protocol.errors import (
     QuotaExceededError,
     TimedOutError,
 )
-from kvoffload.protocol.messages import pack_ids, unpack_ids, unpack_keys
+from kvoffload.protocol.packing import pack_ids, unpack_ids, unpack_keys
 from kvoffloadd.access import AccessPolicy
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import ChecksumCheck, Completion, CpuCopier

@@ -45,7 +45,8 @@ from kvoffload.datapath.regionfmt import (
 from kvoffload.datapath.runs import CacheGeometry, Placement, build_runs
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import InvalidArgumentError, KVOffloadError
-from kvoffload.protocol.messages import KVLayout, unpack_ids
+from kvoffload.protocol.messages import KVLayout
+from kvoffload.protocol.packing import unpack_ids
 
 I64 = npt.NDArray[np.int64]
 CopyFn = Callable[[I64, I64, I64], None]  # (dst addresses, src addresses, lengths)

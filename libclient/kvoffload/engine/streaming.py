@@ -51,7 +51,7 @@ from kvoffload.protocol.errors import (
     KVOffloadError,
     LoadLostError,
 )
-from kvoffload.protocol.messages import pack_ids, pack_keys
+from kvoffload.protocol.packing import pack_ids, pack_keys
 from kvoffload.worker import TransferResult, Worker
 
 if TYPE_CHECKING:

@@ -46,7 +46,8 @@ from enum import IntEnum
 from kvoffload.namespace import Namespace, Snapshot
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import DaemonUnavailableError
-from kvoffload.protocol.messages import MAX_KEYS_PER_MESSAGE, id_list, pack_ids, unpack_keys
+from kvoffload.protocol.messages import MAX_KEYS_PER_MESSAGE
+from kvoffload.protocol.packing import id_list, pack_ids, unpack_keys
 
 log = logging.getLogger(__name__)
 

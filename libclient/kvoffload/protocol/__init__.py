@@ -20,14 +20,8 @@ from kvoffload.protocol.connection import (
     frame_length,
 )
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError, error_for_code
-from kvoffload.protocol.messages import (
-    PROTOCOL_VERSION,
-    KVLayout,
-    pack_ids,
-    pack_keys,
-    unpack_ids,
-    unpack_keys,
-)
+from kvoffload.protocol.messages import PROTOCOL_VERSION, KVLayout
+from kvoffload.protocol.packing import pack_ids, pack_keys, unpack_ids, unpack_keys
 
 __all__ = [
     "HEADER_BYTES",

@@ -43,7 +43,8 @@ from kvoffload.link.transport import Transport
 from kvoffload.namespace import Namespace, pack_checked
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import KVOffloadError, NoSpaceError, NotFoundError
-from kvoffload.protocol.messages import KEY_READY, pack_ids, unpack_ids, unpack_keys
+from kvoffload.protocol.messages import KEY_READY
+from kvoffload.protocol.packing import pack_ids, unpack_ids, unpack_keys
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=m.Reply)

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from kvoffload.namespace import Namespace, Snapshot
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import DaemonUnavailableError
-from kvoffload.protocol.messages import unpack_keys
+from kvoffload.protocol.packing import unpack_keys
 
 log = logging.getLogger(__name__)
 
