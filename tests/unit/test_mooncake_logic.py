@@ -324,7 +324,7 @@ def test_without_mooncake_the_tier_refuses_to_start_saying_what_to_install(
 
 
 def test_reachable_knocks_on_host_ports_and_urls_and_skips_the_rest() -> None:
-    from kvoffloadd.tiers.mooncake_tier import reachable
+    from kvoffloadd.tiers.mooncake_listing import reachable
 
     with socket.create_server(("127.0.0.1", 0)) as up:
         port = up.getsockname()[1]
@@ -636,3 +636,19 @@ def test_the_listing_is_read_within_its_bounds() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_listed_name_is_ours_only_under_our_prefix_tier_id_and_hex_key() -> None:
+    from kvoffloadd.tiers.mooncake_listing import listed_entry
+
+    def ours(tid: str) -> str | None:
+        return tid if tid == "t1" else None
+
+    lead = b"kvoffload/"
+    assert listed_entry(b"kvoffload/t1/00ff", lead, ours) == ("t1", b"\x00\xff")
+    assert listed_entry(b"other/t1/00ff", lead, ours) is None  # another prefix
+    assert listed_entry(b"kvoffload/t2/00ff", lead, ours) is None  # a tier id not opened here
+    assert listed_entry(b"kvoffload/t1/0g", lead, ours) is None  # not hex
+    assert listed_entry(b"kvoffload/t1/" + b"00" * 65, lead, ours) is None  # over 128 hex
+    assert listed_entry(b"kvoffload/t1/", lead, ours) is None  # no key
+    assert listed_entry(b"kvoffload/t1/\xff\xfe", lead, ours) is None  # not ASCII

@@ -24,8 +24,8 @@ Rules:
   master restart, leave. A block gone before that fails one load and leaves. What
   the listing says is bounded like the Redis index: lines longer than
   ``MAX_LISTING_LINE`` or of other prefixes are skipped, at most ``MAX_LISTING_LINES``
-  are read and ``max_view_blocks`` of ours taken (a listing cut short removes nothing),
-  and the view is capped (remote.py).
+  are read and ``max_view_blocks`` of ours taken (a listing cut short removes nothing;
+  mooncake_listing.py), and the view is capped (remote.py).
 - Failure: an unreachable master marks the tier unhealthy (lookups miss, jobs fail)
   until ``health_check`` passes again; Mooncake's client re-mounts its segment itself.
   A new client is set up only once the master's ports answer: Mooncake's ``setup``
@@ -39,11 +39,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +50,7 @@ import numpy as np
 
 from kvoffloadd.tiers.base import TierError, TierJob, TierNamespace
 from kvoffloadd.tiers.blockauth import SEAL, BlockMac, SealCheck
+from kvoffloadd.tiers.mooncake_listing import MAX_LISTING_LINES, reachable, read_listing
 from kvoffloadd.tiers.mooncake_local import (
     WARM_CHUNK_BYTES,
     OwnSegmentRead,
@@ -67,8 +65,6 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"KVOMC003"  # a blockauth seal in the header (KVOMC002: a CRC-32, refused)
 HEADER_BYTES = 64  # one slot of the header area per key: the seal, then zeros
-MAX_LISTING_LINES = 4 << 20  # lines of /get_all_keys one full read takes at most
-MAX_LISTING_LINE = 256  # bytes: our names are <prefix>/<32 hex>/<at most 128 hex>
 MAX_JOB_KEYS = 256  # header slots per job thread; longer jobs go in pieces
 CLOSE_TIMEOUT_S = 10.0  # what closing waits for the poller, and for the promotion threads
 EXIST_BATCH = 4096  # keys per existence check
@@ -470,64 +466,19 @@ class MooncakeTier(RemoteTier):
         self.post_full(started, present, complete)
 
     def _all_keys(self) -> tuple[set[Entry], bool]:
-        """The objects of our tier ids that the master's admin server lists, read line
-        by line within the bounds; and whether the listing was read to its end."""
-        url = self.s.admin_url.rstrip("/") + "/get_all_keys"
-        lead = (self.s.prefix + "/").encode()
-        out: set[Entry] = set()
-        with urllib.request.urlopen(url, timeout=self.s.timeout_s) as r:
-            for _ in range(MAX_LISTING_LINES):
-                line = r.readline(MAX_LISTING_LINE + 1)
-                if not line:
-                    return out, True
-                if len(line) > MAX_LISTING_LINE:  # skip the rest of an overlong line
-                    while line and not line.endswith(b"\n"):
-                        line = r.readline(1 << 16)
-                    continue
-                entry = self._listed(line.strip(), lead)
-                if entry is not None:
-                    out.add(entry)
-                    if len(out) > self.max_view_blocks:
-                        break
-        if not self._listing_cut_logged:
+        """The objects of our tier ids that the master's admin server lists, within the
+        listing's bounds; and whether the listing was read to its end."""
+        bound = self.max_view_blocks
+        out, complete = read_listing(
+            self.s.admin_url, self.s.prefix, self.ours, bound, self.s.timeout_s
+        )
+        if not complete and not self._listing_cut_logged:
             self._listing_cut_logged = True
             log.warning(
                 "tier %s: the store lists more than %d objects, or %d of ours; the view "
                 "follows it partly",
                 self.name,
                 MAX_LISTING_LINES,
-                self.max_view_blocks,
+                bound,
             )
-        return out, False
-
-    def _listed(self, line: bytes, lead: bytes) -> Entry | None:
-        if not line.startswith(lead):
-            return None
-        tid_raw, _, hexkey = line[len(lead) :].partition(b"/")
-        tid = self.ours(tid_raw.decode("ascii", "replace"))
-        if tid is None or not 0 < len(hexkey) <= 128:
-            return None
-        try:
-            return (tid, bytes.fromhex(hexkey.decode("ascii")))
-        except (ValueError, UnicodeDecodeError):
-            return None
-
-
-def reachable(address: str, timeout_s: float) -> bool:
-    """Whether a TCP connection to ``address`` (host:port, or an http:// or etcd://
-    URL) opens within ``timeout_s``; other schemes are not checked (True)."""
-    if "://" in address:
-        parsed = urllib.parse.urlparse(address)
-        if parsed.scheme not in ("http", "https", "etcd") or parsed.hostname is None:
-            return True
-        host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
-    else:
-        name, _, port_text = address.rpartition(":")
-        if not name or not port_text.isdigit():  # P2PHANDSHAKE: no server to knock on
-            return True
-        host, port = name.strip("[]"), int(port_text)
-    try:
-        with socket.create_connection((host, port), timeout=max(timeout_s, 0.1)):
-            return True
-    except OSError:
-        return False
+        return out, complete

@@ -1,0 +1,89 @@
+"""What the Mooncake tier's poller asks of a master over plain sockets: the objects its
+admin server lists, and whether its ports answer at all.
+
+Rules:
+- The listing (``/get_all_keys``) is data from another process: it is read a line at
+  a time within bounds, whatever it holds. A line longer than ``MAX_LISTING_LINE``
+  (our names are ``<prefix>/<32 hex>/<at most 128 hex>``) is skipped, a name under
+  another prefix or of a tier id not opened here is skipped, at most
+  ``MAX_LISTING_LINES`` lines are read and at most one object past ``max_entries`` of
+  ours kept. A listing not read to its end says so: the caller removes nothing on it.
+- ``reachable`` knocks on a master's or metadata server's port with a timeout from
+  Python before Mooncake's ``setup``, which holds the GIL while it waits.
+- Poller thread only; nothing here touches the tier's view.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+
+from kvoffloadd.tiers.remote import Entry
+
+MAX_LISTING_LINES = 4 << 20  # lines of /get_all_keys one full read takes at most
+MAX_LISTING_LINE = 256  # bytes: our names are <prefix>/<32 hex>/<at most 128 hex>
+
+
+def read_listing(
+    admin_url: str,
+    prefix: str,
+    ours: Callable[[str], str | None],
+    max_entries: int,
+    timeout_s: float,
+) -> tuple[set[Entry], bool]:
+    """The objects under ``prefix`` of tier ids that ``ours`` knows, as the admin
+    server at ``admin_url`` lists them; and whether the listing was read to its end."""
+    url = admin_url.rstrip("/") + "/get_all_keys"
+    lead = (prefix + "/").encode()
+    out: set[Entry] = set()
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        for _ in range(MAX_LISTING_LINES):
+            line = r.readline(MAX_LISTING_LINE + 1)
+            if not line:
+                return out, True
+            if len(line) > MAX_LISTING_LINE:  # skip the rest of an overlong line
+                while line and not line.endswith(b"\n"):
+                    line = r.readline(1 << 16)
+                continue
+            entry = listed_entry(line.strip(), lead, ours)
+            if entry is not None:
+                out.add(entry)
+                if len(out) > max_entries:
+                    break
+    return out, False
+
+
+def listed_entry(line: bytes, lead: bytes, ours: Callable[[str], str | None]) -> Entry | None:
+    """The (tier id, key) a listed name stands for, or None when it is not ours."""
+    if not line.startswith(lead):
+        return None
+    tid_raw, _, hexkey = line[len(lead) :].partition(b"/")
+    tid = ours(tid_raw.decode("ascii", "replace"))
+    if tid is None or not 0 < len(hexkey) <= 128:
+        return None
+    try:
+        return (tid, bytes.fromhex(hexkey.decode("ascii")))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def reachable(address: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to ``address`` (host:port, or an http:// or etcd://
+    URL) opens within ``timeout_s``; other schemes are not checked (True)."""
+    if "://" in address:
+        parsed = urllib.parse.urlparse(address)
+        if parsed.scheme not in ("http", "https", "etcd") or parsed.hostname is None:
+            return True
+        host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    else:
+        name, _, port_text = address.rpartition(":")
+        if not name or not port_text.isdigit():  # P2PHANDSHAKE: no server to knock on
+            return True
+        host, port = name.strip("[]"), int(port_text)
+    try:
+        with socket.create_connection((host, port), timeout=max(timeout_s, 0.1)):
+            return True
+    except OSError:
+        return False
