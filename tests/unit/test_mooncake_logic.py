@@ -13,7 +13,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -599,30 +599,42 @@ def test_an_object_of_another_size_is_refused_before_any_transfer(tier: Any) -> 
     assert st["poisoned_clients"] == 0 and st["auth_bad_seal_total"] == 1 and t.healthy
 
 
-def test_the_listing_is_read_within_its_bounds() -> None:
-    """Scenario: a flood of objects under the prefix (of our namespace and others, and
-    lines too long to be names). One full read takes at most max_view_blocks of ours
-    and MAX_LISTING_LINES lines; a listing cut short removes nothing from the view."""
+@contextlib.contextmanager
+def listing_server(body: Callable[[], Iterator[bytes]]) -> Iterator[str]:
+    """An admin server whose /get_all_keys answers with the chunks of ``body`` (made
+    anew for each request) until the client goes away; its URL."""
     import http.server
-    import threading
-
-    lines = [f"kvoffload/{NS.tier_id}/{i:08x}".encode() for i in range(5000)]
-    lines += [b"kvoffload/" + b"f" * 32 + b"/00", b"x" * 100_000, b"other/thing"]
-    body = b"\n".join(lines) + b"\n"
 
     class Listing(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self.send_response(200)
             self.end_headers()
-            self.wfile.write(body)
+            with contextlib.suppress(OSError):  # the reader stopped reading
+                for chunk in body():
+                    self.wfile.write(chunk)
 
         def log_message(self, *args: Any) -> None:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Listing)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_listing_is_read_within_its_bounds(caplog: pytest.LogCaptureFixture) -> None:
+    """Scenario: a flood of objects under the prefix (of our namespace and others, and
+    lines too long to be names). One full read takes at most max_view_blocks of ours
+    and MAX_LISTING_LINES lines; a listing cut short removes nothing from the view,
+    and the tier says once that it was cut short."""
+    lines = [f"kvoffload/{NS.tier_id}/{i:08x}".encode() for i in range(5000)]
+    lines += [b"kvoffload/" + b"f" * 32 + b"/00", b"x" * 100_000, b"other/thing"]
+    body = b"\n".join(lines) + b"\n"
+    cut = "the view follows it partly"
+    with listing_server(lambda: iter([body])) as url:
         with make_tier(admin_url=url, max_view_blocks=1000, full_sync_s=0.05) as (t, wake, _):
             present, complete = t._all_keys()
             assert len(present) == 1001 and not complete  # stopped past the cap
@@ -630,12 +642,42 @@ def test_the_listing_is_read_within_its_bounds() -> None:
             end = time.monotonic() + 0.3  # more full reads: the view stays at its cap
             settle(t, wake, lambda: time.monotonic() > end)
             assert t.statistics()["blocks"] == 1000
+        assert sum(cut in r.getMessage() for r in caplog.records) == 1  # however many reads
+        caplog.clear()
         with make_tier(admin_url=url) as (t, wake, _):
             present, complete = t._all_keys()
             assert len(present) == 5000 and complete  # the long line and others skipped
-    finally:
-        server.shutdown()
-        server.server_close()
+        assert not any(cut in r.getMessage() for r in caplog.records)
+
+
+def test_an_endless_line_or_a_slow_listing_ends_the_read_incomplete() -> None:
+    """Scenario: an admin server that answers one line without end, and one whose
+    listing takes longer than the read may. Each read stops at its byte or time
+    budget and says the listing was not read to its end (nothing is removed on it)."""
+    from kvoffloadd.tiers.mooncake_listing import read_listing
+
+    def ours(tid: str) -> str | None:
+        return tid if tid == NS.tier_id else None
+
+    def endless() -> Iterator[bytes]:
+        while True:
+            yield b"x" * 65536
+
+    with listing_server(endless) as url:
+        assert read_listing(url, "kvoffload", ours, 100, 5.0, max_bytes=1 << 20) == (set(), False)
+    names = b"".join(b"kvoffload/%s/%08x\n" % (NS.tier_id.encode(), i) for i in range(5000))
+    with listing_server(lambda: iter([names])) as url:
+        ticks = iter(range(1 << 20))  # a clock one second on at every reading
+
+        def clock() -> float:
+            return float(next(ticks))
+
+        present, complete = read_listing(
+            url, "kvoffload", ours, 10_000, 5.0, max_s=3.0, clock=clock
+        )
+        assert not complete and len(present) == 3  # lines read at 1, 2 and 3 s; not at 4
+        present, complete = read_listing(url, "kvoffload", ours, 10_000, 5.0)
+        assert complete and len(present) == 5000  # the same listing, within the budgets
 
 
 def test_a_listed_name_is_ours_only_under_our_prefix_tier_id_and_hex_key() -> None:
@@ -648,7 +690,8 @@ def test_a_listed_name_is_ours_only_under_our_prefix_tier_id_and_hex_key() -> No
     assert listed_entry(b"kvoffload/t1/00ff", lead, ours) == ("t1", b"\x00\xff")
     assert listed_entry(b"other/t1/00ff", lead, ours) is None  # another prefix
     assert listed_entry(b"kvoffload/t2/00ff", lead, ours) is None  # a tier id not opened here
-    assert listed_entry(b"kvoffload/t1/0g", lead, ours) is None  # not hex
+    assert listed_entry(b"kvoffload/t1/zz", lead, ours) is None  # not hex
+    assert listed_entry(b"kvoffload/t1/" + b"00" * 64, lead, ours) == ("t1", bytes(64))
     assert listed_entry(b"kvoffload/t1/" + b"00" * 65, lead, ours) is None  # over 128 hex
     assert listed_entry(b"kvoffload/t1/", lead, ours) is None  # no key
     assert listed_entry(b"kvoffload/t1/\xff\xfe", lead, ours) is None  # not ASCII

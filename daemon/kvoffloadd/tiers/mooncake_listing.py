@@ -3,11 +3,15 @@ admin server lists, and whether its ports answer at all.
 
 Rules:
 - The listing (``/get_all_keys``) is data from another process: it is read a line at
-  a time within bounds, whatever it holds. A line longer than ``MAX_LISTING_LINE``
-  (our names are ``<prefix>/<32 hex>/<at most 128 hex>``) is skipped, a name under
-  another prefix or of a tier id not opened here is skipped, at most
-  ``MAX_LISTING_LINES`` lines are read and at most one object past ``max_entries`` of
-  ours kept. A listing not read to its end says so: the caller removes nothing on it.
+  a time, each read at most ``MAX_LISTING_LINE`` + 1 bytes and waiting at most the
+  tier's ``timeout_s``. A line longer than ``MAX_LISTING_LINE`` (our names are
+  ``<prefix>/<32 hex>/<at most 128 hex>``) is skipped, a name under another prefix or
+  of a tier id not opened here is skipped. One full read takes at most
+  ``MAX_LISTING_LINES`` lines and ``MAX_LISTING_BYTES`` bytes, keeps at most one object
+  past ``max_entries`` of ours, and starts no read after ``MAX_LISTING_S``: however
+  the server answers (an endless line, a trickle), the poller is back within that
+  plus one read. A listing not read to its end says so: the caller removes nothing on
+  it.
 - ``reachable`` knocks on a master's or metadata server's port with a timeout from
   Python before Mooncake's ``setup``, which holds the GIL while it waits.
 - Poller thread only; nothing here touches the tier's view.
@@ -16,6 +20,7 @@ Rules:
 from __future__ import annotations
 
 import socket
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -24,6 +29,8 @@ from kvoffloadd.tiers.remote import Entry
 
 MAX_LISTING_LINES = 4 << 20  # lines of /get_all_keys one full read takes at most
 MAX_LISTING_LINE = 256  # bytes: our names are <prefix>/<32 hex>/<at most 128 hex>
+MAX_LISTING_BYTES = 1 << 30  # bytes one full read takes at most
+MAX_LISTING_S = 120.0  # no read of a listing starts after this
 
 
 def read_listing(
@@ -32,20 +39,28 @@ def read_listing(
     ours: Callable[[str], str | None],
     max_entries: int,
     timeout_s: float,
+    max_bytes: int = MAX_LISTING_BYTES,
+    max_s: float = MAX_LISTING_S,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[set[Entry], bool]:
     """The objects under ``prefix`` of tier ids that ``ours`` knows, as the admin
     server at ``admin_url`` lists them; and whether the listing was read to its end."""
     url = admin_url.rstrip("/") + "/get_all_keys"
     lead = (prefix + "/").encode()
     out: set[Entry] = set()
+    left_bytes, end_s = max_bytes, clock() + max_s
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         for _ in range(MAX_LISTING_LINES):
+            if left_bytes <= 0 or clock() > end_s:
+                break
             line = r.readline(MAX_LISTING_LINE + 1)
+            left_bytes -= len(line)
             if not line:
                 return out, True
             if len(line) > MAX_LISTING_LINE:  # skip the rest of an overlong line
-                while line and not line.endswith(b"\n"):
-                    line = r.readline(1 << 16)
+                while line and not line.endswith(b"\n") and left_bytes > 0 and clock() <= end_s:
+                    line = r.readline(MAX_LISTING_LINE + 1)
+                    left_bytes -= len(line)
                 continue
             entry = listed_entry(line.strip(), lead, ours)
             if entry is not None:

@@ -21,11 +21,10 @@ Rules:
   wrote hits from the next probe on. Every ``full_sync_s`` the poller re-reads what the
   store holds (the master's ``/get_all_keys`` when ``admin_url`` is set, else an
   existence check of the view): blocks Mooncake evicted, or lost with a node or a
-  master restart, leave. A block gone before that fails one load and leaves. What
-  the listing says is bounded like the Redis index: lines longer than
-  ``MAX_LISTING_LINE`` or of other prefixes are skipped, at most ``MAX_LISTING_LINES``
-  are read and ``max_view_blocks`` of ours taken (a listing cut short removes nothing;
-  mooncake_listing.py), and the view is capped (remote.py).
+  master restart, leave. A block gone before that fails one load and leaves. The
+  listing is read within bounds of lines, bytes and time and takes at most
+  ``max_view_blocks`` of ours (mooncake_listing.py: a listing cut short removes
+  nothing), and the view is capped (remote.py).
 - Failure: an unreachable master marks the tier unhealthy (lookups miss, jobs fail)
   until ``health_check`` passes again; Mooncake's client re-mounts its segment itself.
   A new client is set up only once the master's ports answer: Mooncake's ``setup``

@@ -1,4 +1,5 @@
-"""kvoffload wire protocol: messages, errors and the sans-IO connection state machine.
+"""kvoffload wire protocol: messages, packed fields, errors and the sans-IO connection
+state machine.
 
 Rules:
 - Imported by the client library, the daemon and the CLI; imports neither socket nor

@@ -9,7 +9,7 @@ Rules:
   for a malformed one: the daemon answers ``INVALID_ARGUMENT``).
 - Whoever sends keys chooses ``key_bytes`` and the count: what is memoised per shape
   (``_splitters``) is bounded.
-- Pure functions of their arguments; no I/O.
+- What they answer depends on their arguments alone (the splitter memo aside); no I/O.
 """
 
 from __future__ import annotations
