@@ -695,3 +695,68 @@ def test_a_listed_name_is_ours_only_under_our_prefix_tier_id_and_hex_key() -> No
     assert listed_entry(b"kvoffload/t1/" + b"00" * 65, lead, ours) is None  # over 128 hex
     assert listed_entry(b"kvoffload/t1/", lead, ours) is None  # no key
     assert listed_entry(b"kvoffload/t1/\xff\xfe", lead, ours) is None  # not ASCII
+
+
+@contextlib.contextmanager
+def raw_server(answer: Callable[[socket.socket, threading.Event], None]) -> Iterator[str]:
+    """A TCP server on loopback whose one connection ``answer`` writes to (raw bytes,
+    whatever HTTP says) until told to stop; its http:// URL."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)  # the request
+            answer(conn, stop)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        stop.set()
+        srv.close()
+        t.join(timeout=10)
+
+
+def test_a_listing_that_never_ends_inside_the_http_client_is_cut_off_in_time() -> None:
+    """Scenario: a master's admin server that answers interim responses without end
+    (Python's HTTP client reads them in a loop of its own), or a body a byte at a time
+    (every read returns within the timeout). Each read of the listing ends once its
+    time is up, incomplete, and a server that answers an error says so."""
+    from kvoffloadd.tiers.mooncake_listing import read_listing
+
+    def interim(conn: socket.socket, stop: threading.Event) -> None:
+        while not stop.is_set():
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def trickle(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        while not stop.wait(0.02):
+            conn.sendall(b"k")
+
+    def refuse(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+    def read(url: str) -> Any:
+        got: list[Any] = []
+
+        def run() -> None:
+            try:
+                got.append(read_listing(url, "kvoffload", lambda tid: tid, 10, 0.3, max_s=0.3))
+            except Exception as exc:  # the answer, whatever it is
+                got.append(exc)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(timeout=30)  # a deadline for the test, far above the read's own 0.6 s
+        assert not t.is_alive(), "the read of the listing did not end"
+        return got[0]
+
+    for answer in (interim, trickle):
+        with raw_server(answer) as url:
+            assert read(url) == (set(), False)
+    with raw_server(refuse) as url:
+        err = read(url)
+    assert isinstance(err, Exception) and "404" in str(err)

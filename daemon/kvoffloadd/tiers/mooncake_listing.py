@@ -3,15 +3,16 @@ admin server lists, and whether its ports answer at all.
 
 Rules:
 - The listing (``/get_all_keys``) is data from another process: it is read a line at
-  a time, each read at most ``MAX_LISTING_LINE`` + 1 bytes and waiting at most the
-  tier's ``timeout_s``. A line longer than ``MAX_LISTING_LINE`` (our names are
-  ``<prefix>/<32 hex>/<at most 128 hex>``) is skipped, a name under another prefix or
-  of a tier id not opened here is skipped. One full read takes at most
-  ``MAX_LISTING_LINES`` lines and ``MAX_LISTING_BYTES`` bytes, keeps at most one object
-  past ``max_entries`` of ours, and starts no read after ``MAX_LISTING_S``: however
-  the server answers (an endless line, a trickle), the poller is back within that
-  plus one read. A listing not read to its end says so: the caller removes nothing on
-  it.
+  a time, each read at most ``MAX_LISTING_LINE`` + 1 bytes. A line longer than
+  ``MAX_LISTING_LINE`` (our names are ``<prefix>/<32 hex>/<at most 128 hex>``) is
+  skipped, a name under another prefix or of a tier id not opened here is skipped.
+  One full read takes at most ``MAX_LISTING_LINES`` lines and ``MAX_LISTING_BYTES``
+  bytes and keeps at most one object past ``max_entries`` of ours. Its time is
+  bounded whatever the server sends (an endless line, a trickle, endless interim
+  responses or trailers, which Python's HTTP client reads in loops of its own): the
+  connection is shut down once ``MAX_LISTING_S`` plus the tier's ``timeout_s`` have
+  passed since it opened, which ends any read in progress. A listing not read to its
+  end says so: the caller removes nothing on it.
 - ``reachable`` knocks on a master's or metadata server's port with a timeout from
   Python before Mooncake's ``setup``, which holds the GIL while it waits.
 - Poller thread only; nothing here touches the tier's view.
@@ -19,10 +20,12 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import socket
+import threading
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
 
 from kvoffloadd.tiers.remote import Entry
@@ -44,29 +47,72 @@ def read_listing(
     clock: Callable[[], float] = time.monotonic,
 ) -> tuple[set[Entry], bool]:
     """The objects under ``prefix`` of tier ids that ``ours`` knows, as the admin
-    server at ``admin_url`` lists them; and whether the listing was read to its end."""
-    url = admin_url.rstrip("/") + "/get_all_keys"
+    server at ``admin_url`` lists them; and whether the listing was read to its end.
+    Raises ``OSError`` or ``http.client.HTTPException`` when the server cannot be
+    asked or answers other than 200 within its time."""
+    url = urllib.parse.urlsplit(admin_url.rstrip("/") + "/get_all_keys")
+    https = url.scheme == "https"
+    make = http.client.HTTPSConnection if https else http.client.HTTPConnection
+    conn = make(url.hostname or "", url.port, timeout=timeout_s)
+    conn.connect()  # within timeout_s
+    cut = threading.Event()
+
+    def cut_off() -> None:  # ends whatever read the poller is in
+        cut.set()
+        sock = conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):  # closed already
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(max_s + timeout_s, cut_off)
+    timer.daemon = True
+    timer.start()
+    try:
+        return _read_lines(conn, url.path, prefix, ours, max_entries, max_bytes, max_s, clock, cut)
+    except (OSError, http.client.HTTPException):
+        if cut.is_set():
+            return set(), False
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
+
+
+def _read_lines(
+    conn: http.client.HTTPConnection,
+    path: str,
+    prefix: str,
+    ours: Callable[[str], str | None],
+    max_entries: int,
+    max_bytes: int,
+    max_s: float,
+    clock: Callable[[], float],
+    cut: threading.Event,
+) -> tuple[set[Entry], bool]:
     lead = (prefix + "/").encode()
     out: set[Entry] = set()
     left_bytes, end_s = max_bytes, clock() + max_s
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:
-        for _ in range(MAX_LISTING_LINES):
-            if left_bytes <= 0 or clock() > end_s:
+    conn.request("GET", path)
+    r = conn.getresponse()
+    if r.status != 200:
+        raise http.client.HTTPException(f"the listing answered {r.status} {r.reason}")
+    for _ in range(MAX_LISTING_LINES):
+        if left_bytes <= 0 or clock() > end_s:
+            break
+        line = r.readline(MAX_LISTING_LINE + 1)
+        left_bytes -= len(line)
+        if not line:  # the end, unless the time ran out or the body stopped short
+            return out, not cut.is_set() and not r.length
+        if len(line) > MAX_LISTING_LINE:  # skip the rest of an overlong line
+            while line and not line.endswith(b"\n") and left_bytes > 0 and clock() <= end_s:
+                line = r.readline(MAX_LISTING_LINE + 1)
+                left_bytes -= len(line)
+            continue
+        entry = listed_entry(line.strip(), lead, ours)
+        if entry is not None:
+            out.add(entry)
+            if len(out) > max_entries:
                 break
-            line = r.readline(MAX_LISTING_LINE + 1)
-            left_bytes -= len(line)
-            if not line:
-                return out, True
-            if len(line) > MAX_LISTING_LINE:  # skip the rest of an overlong line
-                while line and not line.endswith(b"\n") and left_bytes > 0 and clock() <= end_s:
-                    line = r.readline(MAX_LISTING_LINE + 1)
-                    left_bytes -= len(line)
-                continue
-            entry = listed_entry(line.strip(), lead, ours)
-            if entry is not None:
-                out.add(entry)
-                if len(out) > max_entries:
-                    break
     return out, False
 
 
