@@ -4,13 +4,16 @@ else fails that reply or the connection, never the process."""
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+import re
 import socket
 import threading
+from collections.abc import Callable
 
 import pytest
 
-from kvoffloadd.tiers.resp import RespConnection, RespError, encode
+from kvoffloadd.tiers.resp import MAX_LINE_BYTES, RespConnection, RespError, encode
 
 
 class Scripted:
@@ -133,3 +136,89 @@ def test_auth_and_select_come_from_the_url() -> None:
     c.close()
     t.join(10)
     listener.close()
+
+
+class Streaming:
+    """Accepts one connection, reads the command, then lets ``feed`` write whatever it
+    likes until the client goes away or the test ends."""
+
+    def __init__(self, path: pathlib.Path, feed: Callable[[socket.socket, threading.Event], None]):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(1)
+        self.stop = threading.Event()
+        self._t = threading.Thread(target=self._serve, args=(feed,), daemon=True)
+        self._t.start()
+
+    def _serve(self, feed: Callable[[socket.socket, threading.Event], None]) -> None:
+        conn, _ = self.sock.accept()
+        with conn, contextlib.suppress(OSError):  # the client closed: done
+            conn.recv(65536)
+            feed(conn, self.stop)
+
+    def close(self) -> None:
+        self.stop.set()
+        self._t.join(10)
+        self.sock.close()
+
+
+def endless(head: bytes, chunk: bytes) -> Callable[[socket.socket, threading.Event], None]:
+    def feed(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(head)
+        while not stop.is_set():
+            conn.sendall(chunk)
+
+    return feed
+
+
+def trickle(head: bytes) -> Callable[[socket.socket, threading.Event], None]:
+    def feed(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(head)
+        while not stop.wait(0.02):  # a byte well within every read's timeout
+            conn.sendall(b"x")
+
+    return feed
+
+
+@pytest.mark.parametrize(
+    ("feed", "error"),
+    [
+        (endless(b"+", b"x" * 65536), "a line longer than"),
+        (endless(b"*70000\r\n", b":1\r\n" * 1000), "more than 65536 elements"),
+        (endless(b"*2\r\n*40000\r\n" + b":1\r\n" * 40000 + b"*40000\r\n", b":1\r\n"), "elements"),
+        (endless(b"*40\r\n", b"$524288\r\n" + bytes(524288) + b"\r\n"), "more than 16777216 bytes"),
+        (endless(b"$99999999999999\r\n", b"x" * 65536), "longer than Redis allows"),
+        (endless(b"", b"*1\r\n"), "nested more than 8 deep"),
+        (trickle(b"$100000\r\n"), "timed out|took longer than 0.3 s"),
+        (trickle(b"+OK"), "timed out|took longer than 0.3 s"),
+    ],
+)
+def test_a_reply_is_bounded_in_size_and_time_whatever_the_server_sends(
+    sock_path: pathlib.Path, feed: Callable[[socket.socket, threading.Event], None], error: str
+) -> None:
+    """Scenario: a server that answers a line without end, arrays of more elements
+    than any reply the tier reads, more bytes of small values than it keeps, a value
+    longer than Redis allows, or a reply a byte at a time (each read returns within
+    the timeout). Each read ends with a clear error and the connection closed; memory
+    held stays bounded."""
+    server = Streaming(sock_path, feed)
+    c = RespConnection(f"unix://{sock_path}", 0.3)
+    got: list[BaseException] = []
+
+    def read() -> None:
+        c.send([encode("PING")])
+        try:
+            c.read()
+        except (RespError, OSError) as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout=30)  # a deadline for the test, far above the reply's own 0.3 s
+    try:
+        assert not t.is_alive(), "the read did not end"
+        assert got and re.search(error, str(got[0])), got
+        assert c._sock is None  # closed: the next use reconnects
+        assert len(c._buf) <= MAX_LINE_BYTES + (1 << 20)
+    finally:
+        server.close()

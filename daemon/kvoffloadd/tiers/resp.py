@@ -14,6 +14,13 @@ Rules:
   Other replies larger than ``MAX_BUFFERED_BYTES`` (or the caller's smaller
   ``max_bulk_bytes``: index members) are dropped too (a RespError in their place):
   what another Redis user writes at a block's key never takes the daemon's memory.
+- A reply is bounded whatever the server sends: it must arrive within the
+  connection's ``timeout_s`` (each read waits at most what is left of it, so a
+  trickle ends there too), a line (a header, a simple string, an error) is at most
+  ``MAX_LINE_BYTES``, one reply holds at most ``MAX_REPLY_ELEMENTS`` array elements
+  nested at most ``MAX_DEPTH`` deep and ``MAX_REPLY_BYTES`` of bulk strings, and a
+  value declared longer than Redis allows (``MAX_SKIP_BYTES``) is not read at all.
+  Past any of them the connection closes (``RespError`` or ``TimeoutError``).
 - A protocol error or a socket error closes the connection (``RespError`` or
   ``OSError``); the next use reconnects.
 """
@@ -22,11 +29,17 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 MAX_BUFFERED_BYTES = 1 << 20  # larger replies are dropped unread, unless read into a view
+MAX_LINE_BYTES = 64 << 10  # a header, a simple string or an error line
+MAX_REPLY_ELEMENTS = 1 << 16  # array elements in one reply, nested ones included
+MAX_REPLY_BYTES = 16 << 20  # bulk-string bytes one reply keeps
+MAX_SKIP_BYTES = 512 << 20  # Redis's proto-max-bulk-len: no real value is longer
+MAX_DEPTH = 8  # arrays within arrays (the tier's replies nest two deep at most)
 
 
 class RespError(Exception):
@@ -49,6 +62,9 @@ class RespConnection:
         self._setup = list(setup)  # commands sent after connecting (SCRIPT LOAD ...)
         self._sock: socket.socket | None = None
         self._buf = bytearray()  # bytes received past the last reply read
+        self._scanned = 0  # bytes of _buf known to hold no CRLF
+        self._deadline_s = 0.0  # the reply being read must be in by then
+        self._elements_left = self._bytes_left = 0  # of the reply being read
 
     def _connect(self) -> socket.socket:
         u = urlparse(self.url)
@@ -65,7 +81,7 @@ class RespConnection:
             if u.scheme == "rediss":
                 sock = ssl.create_default_context().wrap_socket(sock, server_hostname=u.hostname)
         sock.settimeout(self.timeout_s)
-        self._sock, self._buf = sock, bytearray()
+        self._sock, self._buf, self._scanned = sock, bytearray(), 0
         hello: list[bytes] = []
         if u.password:
             user = unquote(u.username or "")
@@ -91,6 +107,7 @@ class RespConnection:
     def send(self, commands: Sequence[bytes]) -> None:
         sock = self._sock or self._connect()
         try:
+            sock.settimeout(self.timeout_s)  # a read may have left it shorter
             sock.sendall(b"".join(commands))
         except OSError:
             self.close()
@@ -98,9 +115,19 @@ class RespConnection:
 
     # ------------------------------------------------------------ reading
 
+    def _wait_s(self) -> float:
+        """What is left of the reply's time (each read waits at most that)."""
+        left_s = self._deadline_s - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError(f"a reply took longer than {self.timeout_s:g} s")
+        assert self._sock is not None
+        self._sock.settimeout(left_s)
+        return left_s
+
     def _fill(self, at_least: int) -> None:
         assert self._sock is not None
         while len(self._buf) < at_least:
+            self._wait_s()
             chunk = self._sock.recv(max(65536, at_least - len(self._buf)))
             if not chunk:
                 raise OSError("the server closed the connection")
@@ -113,14 +140,25 @@ class RespConnection:
         nbytes -= drop
         assert self._sock is not None
         while nbytes > 0:
+            self._wait_s()
             chunk = self._sock.recv(min(nbytes, 1 << 20))
             if not chunk:
                 raise OSError("the server closed the connection")
             nbytes -= len(chunk)
 
+    def _skip_value(self, n: int) -> None:
+        """Drop a bulk string of ``n`` bytes nobody wants (and its CRLF)."""
+        if n > MAX_SKIP_BYTES:
+            raise ValueError(f"a {n}-byte value, longer than Redis allows")
+        self._skip(n + 2)
+
     def _line(self) -> bytes:
-        while (end := self._buf.find(b"\r\n")) < 0:
+        while (end := self._buf.find(b"\r\n", max(0, self._scanned - 1))) < 0:
+            self._scanned = len(self._buf)
+            if self._scanned > MAX_LINE_BYTES:
+                raise ValueError(f"a line longer than {MAX_LINE_BYTES} bytes")
             self._fill(len(self._buf) + 1)
+        self._scanned = 0
         line = bytes(self._buf[:end])
         del self._buf[: end + 2]
         return line
@@ -128,6 +166,8 @@ class RespConnection:
     def _guard(self, fn: Any, *args: Any) -> Any:
         if self._sock is None:
             raise OSError("not connected")
+        self._deadline_s = time.monotonic() + self.timeout_s
+        self._elements_left, self._bytes_left = MAX_REPLY_ELEMENTS, MAX_REPLY_BYTES
         try:
             return fn(*args)
         except (OSError, RespError, ValueError) as exc:
@@ -141,7 +181,7 @@ class RespConnection:
         a bulk string over ``max_bulk_bytes`` (also inside arrays) is a ``RespError``."""
         return self._guard(self._read, min(max_bulk_bytes, MAX_BUFFERED_BYTES))
 
-    def _read(self, max_bulk_bytes: int = MAX_BUFFERED_BYTES) -> Any:
+    def _read(self, max_bulk_bytes: int = MAX_BUFFERED_BYTES, depth: int = 0) -> Any:
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"+":
@@ -155,15 +195,23 @@ class RespConnection:
             if n < 0:
                 return None
             if n > max_bulk_bytes:  # a foreign value: never held in memory
-                self._skip(n + 2)
+                self._skip_value(n)
                 return RespError(f"a {n}-byte value where a small one belongs")
+            self._bytes_left -= n
+            if self._bytes_left < 0:
+                raise ValueError(f"a reply of more than {MAX_REPLY_BYTES} bytes")
             self._fill(n + 2)
             data = bytes(self._buf[:n])
             del self._buf[: n + 2]
             return data
         if kind == b"*":
             n = int(rest)
-            return None if n < 0 else [self._read(max_bulk_bytes) for _ in range(n)]
+            self._elements_left -= max(0, n)
+            if self._elements_left < 0:
+                raise ValueError(f"a reply of more than {MAX_REPLY_ELEMENTS} elements")
+            if depth >= MAX_DEPTH:
+                raise ValueError(f"arrays nested more than {MAX_DEPTH} deep")
+            return None if n < 0 else [self._read(max_bulk_bytes, depth + 1) for _ in range(n)]
         raise ValueError(f"unexpected reply {line[:40]!r}")
 
     def read_array_header(self) -> int | RespError:
@@ -191,7 +239,7 @@ class RespConnection:
         if n < 0:
             return None
         if n != len(view):
-            self._skip(n + 2)
+            self._skip_value(n)
             return False
         have = min(len(self._buf), n)  # what arrived with the header
         view[:have] = self._buf[:have]
@@ -199,6 +247,7 @@ class RespConnection:
         assert self._sock is not None
         pos = have
         while pos < n:
+            self._wait_s()
             got = self._sock.recv_into(view[pos:], n - pos)
             if not got:
                 raise OSError("the server closed the connection")
