@@ -9,11 +9,21 @@ import pathlib
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
 
-from kvoffloadd.tiers.resp import MAX_LINE_BYTES, RespConnection, RespError, encode
+from kvoffloadd.tiers.resp import (
+    IOV_PARTS,
+    MAX_LINE_BYTES,
+    MIN_SEND_BYTES_PER_S,
+    RespConnection,
+    RespError,
+    check_url,
+    encode,
+    encode_head,
+)
 
 
 class Scripted:
@@ -220,5 +230,86 @@ def test_a_reply_is_bounded_in_size_and_time_whatever_the_server_sends(
         assert got and re.search(error, str(got[0])), got
         assert c._sock is None  # closed: the next use reconnects
         assert len(c._buf) <= MAX_LINE_BYTES + (1 << 20)
+    finally:
+        server.close()
+
+
+def test_check_url_refuses_what_no_connection_could_reach() -> None:
+    for good in ("redis://h:6379/2", "rediss://u:p@h", "unix:///run/redis.sock", "redis://h"):
+        check_url(good)
+    for bad, why in [
+        ("http://h:6379", "scheme"),
+        ("redis://h:99999", "(?i)port"),
+        ("redis://h:6379/db", "database"),
+        ("unix://", "path"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            check_url(bad)
+
+
+def test_send_parts_sends_blocks_in_place_whatever_the_socket_takes(
+    sock_path: pathlib.Path,
+) -> None:
+    """More parts than one sendmsg takes, empty ones, and a block far larger than the
+    socket's buffer: the server receives exactly the parts, in order."""
+    block = bytearray(range(256)) * (16 << 10)  # 4 MiB
+    parts: list[bytes | memoryview] = [b"%d," % i for i in range(IOV_PARTS + 100)]
+    parts[3:3] = [b"", memoryview(block), b"", memoryview(block)[1:7]]
+    whole = b"".join(bytes(p) for p in parts)
+    server = Scripted(sock_path, b"+OK\r\n", len(whole), 1 << 16)
+    c = RespConnection(f"unix://{sock_path}", 5.0)
+    c.send_parts(parts)
+    assert c.read() == b"OK" and server.received == whole
+    assert encode_head("HSET", "k", "d", last_bytes=3) + b"abc\r\n" == encode(
+        "HSET", "k", "d", "abc"
+    )
+    c.close()
+    server.close()
+
+
+def test_a_send_the_server_does_not_take_ends_within_its_bound(sock_path: pathlib.Path) -> None:
+    """Scenario: a server that stops reading. The send ends after ``timeout_s`` plus
+    its bytes at ``MIN_SEND_BYTES_PER_S``, the connection closed."""
+    server = Streaming(sock_path, lambda conn, stop: stop.wait())  # reads 64 KiB, no more
+    c = RespConnection(f"unix://{sock_path}", 0.3)
+    nbytes = 8 << 20
+    got: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            c.send_parts([b"x" * 65536, memoryview(bytearray(nbytes))])
+        except OSError as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=send, daemon=True)
+    started = time.monotonic()
+    t.start()
+    t.join(timeout=30)  # the test's deadline, far above the send's bound
+    try:
+        assert not t.is_alive(), "the send did not end"
+        bound_s = 0.3 + (nbytes + 65536) / MIN_SEND_BYTES_PER_S
+        assert got and isinstance(got[0], TimeoutError), got
+        assert re.search(r"a send of \d+ bytes took over", str(got[0]))
+        assert time.monotonic() - started >= bound_s * 0.9  # not given up early either
+        assert c._sock is None
+    finally:
+        server.close()
+
+
+def test_a_pipeline_s_replies_share_one_deadline(sock_path: pathlib.Path) -> None:
+    """Scenario: each reply of a pipeline comes well within the timeout, but all of
+    them together take longer: ``read_replies`` ends at the one deadline."""
+
+    def slow_replies(conn: socket.socket, stop: threading.Event) -> None:
+        while not stop.wait(0.1):
+            conn.sendall(b":1\r\n")
+
+    server = Streaming(sock_path, slow_replies)
+    c = RespConnection(f"unix://{sock_path}", 0.35)
+    c.send([encode("PING")] * 20)
+    try:
+        with pytest.raises(TimeoutError, match=r"took longer than 0\.35 s"):
+            c.read_replies(20)
+        assert c._sock is None
     finally:
         server.close()

@@ -1,14 +1,18 @@
 """A minimal RESP2 connection that receives bulk replies straight into caller memory.
 
-redis-py turns every reply into a Python ``bytes`` that the tier then copies into the
-region slot; for blocks of megabytes that is the whole cost of a promotion. This
-connection sends pipelined commands and reads each reply with ``recv_into``: a bulk
-string bound for a slot goes from the socket into the slot, no copy in between.
+A general client turns every reply into a Python ``bytes`` that the tier would then
+copy into the region slot, and joins every command into one string before it sends it;
+for blocks of megabytes those copies are the whole cost. This connection sends
+pipelined commands whose block arguments are the slots themselves (``sendmsg``), and
+reads each reply with ``recv_into``: a bulk string bound for a slot goes from the
+socket into the slot, no copy in between.
 
 Rules:
 - One connection per tier thread, never shared; connect, AUTH and SELECT as the
-  tier's URL says (redis://, rediss:// with the system's CA roots, unix://), then
-  the caller's setup commands (script loads).
+  tier's URL says (redis://, rediss:// with the system's CA roots, unix://; checked by
+  ``check_url`` before any connection), then the caller's setup commands (script loads).
+- A send is bounded too: ``send_parts`` must be done within ``timeout_s`` plus its
+  bytes at ``MIN_SEND_BYTES_PER_S``, however slowly the server takes them.
 - ``read_into(view)`` accepts a bulk reply only if it is exactly ``len(view)`` bytes
   long; any other length (a foreign value) is read and dropped, and answers ``False``.
   Other replies larger than ``MAX_BUFFERED_BYTES`` (or the caller's smaller
@@ -40,19 +44,47 @@ MAX_REPLY_ELEMENTS = 1 << 16  # array elements in one reply, nested ones include
 MAX_REPLY_BYTES = 16 << 20  # bulk-string bytes one reply keeps
 MAX_SKIP_BYTES = 512 << 20  # Redis's proto-max-bulk-len: no real value is longer
 MAX_DEPTH = 8  # arrays within arrays (the tier's replies nest two deep at most)
+MIN_SEND_BYTES_PER_S = 16 << 20  # a send may take timeout_s plus its bytes at this rate
+IOV_PARTS = 512  # buffers per sendmsg (IOV_MAX is 1024 on Linux)
+SCHEMES = ("redis", "rediss", "unix")
 
 
 class RespError(Exception):
     """The server answered an error, or something that is not RESP."""
 
 
-def encode(*args: bytes | str | int) -> bytes:
-    """One command in RESP (small arguments only: keys, numbers, script names)."""
-    parts = [b"*%d\r\n" % len(args)]
+def _encoded(args: Sequence[bytes | str | int], count: int) -> list[bytes]:
+    parts = [b"*%d\r\n" % count]
     for a in args:
         b = a if isinstance(a, bytes) else str(a).encode()
         parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(parts)
+    return parts
+
+
+def encode(*args: bytes | str | int) -> bytes:
+    """One command in RESP (small arguments only: keys, numbers, script names)."""
+    return b"".join(_encoded(args, len(args)))
+
+
+def encode_head(*args: bytes | str | int, last_bytes: int) -> bytes:
+    """A command whose last argument, ``last_bytes`` long, is not included: the caller
+    sends that argument (a block) right after, then ``b"\r\n"``."""
+    return b"".join(_encoded(args, len(args) + 1)) + b"$%d\r\n" % last_bytes
+
+
+def check_url(url: str) -> None:
+    """ValueError unless ``url`` names a server this connection can reach."""
+    u = urlparse(url)
+    if u.scheme not in SCHEMES:
+        raise ValueError(f"the scheme must be one of {', '.join(SCHEMES)}")
+    if u.scheme == "unix":
+        if not u.path:
+            raise ValueError("a unix:// url needs the socket's path")
+        return
+    _ = u.port  # ValueError for a port that is not a number in range
+    db = u.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"the database must be a number, not {db!r}")
 
 
 class RespConnection:
@@ -105,24 +137,51 @@ class RespConnection:
             sock.close()
 
     def send(self, commands: Sequence[bytes]) -> None:
+        """Small commands (``encode``), joined and sent at once."""
+        self.send_parts([b"".join(commands)])
+
+    def send_parts(self, parts: Sequence[bytes | memoryview]) -> None:
+        """Commands laid out in ``parts``, sent as they are: a block argument is its
+        slot's memory, never copied. Done within ``timeout_s`` plus the bytes at
+        ``MIN_SEND_BYTES_PER_S``, or the connection closes (``TimeoutError``)."""
         sock = self._sock or self._connect()
+        views = [memoryview(p).cast("B") for p in parts]
+        total = sum(len(v) for v in views)
+        bound_s = self.timeout_s + total / MIN_SEND_BYTES_PER_S
+        deadline_s = time.monotonic() + bound_s
+        plain = not isinstance(sock, ssl.SSLSocket)  # TLS has no sendmsg
+        i = 0
         try:
-            sock.settimeout(self.timeout_s)  # a read may have left it shorter
-            sock.sendall(b"".join(commands))
-        except OSError:
+            while i < len(views):
+                left_s = deadline_s - time.monotonic()
+                if left_s <= 0:
+                    raise TimeoutError
+                sock.settimeout(left_s)
+                sent = sock.sendmsg(views[i : i + IOV_PARTS]) if plain else sock.send(views[i])
+                while sent and i < len(views):
+                    if sent >= len(views[i]):
+                        sent -= len(views[i])
+                        i += 1
+                    else:
+                        views[i] = views[i][sent:]
+                        sent = 0
+                while i < len(views) and not views[i]:
+                    i += 1
+        except OSError as exc:
             self.close()
+            if isinstance(exc, TimeoutError):  # the socket's or the deadline's
+                raise TimeoutError(f"a send of {total} bytes took over {bound_s:.3g} s") from exc
             raise
 
     # ------------------------------------------------------------ reading
 
-    def _wait_s(self) -> float:
-        """What is left of the reply's time (each read waits at most that)."""
+    def _wait_s(self) -> None:
+        """Let the next read wait at most what is left of the reply's time."""
         left_s = self._deadline_s - time.monotonic()
         if left_s <= 0:
             raise TimeoutError(f"a reply took longer than {self.timeout_s:g} s")
         assert self._sock is not None
         self._sock.settimeout(left_s)
-        return left_s
 
     def _fill(self, at_least: int) -> None:
         assert self._sock is not None
@@ -163,15 +222,17 @@ class RespConnection:
         del self._buf[: end + 2]
         return line
 
-    def _guard(self, fn: Any, *args: Any) -> Any:
+    def _guard(self, fn: Any, *args: Any, deadline_s: float = 0.0) -> Any:
         if self._sock is None:
             raise OSError("not connected")
-        self._deadline_s = time.monotonic() + self.timeout_s
+        self._deadline_s = deadline_s or time.monotonic() + self.timeout_s
         self._elements_left, self._bytes_left = MAX_REPLY_ELEMENTS, MAX_REPLY_BYTES
         try:
             return fn(*args)
         except (OSError, RespError, ValueError) as exc:
             self.close()
+            if isinstance(exc, TimeoutError):  # the socket's or the deadline's
+                raise TimeoutError(f"a reply took longer than {self.timeout_s:g} s") from exc
             if isinstance(exc, ValueError):
                 raise RespError(f"not a RESP reply: {exc}") from exc
             raise
@@ -180,6 +241,13 @@ class RespConnection:
         """One reply: int, bytes, None, a list, or ``RespError`` for an error reply;
         a bulk string over ``max_bulk_bytes`` (also inside arrays) is a ``RespError``."""
         return self._guard(self._read, min(max_bulk_bytes, MAX_BUFFERED_BYTES))
+
+    def read_replies(self, count: int, max_bulk_bytes: int = MAX_BUFFERED_BYTES) -> list[Any]:
+        """A pipeline's ``count`` replies (each as ``read`` gives it), all of them
+        within one ``timeout_s``."""
+        deadline_s = time.monotonic() + self.timeout_s
+        limit = min(max_bulk_bytes, MAX_BUFFERED_BYTES)
+        return [self._guard(self._read, limit, deadline_s=deadline_s) for _ in range(count)]
 
     def _read(self, max_bulk_bytes: int = MAX_BUFFERED_BYTES, depth: int = 0) -> Any:
         line = self._line()
