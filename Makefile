@@ -19,7 +19,7 @@ EDITABLE := flock pyproject.toml
 $(STAMP): pyproject.toml libclient/kvoffload/version.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(EDITABLE) $(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis,mooncake]'
+	$(EDITABLE) $(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,mooncake]'
 	touch $(STAMP)
 
 # Start the daemon in the foreground with embedded defaults (1 GiB region).
@@ -35,7 +35,7 @@ VLLM_REQUIREMENTS := tests/vllm/requirements.txt
 $(VLLM_STAMP): pyproject.toml $(VLLM_REQUIREMENTS)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(EDITABLE) $(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis]'
+	$(EDITABLE) $(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[torch,dev]'
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
 		vllm==0.33.0 -r $(VLLM_REQUIREMENTS)
 	touch $(VLLM_STAMP)
@@ -157,7 +157,7 @@ bench: $(STAMP)
 # Every benchmark, written to docs/benchmarks.md with plots (matplotlib: the bench extra).
 BENCH_STAMP := $(VENV)/.kvoffload-bench-installed
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,redis,bench]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[torch,dev,bench]'
 	touch $(BENCH_STAMP)
 
 bench-report: $(BENCH_STAMP)

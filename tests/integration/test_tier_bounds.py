@@ -4,11 +4,14 @@ that holds planted links (some planted by another uid, as_uid)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import select
 import shutil
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -16,10 +19,11 @@ import pytest
 from canary import Canary
 from helpers import poll
 from hostile import NOBODY, as_uid, requires_root, rss_bytes
-from test_tier_stores import MAC, NS, block, run
+from test_tier_stores import MAC, NS, block, run, wait_for
 from tiered import LAYOUT, Engine, disk_toml, keys, redis_toml, tier_daemon
 
 from kvoffloadbench.redis_server import RedisServer
+from kvoffloadd.tiers import disk
 from kvoffloadd.tiers.base import TierError, TierNamespace, WakeFd
 from kvoffloadd.tiers.disk import DiskTier
 from kvoffloadd.tiers.redis_tier import RedisTier
@@ -201,3 +205,87 @@ def test_links_planted_under_the_tier_are_never_followed(tmp_path: pathlib.Path)
     assert sorted(p.name for p in outside.rglob("*")) == before
     label = path / tid / "NAMESPACE"
     assert not label.is_symlink() and "llama" in label.read_text()
+
+
+class HostileRedis:
+    """A unix socket that answers the tier's script loads, then every other command
+    with a status line that never ends."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(16)
+        self.stop = threading.Event()
+        self.commands: list[bytes] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the tier closed it
+            data = conn.recv(1 << 20)
+            self.commands.append(data[:64])
+            if b"SCRIPT" in data:
+                conn.sendall(b"+OK\r\n" * data.count(b"SCRIPT"))
+                self.commands.append(conn.recv(1 << 20)[:64])
+            conn.sendall(b"+")
+            while not self.stop.is_set():
+                conn.sendall(b"x" * 65536)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+def test_a_server_that_answers_a_store_without_end_fails_it_within_bounds(
+    tmp_path: pathlib.Path, wake: WakeFd
+) -> None:
+    """Scenario: whoever runs the Redis server (or took its address) answers a store
+    with a reply line that never ends. The store fails, the tier goes unhealthy, its
+    threads are free again and the daemon holds no more than a line's bound."""
+    server = HostileRedis(tmp_path / "r.sock")
+    tier = RedisTier(
+        "redis", f"unix://{tmp_path}/r.sock", 0, wake, mac=MAC, timeout_s=0.5, connections=1
+    )
+    tier.open_namespace(NS)
+    rss_before = rss_bytes(os.getpid())
+    try:
+        for attempt in range(3):  # run() has a 10 s deadline for each
+            ks = keys(b"s%d" % attempt, 4)
+            assert run(tier, wake, True, ks, [block(i) for i in range(4)]).ok == [False] * 4
+        assert any(c.startswith(b"*2\r\n$3\r\nDEL") for c in server.commands)  # stores sent
+        assert not tier.statistics()["healthy"]
+        assert rss_bytes(os.getpid()) - rss_before < 64 * MIB
+    finally:
+        server.close()
+        tier.close()
+
+
+def test_a_scan_takes_at_most_its_bound_of_files_even_from_one_subdirectory(
+    tmp_path: pathlib.Path,
+    wake: WakeFd,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Twelve block files in one fan-out subdirectory, a scan bound of five: a
+    restarted tier lists five (the bound holds within a subdirectory, not only
+    between them) and says the rest are not used."""
+    ks = keys(b"c", 12)
+    assert len({k.hex()[:2] for k in ks}) == 1  # one subdirectory
+    tier = DiskTier("disk", str(tmp_path), 1 << 20, wake, mac=MAC)
+    try:
+        assert run(tier, wake, True, ks, [block(i) for i in range(12)]).ok == [True] * 12
+    finally:
+        tier.close()
+    monkeypatch.setattr(disk, "MAX_SCAN_FILES", 5)
+    again = DiskTier("disk", str(tmp_path), 1 << 20, wake, mac=MAC)
+    try:
+        wait_for(again, wake, lambda: again.scanned)
+        assert sum(again.lookup(NS, ks)) == 5
+        assert "more than 5 files" in caplog.text
+    finally:
+        again.close()

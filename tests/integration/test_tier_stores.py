@@ -150,6 +150,21 @@ def redis_url(redis_server_name: str) -> Iterator[str]:
         yield server.url
 
 
+def server_ms(url: str) -> int:
+    import redis
+
+    with redis.Redis.from_url(url) as r:
+        sec, usec = r.time()
+    return int(sec * 1000 + usec // 1000)
+
+
+def server_ms_after(url: str, ms: int) -> None:
+    """Until the server's clock (what recency is scored by) is past ``ms``."""
+    deadline = time.monotonic() + 10
+    while server_ms(url) <= ms:
+        assert time.monotonic() < deadline, "the server's clock stood still"
+
+
 def test_redis_tier_budget_evicts_least_recently_used_across_daemons(
     redis_url: str, wake: WakeFd
 ) -> None:
@@ -161,6 +176,7 @@ def test_redis_tier_budget_evicts_least_recently_used_across_daemons(
         ks = keys(b"r", 4)
         assert run(a, wake, True, ks[:3], [block(i) for i in range(3)]).ok == [True] * 3
         wait_for(b, wake, lambda: b.lookup(NS, ks[:3]) == [True] * 3)  # b sees a's blocks
+        server_ms_after(redis_url, server_ms(redis_url))  # recency is kept in ms
         out = [b""]
         assert run(b, wake, False, ks[:1], out).ok == [True] and out == [block(0)]  # touch
         assert run(b, wake, True, ks[3:], [block(3)]).ok == [True]  # evicts ks[1] for all
@@ -338,4 +354,27 @@ def test_a_disk_tier_directory_someone_else_could_change_is_refused(
     try:
         assert os.stat(tmp_path / "blocks").st_mode & 0o777 == 0o700
     finally:
+        tier.close()
+
+
+def test_a_flushed_script_cache_fails_one_store_and_the_next_reloads_it(
+    redis_url: str, wake: WakeFd
+) -> None:
+    """Scenario: an operator runs SCRIPT FLUSH (or a new server takes the address).
+    The store that meets NOSCRIPT fails its blocks; the connection reconnects, loads
+    the scripts again, and the next store and load succeed."""
+    import redis
+
+    tier = RedisTier("redis", redis_url, 0, wake, mac=MAC, refresh_s=0.02, connections=1)
+    tier.open_namespace(NS)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        assert run(tier, wake, True, keys(b"a", 1), [block(1)]).ok == [True]
+        r.script_flush()
+        assert run(tier, wake, True, keys(b"b", 1), [block(2)]).ok == [False]
+        assert run(tier, wake, True, keys(b"c", 1), [block(3)]).ok == [True]
+        out = [b""]
+        assert run(tier, wake, False, keys(b"c", 1), out).ok == [True] and out == [block(3)]
+    finally:
+        r.close()
         tier.close()

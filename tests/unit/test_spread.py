@@ -1,4 +1,5 @@
-"""A tier's promotion threads (tiers/spread.py): how a job's blocks spread over them,
+"""A tier's threads (tiers/spread.py): its job threads run jobs in order and never hold
+up a stop or the process's exit; how a job's blocks spread over its promotion threads,
 results by block, blocks that fail on any thread failing closed, closing; and a disk
 tier promoting on several threads, where a block whose MAC fails is a counted miss."""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 import os
 import pathlib
 import select
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +19,7 @@ import pytest
 from kvoffloadd.tiers.base import TierJob, TierNamespace, TierResult, WakeFd
 from kvoffloadd.tiers.blockauth import PIECE_BYTES, SEAL, BlockMac
 from kvoffloadd.tiers.disk import DiskTier
-from kvoffloadd.tiers.spread import TAKE_BYTES, TierThreads, take_blocks
+from kvoffloadd.tiers.spread import TAKE_BYTES, JobThreads, TierThreads, take_blocks
 
 MIB = 1 << 20
 DEADLINE_S = 10.0
@@ -44,6 +47,46 @@ def two() -> Iterator[TierThreads]:
     threads = TierThreads(2, "test")
     yield threads
     assert threads.close(DEADLINE_S)
+
+
+def test_job_threads_run_jobs_in_order_and_survive_one_that_raises() -> None:
+    jobs = JobThreads(1, "t")
+    ran: list[int] = []
+    done = threading.Event()
+
+    def boom() -> None:
+        raise RuntimeError("a tier fault")
+
+    jobs.submit(ran.append, 1)
+    jobs.submit(boom)
+    jobs.submit(ran.append, 2)
+    jobs.submit(done.set)
+    assert done.wait(DEADLINE_S) and ran == [1, 2]
+    assert jobs.close(DEADLINE_S)
+
+
+def test_a_job_stuck_in_io_holds_neither_close_nor_the_exit() -> None:
+    """Scenario: a job never returns (a hung filesystem, a C call that does not come
+    back). ``close`` gives up after its timeout and drops the jobs queued behind it,
+    and the process still exits: the threads are daemon threads."""
+    code = """
+import threading, time
+from kvoffloadd.tiers.spread import JobThreads
+jobs = JobThreads(1, "stuck")
+started = threading.Event()
+jobs.submit(lambda: (started.set(), threading.Event().wait()))
+jobs.submit(lambda: print("a queued job ran"))
+assert started.wait(10)
+began = time.monotonic()
+assert jobs.close(0.2) is False
+assert time.monotonic() - began < 5
+print("closed")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=DEADLINE_S * 3
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "closed\n"
 
 
 @pytest.mark.parametrize(

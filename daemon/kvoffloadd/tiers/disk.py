@@ -31,19 +31,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import stat
 import threading
-import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvoffloadd.tiers.base import SecondaryTier, TierError, TierJob, TierNamespace, TierResult
 from kvoffloadd.tiers.blockauth import SEAL, BlockMac, SealCheck
 from kvoffloadd.tiers.remote import VIEW_CHUNK, VIEW_ENTRIES_PER_TURN
+from kvoffloadd.tiers.spread import JobThreads
 from kvoffloadd.trust import UntrustedError, private_dir
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class DiskTier(SecondaryTier):
         self.scanned = False
         self._found = 0  # blocks the start-up scan found
         self._stopping = False
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvoffload-{name}")
+        self._pool = JobThreads(threads, name)
         self._scanner = threading.Thread(target=self._scan, name=f"kvoffload-{name}-scan")
         self._scanner.daemon = True
         self._scanner.start()
@@ -251,12 +251,8 @@ class DiskTier(SecondaryTier):
         waited for: the daemon's stop must finish."""
         self._stopping = True
         self._scanner.join(timeout=CLOSE_TIMEOUT_S)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + CLOSE_TIMEOUT_S
-        stuck = not self.tier_threads.close(CLOSE_TIMEOUT_S)
-        for t in list(getattr(self._pool, "_threads", ())):
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-            stuck = stuck or t.is_alive()
+        stuck = not self._pool.close(CLOSE_TIMEOUT_S)
+        stuck = not self.tier_threads.close(CLOSE_TIMEOUT_S) or stuck
         if stuck:  # the directory's descriptor stays open with it
             log.error("tier %s: a thread is stuck in I/O; stopping without it", self.name)
         elif not self._scanner.is_alive():
@@ -447,27 +443,30 @@ class DiskTier(SecondaryTier):
         for _, sub_fd in self._subdirs(ns_fd):
             try:
                 if not self._stopping and len(found) < MAX_SCAN_FILES:
-                    found.extend(self._scan_dir(tid, sub_fd))
+                    self._scan_dir(tid, sub_fd, found)
             finally:
                 os.close(sub_fd)
 
-    def _subdirs(self, parent_fd: int) -> list[tuple[str, int]]:
-        """(name, descriptor) of the daemon's own subdirectories; links and others' are
-        skipped. The caller closes the descriptors."""
-        out = []
+    def _subdirs(self, parent_fd: int) -> Iterator[tuple[str, int]]:
+        """(name, descriptor) of the daemon's own subdirectories (at most
+        ``MAX_SCAN_FILES``), opened one at a time; links and others' are skipped. The
+        caller closes each descriptor."""
         with os.scandir(parent_fd) as it:
-            names = [de.name for de in it if de.is_dir(follow_symlinks=False)]
+            dirs = (de.name for de in it if de.is_dir(follow_symlinks=False))
+            names = list(itertools.islice(dirs, MAX_SCAN_FILES))
         for name in names:
             try:
-                out.append((name, self._open_dir(parent_fd, name, create=False)))
+                yield name, self._open_dir(parent_fd, name, create=False)
             except OSError:
                 continue  # gone, a link swapped in, or not ours: skipped
-        return out
 
-    def _scan_dir(self, tid: str, d: int) -> list[tuple[float, Entry, int]]:
-        out = []
+    def _scan_dir(self, tid: str, d: int, found: list[tuple[float, Entry, int]]) -> None:
+        """The block files of one subdirectory into ``found``, until it holds
+        ``MAX_SCAN_FILES``."""
         with os.scandir(d) as it:
             for de in it:
+                if len(found) >= MAX_SCAN_FILES or self._stopping:
+                    break
                 if not de.is_file(follow_symlinks=False):
                     continue
                 if de.name.endswith(".tmp"):
@@ -484,5 +483,4 @@ class DiskTier(SecondaryTier):
                 except (ValueError, OSError):
                     continue
                 if key and len(key) <= 64:
-                    out.append((st.st_mtime, (tid, key), st.st_size))
-        return out
+                    found.append((st.st_mtime, (tid, key), st.st_size))

@@ -41,7 +41,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +58,7 @@ from kvoffloadd.tiers.mooncake_local import (
     warm_segment,
 )
 from kvoffloadd.tiers.remote import MAX_VIEW_BLOCKS, Entry, RemoteTier
+from kvoffloadd.tiers.spread import JobThreads
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class MooncakeTier(RemoteTier):
         self._wanted: dict[Entry, None] = {}  # loop thread fills, poller swaps out
         self._stop = threading.Event()
         self._want_full = threading.Event()
-        self._pool = ThreadPoolExecutor(settings.threads, thread_name_prefix=f"kvoffload-{name}")
+        self._pool = JobThreads(settings.threads, name)
         self._poller = threading.Thread(target=self._poll, name=f"kvoffload-{name}-poll")
         self._poller.daemon = True
 
@@ -207,10 +207,13 @@ class MooncakeTier(RemoteTier):
     def close(self) -> None:
         self._stop.set()
         self._want_full.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self.tier_threads.close(CLOSE_TIMEOUT_S)
+        stopped = self._pool.close(CLOSE_TIMEOUT_S)
+        stopped = self.tier_threads.close(CLOSE_TIMEOUT_S) and stopped
         if self._poller.is_alive():
             self._poller.join(timeout=CLOSE_TIMEOUT_S)
+        if not stopped or self._poller.is_alive():  # closing a client in use crashes
+            log.error("tier %s: a thread is still busy; stopping without it", self.name)
+            return
         with self._lock:
             client, self._client = self._client, None
         if client is not None:

@@ -6,12 +6,14 @@ Rules:
   come from the namespace name and layout fingerprint, so only daemons serving the same
   namespace share its blocks, and only those with the same tier secret can read them.
   A block with any other seal (another secret, an older format, a forgery) fails.
-- Bytes are never copied by Python: a store sends the slot itself (redis-py's
-  Python packer writes large values as their own buffers), and a load reads ``HMGET
-  m d`` on a raw RESP connection (resp.py) that receives the block into the slot,
-  with at most ``LOAD_WINDOW_BYTES`` of blocks asked for and not yet received. Each
-  block's MAC is computed over the slot by a promotion thread (``tier_threads``) as
-  soon as the block is in, while the connection receives the next.
+- Every byte from the server goes through one bounded RESP reader (resp.py), each
+  tier thread on a connection of its own: no reply, whatever the server sends, holds
+  more than the reader's bounds or longer than ``timeout_s``.
+- Bytes are never copied by Python: a store sends the slot itself (``sendmsg`` of the
+  commands around it), and a load reads ``HMGET m d`` and receives the block into the
+  slot, with at most ``LOAD_WINDOW_BYTES`` of blocks asked for and not yet received.
+  Each block's MAC is computed over the slot by a promotion thread (``tier_threads``)
+  as soon as the block is in, while the connection receives the next.
 - Index: the sorted set ``<prefix>:idx`` holds every block as ``<tier id>:<bytes>:<key>``
   scored by its last use (Redis server time, ms), and ``<prefix>:bytes`` their total.
   Writing, touching and evicting are Lua scripts, so each is atomic on the server
@@ -42,13 +44,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvoffloadd.tiers.base import TierError, TierJob
 from kvoffloadd.tiers.blockauth import BlockMac, SealCheck
 from kvoffloadd.tiers.remote import MAX_VIEW_BLOCKS, Entry, RemoteTier
-from kvoffloadd.tiers.resp import RespConnection, RespError, encode
+from kvoffloadd.tiers.resp import RespConnection, RespError, check_url, encode, encode_head
+from kvoffloadd.tiers.spread import JobThreads
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +115,15 @@ return 0
 """
 
 
-def _zero_copy_packer() -> dict[str, Any]:
-    """redis-py's Python command packer sends large values as their own buffers; with
-    hiredis installed redis-py packs through hiredis, which copies every block into one
-    string first (measured: 0.76 against 3.0 GB/s for 2 MiB blocks). Replies are still
-    parsed by hiredis."""
-    try:
-        from redis._parsers import Encoder
-        from redis.connection import PythonRespSerializer
-    except ImportError:  # another redis-py layout: its default packer
-        return {}
-    encode = Encoder("utf-8", "strict", False).encode  # type: ignore[no-untyped-call]
-    return {"command_packer": PythonRespSerializer(6000, encode)}
+_INDEX_SHA = hashlib.sha1(_INDEX_LUA.encode()).hexdigest()
+_TOUCH_SHA = hashlib.sha1(_TOUCH_LUA.encode()).hexdigest()
+_ERRORS = (OSError, RespError)  # the server unreachable, or not speaking RESP
+
+
+def _lost_script(reply: Any) -> bool:
+    """The server no longer has a script (flushed, or a new server at the address):
+    the connection reconnects, which loads them again."""
+    return isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")
 
 
 def _count(raw: Any) -> int:
@@ -192,47 +191,29 @@ class RedisTier(RemoteTier):
         tier_threads: int = 1,
     ) -> None:
         try:
-            import redis
-        except ImportError as exc:
-            raise TierError(
-                f"tier {name}: the redis tier needs the redis package "
-                "(pip install 'kvoffload[redis]')"
-            ) from exc
-        try:
-            client = redis.Redis.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                max_connections=connections + 2,
-                **_zero_copy_packer(),
-            )
+            check_url(url)
         except ValueError as exc:
             raise TierError(f"tier {name}: bad url {url!r}: {exc}") from exc
         # the threads start once nothing can refuse the start
         super().__init__(name, url, capacity_bytes, wake, max_view_blocks, tier_threads)
-        self._r = client
         self.promotion_jobs = connections  # a job's blocks come on one connection
         self.seals = SealCheck(mac, name, MAGIC)
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        self._errors_raw = (*self._errors, RespError)  # the raw load connection's too
         self.url = url
         self._prefix = prefix
         self._idx = f"{prefix}:idx".encode()
         self._bytes_key = f"{prefix}:bytes".encode()
         self._ttl_ms = int(ttl_s * 1000)
         self._timeout_s = timeout_s
-        self._local = threading.local()  # each load thread's RespConnection
+        self._local = threading.local()  # each tier thread's RespConnection
         self._conns: list[RespConnection] = []  # all of them, closed with the tier
-        self._touch_sha = hashlib.sha1(_TOUCH_LUA.encode()).hexdigest()
-        self._index_conn = RespConnection(url, timeout_s)  # the poller's (bounded reads)
+        self._index_conn = RespConnection(url, timeout_s)  # the poller's
         self._conns.append(self._index_conn)
         self._scan_cut_logged = False
-        self._index_script = self._r.register_script(_INDEX_LUA)
         self._refresh_s = refresh_s
         self._full_sync_s = full_sync_s
         self._want_full = threading.Event()
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(connections, thread_name_prefix=f"kvoffload-{name}")
+        self._pool = JobThreads(connections, name)
         self._poller = threading.Thread(target=self._poll, name=f"kvoffload-{name}-poll")
         self._poller.daemon = True
         self._poller.start()
@@ -254,10 +235,12 @@ class RedisTier(RemoteTier):
     def close(self) -> None:
         self._stop.set()
         self._want_full.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self.tier_threads.close(CLOSE_TIMEOUT_S)
+        stopped = self._pool.close(CLOSE_TIMEOUT_S)
+        stopped = self.tier_threads.close(CLOSE_TIMEOUT_S) and stopped
         self._poller.join(timeout=CLOSE_TIMEOUT_S)
-        self._r.close()
+        if not stopped or self._poller.is_alive():  # its socket stays open with it
+            log.error("tier %s: a thread is still busy; stopping without it", self.name)
+            return
         for conn in self._conns:
             conn.close()
 
@@ -266,40 +249,58 @@ class RedisTier(RemoteTier):
     def _data_key(self, e: Entry) -> bytes:
         return f"{self._prefix}:b:{e[0]}:".encode() + e[1]
 
-    def _store(self, job: TierJob, entries: list[Entry]) -> None:
+    def _store_parts(self, job: TierJob, entries: list[Entry]) -> list[bytes | memoryview]:
+        """A store job's pipeline: per block DEL (a block written again replaces, never
+        mixes, fields), HSET of its seal and the slot itself, [PEXPIRE,] the index
+        script."""
         nbytes = job.ns.block_bytes
+        parts: list[bytes | memoryview] = []
+        between = b""  # the commands after one block and before the next
+        for e, buf in zip(entries, job.buffers):
+            data = self._data_key(e)
+            seal = self.seals.seal(job.ns, e[1], buf)
+            head = encode_head(b"HSET", data, b"m", seal, b"d", last_bytes=len(buf))
+            parts += [between + encode(b"DEL", data) + head, buf]
+            between = b"\r\n"
+            if self._ttl_ms:
+                between += encode(b"PEXPIRE", data, self._ttl_ms)
+            between += encode(
+                b"EVALSHA",
+                _INDEX_SHA,
+                3,
+                data,
+                self._idx,
+                self._bytes_key,
+                member(e, nbytes),
+                nbytes,
+                self.capacity_bytes,
+                self._prefix,
+                MAX_EVICTIONS_PER_WRITE,
+            )
+        parts.append(between)
+        return parts
+
+    def _store(self, job: TierJob, entries: list[Entry]) -> None:
         ok = [False] * len(entries)
         gone: list[Entry] = []
         done = 0
+        conn = self._conn()
         try:
-            pipe = self._r.pipeline(transaction=False)
-            for e, buf in zip(entries, job.buffers):
-                data = self._data_key(e)
-                seal = self.seals.seal(job.ns, e[1], buf)
-                fields: dict[Any, Any] = {b"m": seal, b"d": buf}
-                pipe.delete(data)  # a block written again replaces, never mixes, fields
-                pipe.hset(data, mapping=fields)
-                if self._ttl_ms:
-                    pipe.pexpire(data, self._ttl_ms)
-                args: list[Any] = [
-                    member(e, nbytes),
-                    nbytes,
-                    self.capacity_bytes,
-                    self._prefix,
-                    MAX_EVICTIONS_PER_WRITE,
-                ]
-                self._index_script(keys=[data, self._idx, self._bytes_key], args=args, client=pipe)
-            # One bad key (a wrong type planted at its name) fails that key only.
-            replies = pipe.execute(raise_on_error=False)
+            conn.send_parts(self._store_parts(job, entries))
             per_key = 4 if self._ttl_ms else 3  # delete, hset, [pexpire,] index script
+            replies = conn.read_replies(per_key * len(entries), MAX_MEMBER_BYTES)
+            # One bad key (a wrong type planted at its name) fails that key only.
             for i, buf in enumerate(job.buffers):
                 mine = replies[i * per_key : (i + 1) * per_key]
-                ok[i] = not any(isinstance(r, Exception) for r in mine)
+                ok[i] = not any(isinstance(r, RespError) for r in mine)
                 done += len(buf) if ok[i] else 0
-                if ok[i]:
+                if ok[i] and isinstance(mine[-1], list):
                     evicted = mine[-1][:MAX_EVICTIONS_PER_WRITE]
                     gone.extend(p[0] for m in evicted if (p := parse_member(m)))
-        except self._errors as exc:
+            if any(_lost_script(r) for r in replies):
+                conn.close()
+        except _ERRORS as exc:
+            conn.close()
             self._failed(exc)
         except Exception as exc:  # a tier fault stays inside the tier
             log.warning("tier %s: a store failed: %r", self.name, exc)
@@ -323,12 +324,13 @@ class RedisTier(RemoteTier):
 
         spread = self.tier_threads.spread(len(entries), nbytes, verify, done, ready=0)
         conn = self._conn()
+        reload = False
         try:
             cmds = []  # per key: its read and its touch
             for e in entries:
                 data = self._data_key(e)
                 args = (data, self._idx, self._bytes_key, member(e, nbytes), nbytes)
-                touch = encode("EVALSHA", self._touch_sha, 3, *args)
+                touch = encode("EVALSHA", _TOUCH_SHA, 3, *args)
                 cmds.append(encode("HMGET", data, "m", "d") + touch)
             window = max(1, LOAD_WINDOW_BYTES // nbytes)
             conn.send(cmds[:window])
@@ -343,11 +345,14 @@ class RedisTier(RemoteTier):
                     raise RespError(f"HMGET answered {fields} fields, not 2")
                 meta = conn.read(MAX_MEMBER_BYTES)  # a seal; anything longer is dropped
                 whole = conn.read_into(out)
-                conn.read()  # the touch: an error there costs recency only
+                if _lost_script(conn.read()):  # the touch: costs recency only
+                    reload = True
                 if whole is True and isinstance(meta, bytes):
                     seals[i] = meta
                     spread.release(i + 1)
-        except self._errors_raw as exc:
+            if reload:
+                conn.close()
+        except _ERRORS as exc:
             conn.close()
             self._failed(exc)
         except Exception as exc:  # a tier fault stays inside the tier
@@ -359,7 +364,7 @@ class RedisTier(RemoteTier):
         """This thread's raw connection (reads blocks into slots)."""
         conn: RespConnection | None = getattr(self._local, "conn", None)
         if conn is None:
-            setup = [encode("SCRIPT", "LOAD", _TOUCH_LUA)]
+            setup = [encode("SCRIPT", "LOAD", lua) for lua in (_INDEX_LUA, _TOUCH_LUA)]
             conn = self._local.conn = RespConnection(self.url, self._timeout_s, setup)
             self._conns.append(conn)  # list.append is atomic: threads add their own
         return conn

@@ -1,7 +1,15 @@
-"""A tier's promotion threads (``tier_threads``): the blocks of a promotion spread over
-them, each copied into its region slot and its MAC verified there.
+"""A tier's threads: its I/O threads (``[[tiers]] threads``, ``JobThreads``) run its
+jobs; its promotion threads (``tier_threads``, ``TierThreads``) take the blocks of a
+promotion spread over them, each copied into its region slot and its MAC verified there.
 
 Rules:
+- Every tier thread is a daemon thread, started with its tier (the loop thread spawns
+  none), and closing waits a bounded time for it: one stuck in I/O (a hung filesystem,
+  a C library that never returns) is left behind and ``close`` says so; it never holds
+  up the daemon's stop or its exit.
+- ``JobThreads`` run a tier's jobs in the order they were submitted; a job that raises
+  is logged and dropped (the tier's stall check fails its keys); ``close`` drops the
+  jobs not yet started.
 - Each tier has its own threads, so a hung tier (a dead disk) holds only its own;
   a tier's I/O threads (``[[tiers]] threads``) are apart from these.
 - Work is handed over as a *spread*: ``n`` blocks and a function of a block's index.
@@ -13,9 +21,7 @@ Rules:
   once per spread) or never ran (the threads stopped): a block that failed on any
   thread fails closed. ``done`` gets every result, once, on the thread that finished
   the last block (or the caller's, for a spread of no blocks).
-- The threads start with the tier, at the daemon's start (the loop thread spawns
-  none); ``close`` fails what is still queued and waits a bounded time for the threads
-  (one stuck in I/O is left behind, and ``close`` says so).
+- ``TierThreads.close`` fails the spreads' blocks not yet taken.
 """
 
 from __future__ import annotations
@@ -30,7 +36,60 @@ from typing import Any, Generic, TypeVar
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Job = tuple[Callable[..., None], tuple[Any, ...]]
 TAKE_BYTES = 1 << 20  # a thread takes at least this many bytes of small blocks at once
+
+
+def _join_all(threads: list[threading.Thread], timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` in all for ``threads``; False if one is still alive."""
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
+
+
+class JobThreads:
+    """``count`` threads that run one tier's jobs (named after it)."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self.name = name
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: deque[Job] = deque()
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"kvoffload-{name}-{i}", daemon=True)
+            for i in range(count)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._cv:
+            if not self._stopping:
+                self._queue.append((fn, args))
+                self._cv.notify()
+
+    def close(self, timeout_s: float) -> bool:
+        """Drop the jobs not started; False if a thread is still busy after
+        ``timeout_s`` (stuck in I/O: left behind)."""
+        with self._cv:
+            self._stopping = True
+            self._queue.clear()
+            self._cv.notify_all()
+        return _join_all(self._threads, timeout_s)
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                fn, args = self._queue.popleft()
+            try:
+                fn(*args)
+            except Exception:  # a tier fault stays inside the tier
+                log.exception("tier %s: a job failed", self.name)
 
 
 def take_blocks(n: int, block_bytes: int, threads: int) -> int:
@@ -168,11 +227,7 @@ class TierThreads:
             self._cv.notify_all()
         for sp, count in dropped:
             self._finish(sp, count)
-        deadline = time.monotonic() + timeout_s
-        threads = self._threads
-        for t in threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in threads)
+        return _join_all(self._threads, timeout_s)
 
     # ------------------------------------------------------------ the threads
 
