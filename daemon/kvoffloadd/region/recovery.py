@@ -202,13 +202,15 @@ def _claim_extents(
                 by_chunk[chunk] = ext
             else:  # a chunk claimed twice: its slot records still hold their keys
                 moved.append(ext)
+        free = 0  # no chunk below it is free: one pass over by_chunk for all moves
         for ext in moved:  # into the first free chunk; keys keep their bytes
             dropped["extents (a chunk claimed twice: moved)"] += 1
-            if None not in by_chunk:
+            while free < len(by_chunk) and by_chunk[free] is not None:
+                free += 1
+            if free == len(by_chunk):
                 by_chunk.append(None)
-            chunk = by_chunk.index(None)
-            by_chunk[chunk] = ext
-            region.renumber_extent(ext, chunk)
+            by_chunk[free] = ext
+            region.renumber_extent(ext, free)
         owned[ns_id] = by_chunk
     return owned
 
