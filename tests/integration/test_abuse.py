@@ -357,3 +357,50 @@ def test_a_log_reader_that_stops_reading_holds_nobody_up() -> None:
         assert d.stop() == 0
         os.close(reader)
         shutil.rmtree(run, ignore_errors=True)
+
+
+QUOTED_FRAMES = 24
+
+
+def test_a_frame_its_decoder_would_quote_whole_costs_neither_memory_nor_log() -> None:
+    """Scenario: another uid, the daemon's log reader stopped, sends on each of 24
+    connections a Hello and a 4 MiB frame whose tag is backslashes (the decoder's error
+    quotes an unknown tag whole, and a log line escapes every backslash: 8 MiB a line,
+    held in the log's queue). Each is refused with a reply of a few hundred bytes, and
+    the daemon's own memory stays where it was."""
+    run = Path(tempfile.mkdtemp(prefix="kvoffload-abuse-"))
+    run.chmod(0o755)  # the other uid reaches the socket
+    fifo = str(run / "log")
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # never read until the end
+    d = DaemonProcess(
+        "64MiB", "--log-level", "warning", socket_path=str(run / "k.sock"), log_path=fifo
+    ).start()
+    body = msgspec.msgpack.encode(["\\" * (4 << 20), 1])
+    frame = struct.pack("<I", len(body)) + body  # after raw()'s Hello
+    try:
+        before = rss_bytes(d.pid)
+
+        def quoted() -> list[int]:
+            answers = []
+            for _ in range(QUOTED_FRAMES):
+                with raw(d.socket_path) as s:
+                    s.sendall(frame)
+                    s.settimeout(30)
+                    got = b""
+                    while chunk := s.recv(1 << 16):  # the Welcome, the error, the end
+                        got += chunk
+                    answers.append(len(got))
+            return answers
+
+        answers = as_uid(quoted, NOBODY, gid=0)  # group 0 reaches the socket
+        assert len(answers) == QUOTED_FRAMES and max(answers) < 1024, answers
+        assert d.alive()
+        assert rss_bytes(d.pid) - before < 32 << 20
+    finally:
+        with contextlib.suppress(OSError):
+            while os.read(reader, 1 << 20):  # the rest, so the daemon can stop
+                pass
+        assert d.stop() == 0
+        os.close(reader)
+        shutil.rmtree(run, ignore_errors=True)

@@ -115,8 +115,9 @@ def opened(p: Peer, liar: Liar, name: str = "census") -> int:
 
 def gen_hello(p: Peer) -> None:
     for version in (m.PROTOCOL_VERSION, m.PROTOCOL_VERSION + 1, -1):
-        with contextlib.suppress(Exception):
-            p.liar().call(m.Hello(0, version, "x" * 1000, 0))
+        for name in ("x" * m.MAX_CLIENT_NAME_CHARS, "x" * (m.MAX_CLIENT_NAME_CHARS + 1)):
+            with contextlib.suppress(Exception):
+                p.liar().call(m.Hello(0, version, name, 0))
     for _ in range(64):  # connections, up to what the uid may hold
         with contextlib.suppress(OSError):
             p.raw()
@@ -133,7 +134,8 @@ def gen_open_namespace(p: Peer) -> None:
         opened(p, liar, f"census-{os.getuid()}-{i}")
     liar.call(m.OpenNamespace(0, "census", m.KVLayout([1]), join=True))
     liar.call(m.OpenNamespace(0, "\0bad", m.KVLayout([PAGE])))
-    liar.call(m.OpenNamespace(0, "huge", m.KVLayout([PAGE], model="m" * 3000)))
+    liar.call(m.OpenNamespace(0, "huge", m.KVLayout([PAGE], model="m" * m.MAX_TEXT_CHARS)))
+    liar.call(m.OpenNamespace(0, "n" * m.MAX_TEXT_CHARS, m.KVLayout([1] * m.MAX_TENSORS)))
 
 
 def gen_lookup(p: Peer) -> None:

@@ -7,13 +7,19 @@ import logging
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from kvoffloadd.server.logfmt import WRITE_BATCH_LINES, LogfmtFormatter, written_off_the_loop
+from kvoffloadd.server.logfmt import (
+    MAX_FIELD_CHARS,
+    WRITE_BATCH_LINES,
+    LogfmtFormatter,
+    written_off_the_loop,
+)
 from kvoffloadd.server.systemd import Notifier, listen_fds, watchdog_interval_s
 
 
@@ -82,6 +88,21 @@ def test_logfmt_is_one_line() -> None:
     assert "\n" not in line
     assert 'level=warning logger=kvoffloadd.x msg="bad \\"frame\\"\\nnext"' in line
     assert line.startswith("ts=")
+
+
+def test_a_line_is_a_few_kib_whatever_its_message_and_traceback() -> None:
+    """A peer's megabytes in a message (a name, a quote of its frame), backslashes that
+    escaping would double: the line keeps ``MAX_FIELD_CHARS`` of each and says so."""
+    try:
+        raise ValueError("\\" * (1 << 20))
+    except ValueError:
+        args = ("\\" * (1 << 20),)
+        record = logging.LogRecord(
+            "kvoffloadd", logging.WARNING, __file__, 1, "bad %s", args, sys.exc_info()
+        )
+    line = LogfmtFormatter().format(record)
+    assert len(line) < 4 * MAX_FIELD_CHARS + 400  # escaped: at most doubled
+    assert line.count("characters, cut") == 2 and "\n" not in line.split("exc=")[0]
 
 
 def test_a_log_reader_that_stops_reading_never_holds_the_thread_that_logs() -> None:

@@ -9,6 +9,9 @@ Rules:
   The loop must never wait on that, and any peer can make the daemon log (a bad
   frame, a cut-off: one line each). At most ``LOG_QUEUE_LINES`` wait to be written;
   past it a line is dropped, and the next line that fits says how many were.
+- A line's message and its traceback are at most ``MAX_FIELD_CHARS`` each (the rest
+  cut, the cut said): whatever a peer puts into a message (a name, a decoder's quote
+  of its frame), the queue holds at most ``LOG_QUEUE_LINES`` lines of a few KiB.
 - On leaving the loop, whatever is queued is written before the daemon goes on (an
   internal invariant's stats included); a crash that kills the process outright loses
   what had not been written yet (a few milliseconds of lines).
@@ -26,12 +29,20 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
-LOG_QUEUE_LINES = 1024  # lines waiting for the writer thread at most (about 1 MiB)
+LOG_QUEUE_LINES = 1024  # lines waiting for the writer thread at most
+MAX_FIELD_CHARS = 4096  # of a line's message, and of its traceback
 WRITE_BATCH_LINES = 256  # lines the writer thread writes at once at most
 DRAIN_S = 5.0  # how long leaving the loop waits for the queued lines to be written
 
 
+def _cut(value: str) -> str:
+    if len(value) <= MAX_FIELD_CHARS:
+        return value
+    return f"{value[:MAX_FIELD_CHARS]}... ({len(value)} characters, cut)"
+
+
 def _quote(value: str) -> str:
+    value = _cut(value)
     if value and not any(c in value for c in ' "=\n\t'):
         return value
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'

@@ -286,5 +286,5 @@ class Transfers(JobBook):
 
 
 def raise_not_leased(index: NamespaceIndex, slots: np.ndarray) -> None:
-    bad = [int(x) for x in slots if not 0 <= x < index.slots.capacity][:1]
+    bad = slots[(slots < 0) | (slots >= index.slots.capacity)][:1].tolist()
     raise NotLeasedError(f"slot {bad[0] if bad else '?'} of namespace {index.name!r} is not leased")

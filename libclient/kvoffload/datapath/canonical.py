@@ -38,9 +38,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.protocol.errors import InvalidArgumentError
+from kvoffload.protocol.messages import MAX_FRAGMENTS  # per cache: a page's rows times its regions
 
 I64 = npt.NDArray[np.int64]
-MAX_FRAGMENTS = 1 << 16  # per cache: a page's rows (tokens) times its regions
 MAX_PARTS = 64  # ranks of one engine writing one slot (a bit each)
 # Copies one transfer may expand to (blocks x fragments, before merging): the planner's
 # arrays for them are built on the daemon's loop, about 24 bytes each.

@@ -49,6 +49,18 @@ _length_of = _LEN.unpack_from
 HEADER_BYTES = _LEN.size
 
 
+# What a decoder's message may quote of the frame (msgspec quotes an unknown tag
+# whole): the error goes to the log and back to the sender, never megabytes of it.
+MAX_ERROR_CHARS = 200
+
+
+def undecodable(exc: Exception) -> ProtocolError:
+    text = str(exc)
+    if len(text) > MAX_ERROR_CHARS:
+        text = f"{text[:MAX_ERROR_CHARS]}... ({len(text)} characters)"
+    return ProtocolError(f"undecodable frame: {text}")
+
+
 class Role(enum.Enum):
     CLIENT = "client"
     SERVER = "server"
@@ -126,7 +138,7 @@ class _FrameReader(Generic[In]):
             return self._decoder.decode(body)
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             # msgspec reports invalid UTF-8 in a str field as UnicodeDecodeError.
-            raise ProtocolError(f"undecodable frame: {exc}") from exc
+            raise undecodable(exc) from exc
 
     def next(self) -> In | NeedData:
         avail = len(self._buf) - self._pos
@@ -230,7 +242,7 @@ class ClientConnection:
             try:  # r.decode, written out: once per message
                 msg = r._decoder.decode(data[HEADER_BYTES:nbytes])
             except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-                raise ProtocolError(f"undecodable frame: {exc}") from exc
+                raise undecodable(exc) from exc
             return self._check(msg)
         except ProtocolError:
             self.state = State.ERROR
@@ -318,7 +330,7 @@ class ServerConnection:
             try:  # r.decode, written out: once per message
                 msg = r._decoder.decode(data[HEADER_BYTES:nbytes])
             except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-                raise ProtocolError(f"undecodable frame: {exc}") from exc
+                raise undecodable(exc) from exc
             rid = msg.rid
             if rid and state is State.READY and type(msg) is not Hello:  # the common case
                 if rid in self._pending:

@@ -17,12 +17,18 @@ Rules (msgspec schema evolution, see research/aesthetics.md section 4):
   ``kvoffload.protocol.packing`` packs and splits them.
 - File descriptors never appear here: a message says how many it expects
   (``AttachWorker.caches[i].fd_index``) and the I/O layer moves them with SCM_RIGHTS.
+- Every field of a request whose size the sender chooses (text, bytes, lists) carries
+  its bound in its type (``msgspec.Meta(max_length=...)``): the decoder refuses a
+  longer one before any handler sees it, so what a request can make the daemon hold or
+  walk is bounded by its schema, not by each handler remembering to check.
+  ``tests/unit/test_protocol_bounds.py`` walks every request type and fails on a field
+  without one.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -33,6 +39,25 @@ MAX_KEYS_PER_MESSAGE = 65536  # bounds the loop time one request can take
 # keys a request that changes blocks' state names at most (prepare/complete of stores
 # and loads cost the daemon microseconds per key: a larger call goes in several)
 MAX_STATE_KEYS = 8192
+# Bounds of the request fields whose size the sender chooses (see the module's rules).
+MAX_TEXT_CHARS = 4096  # a namespace name, a model id (a path), a dtype, a salt
+MAX_CLIENT_NAME_CHARS = 256  # kept per connection for as long as it lasts
+MAX_IDS_PER_MESSAGE = 1 << 20  # block ids or slots (packed int64) in one field
+MAX_TENSORS = 4096  # KV tensors of one rank's layout, caches of one worker
+MAX_HANDLE_BYTES = 256  # a CUDA IPC handle (64 bytes), a device UUID (16)
+MAX_FRAGMENTS = 1 << 16  # a canonical cache's fragments (packed int64 triples)
+MAX_JOB_IDS = 1 << 16  # jobs one WaitJobs names
+
+
+def _most(n: int) -> msgspec.Meta:
+    return msgspec.Meta(max_length=n)
+
+
+Text = Annotated[str, _most(MAX_TEXT_CHARS)]
+Keys = Annotated[bytes, _most(MAX_KEYS_PER_MESSAGE * MAX_KEY_BYTES)]  # packed keys
+Ids = Annotated[bytes, _most(MAX_IDS_PER_MESSAGE * 8)]  # packed int64
+Handle = Annotated[bytes, _most(MAX_HANDLE_BYTES)]
+Indexes = Annotated[list[int], _most(MAX_TENSORS)]  # of a worker's caches
 KEY_ABSENT, KEY_READY, KEY_PROMOTING = 0, 1, 2  # ProbeReply states
 
 
@@ -48,12 +73,12 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
     of every tensor of every one of the ``world_size`` ranks.
     """
 
-    tensor_page_bytes: list[int]
+    tensor_page_bytes: Annotated[list[int], _most(MAX_TENSORS)]
     world_size: int = 1
     block_size_factor: int = 1
-    model: str = ""
-    kv_dtype: str = ""
-    salt: str = ""
+    model: Text = ""
+    kv_dtype: Text = ""
+    salt: Text = ""
 
     @property
     def rank_bytes(self) -> int:
@@ -76,7 +101,7 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True):
 class Hello(_Msg, frozen=True, tag="hello"):
     rid: int
     protocol_version: int
-    client_name: str = ""
+    client_name: Annotated[str, _most(MAX_CLIENT_NAME_CHARS)] = ""
     pid: int = 0
 
 
@@ -90,7 +115,7 @@ class OpenNamespace(_Msg, frozen=True, tag="open_ns"):
     cannot know every rank's pages, joins what its workers created."""
 
     rid: int
-    name: str
+    name: Text
     layout: KVLayout
     subscribe: bool = True  # queue the namespace's events for this connection
     join: bool = False
@@ -99,7 +124,7 @@ class OpenNamespace(_Msg, frozen=True, tag="open_ns"):
 class Lookup(_Msg, frozen=True, tag="lookup"):
     rid: int
     ns: int
-    keys: bytes
+    keys: Keys
     key_bytes: int
 
 
@@ -109,21 +134,21 @@ class Probe(_Msg, frozen=True, tag="probe"):
 
     rid: int
     ns: int
-    keys: bytes
+    keys: Keys
     key_bytes: int
 
 
 class PrepareStore(_Msg, frozen=True, tag="prep_store"):
     rid: int
     ns: int
-    keys: bytes
+    keys: Keys
     key_bytes: int
 
 
 class CompleteStore(_Msg, frozen=True, tag="done_store"):
     rid: int
     ns: int
-    keys: bytes
+    keys: Keys
     key_bytes: int
     success: bool = True
 
@@ -131,21 +156,21 @@ class CompleteStore(_Msg, frozen=True, tag="done_store"):
 class PrepareLoad(_Msg, frozen=True, tag="prep_load"):
     rid: int
     ns: int
-    keys: bytes
+    keys: Keys
     key_bytes: int
 
 
 class CompleteLoad(_Msg, frozen=True, tag="done_load"):
     rid: int
     ns: int
-    keys: bytes
+    keys: Keys
     key_bytes: int
 
 
 class Touch(_Msg, frozen=True, tag="touch"):
     rid: int
     ns: int
-    keys: bytes
+    keys: Keys
     key_bytes: int
 
 
@@ -185,13 +210,13 @@ class StepBatch(_Msg, frozen=True, tag="step"):
     rid: int
     ns: int
     key_bytes: int
-    claim_keys: bytes = b""
-    claim_slots: bytes = b""
-    pin_keys: bytes = b""
-    unpin_keys: bytes = b""
-    commit_keys: bytes = b""
-    fail_keys: bytes = b""
-    touch_keys: bytes = b""
+    claim_keys: Keys = b""
+    claim_slots: Ids = b""
+    pin_keys: Keys = b""
+    unpin_keys: Keys = b""
+    commit_keys: Keys = b""
+    fail_keys: Keys = b""
+    touch_keys: Keys = b""
     ack_seq: int = -1
     want_leases: int = -1
 
@@ -206,13 +231,13 @@ class CacheDesc(msgspec.Struct, frozen=True, array_like=True):
     apart (0 means ``page_bytes``).
     """
 
-    kind: str
+    kind: Text
     num_blocks: int
     page_bytes: int
     fd_index: int = -1
     offset_bytes: int = 0
     row_stride_bytes: int = 0
-    ipc_handle: bytes = b""
+    ipc_handle: Handle = b""
 
 
 class CanonicalDesc(msgspec.Struct, frozen=True, array_like=True):
@@ -221,7 +246,7 @@ class CanonicalDesc(msgspec.Struct, frozen=True, array_like=True):
     offset, bytes); ranks holding the same bytes take turns (``writer`` of ``writers``)."""
 
     page_bytes: int
-    frags: bytes
+    frags: Annotated[bytes, _most(MAX_FRAGMENTS * 24)]
     writers: int = 1
     writer: int = 0
 
@@ -234,14 +259,14 @@ class AttachWorker(_Msg, frozen=True, tag="attach"):
     rid: int
     ns: int
     rank: int
-    caches: list[CacheDesc]
-    device_uuid: bytes = b""
-    store_event: bytes = b""
+    caches: Annotated[list[CacheDesc], _most(MAX_TENSORS)]
+    device_uuid: Handle = b""
+    store_event: Handle = b""
     client_copy: bool = False  # the worker copies itself; the reply brings the region fd
     push: bool = False  # submits may be one-way; results are pushed (``JobsDone``)
     want_region: bool = False  # a daemon-copy worker's fallback mapping, if trusted
     parts: int = 1  # ranks of the engine that write parts of each slot (canonical)
-    canonical: list[CanonicalDesc] = []
+    canonical: Annotated[list[CanonicalDesc], _most(MAX_TENSORS)] = []
 
 
 class DetachWorker(_Msg, frozen=True, tag="detach"):
@@ -258,9 +283,9 @@ class SubmitStore(_Msg, frozen=True, tag="sub_store"):
     rid: int
     worker: int
     job_id: int
-    block_ids: bytes
-    slots: bytes
-    caches: list[int] = []  # indices of the registered caches to copy; empty: all
+    block_ids: Ids
+    slots: Ids
+    caches: Indexes = []  # indices of the registered caches to copy; empty: all
     lease: int = 0
     deadline_ns: int = 0
 
@@ -274,11 +299,11 @@ class SubmitLoad(_Msg, frozen=True, tag="sub_load"):
     rid: int
     worker: int
     job_id: int
-    slots: bytes
-    block_ids: bytes
+    slots: Ids
+    block_ids: Ids
     skip: int = 0
-    caches: list[int] = []
-    keys: bytes = b""
+    caches: Indexes = []
+    keys: Keys = b""
     key_bytes: int = 0
     deadline_ns: int = 0
 
@@ -290,7 +315,7 @@ class Wrote(_Msg, frozen=True, tag="wrote"):
     rid: int
     worker: int
     lease: int
-    slots: bytes
+    slots: Ids
     success: bool = True
 
 
@@ -311,7 +336,7 @@ class GetFinished(_Msg, frozen=True, tag="finished"):
 class WaitJobs(_Msg, frozen=True, tag="wait"):
     rid: int
     worker: int
-    job_ids: list[int]
+    job_ids: Annotated[list[int], _most(MAX_JOB_IDS)]
 
 
 class GetStats(_Msg, frozen=True, tag="stats"):
@@ -327,10 +352,10 @@ class Evict(_Msg, frozen=True, tag="evict"):
     at most ``MAX_STATE_KEYS`` per request (``EvictReply.evicted`` says how many)."""
 
     rid: int
-    namespace: str | None = None
-    keys: bytes | None = None
+    namespace: Text | None = None
+    keys: Keys | None = None
     key_bytes: int = 0
-    key_prefix: bytes | None = None
+    key_prefix: Annotated[bytes, _most(MAX_KEY_BYTES)] | None = None
 
 
 class GetConfig(_Msg, frozen=True, tag="config"):
