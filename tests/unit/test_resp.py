@@ -4,6 +4,7 @@ else fails that reply or the connection, never the process."""
 
 from __future__ import annotations
 
+import array
 import contextlib
 import pathlib
 import re
@@ -242,6 +243,8 @@ def test_check_url_refuses_what_no_connection_could_reach() -> None:
         ("redis://h:99999", "(?i)port"),
         ("redis://h:6379/db", "database"),
         ("unix://", "path"),
+        ("redis://h/0?ssl_cert_reqs=none", "options"),
+        ("redis://h/\u00b2", "database"),
     ]:
         with pytest.raises(ValueError, match=why):
             check_url(bad)
@@ -253,16 +256,16 @@ def test_send_parts_sends_blocks_in_place_whatever_the_socket_takes(
     """More parts than one sendmsg takes, empty ones, and a block far larger than the
     socket's buffer: the server receives exactly the parts, in order."""
     block = bytearray(range(256)) * (16 << 10)  # 4 MiB
+    ids = array.array("q", range(1000))  # a view of 8-byte items goes as its bytes
     parts: list[bytes | memoryview] = [b"%d," % i for i in range(IOV_PARTS + 100)]
-    parts[3:3] = [b"", memoryview(block), b"", memoryview(block)[1:7]]
+    parts[3:3] = [b"", memoryview(block), b"", memoryview(block)[1:7], memoryview(ids)]
     whole = b"".join(bytes(p) for p in parts)
     server = Scripted(sock_path, b"+OK\r\n", len(whole), 1 << 16)
     c = RespConnection(f"unix://{sock_path}", 5.0)
     c.send_parts(parts)
     assert c.read() == b"OK" and server.received == whole
-    assert encode_head("HSET", "k", "d", last_bytes=3) + b"abc\r\n" == encode(
-        "HSET", "k", "d", "abc"
-    )
+    head = encode_head(b"HSET", "k", 7, last_bytes=3)
+    assert head + b"abc\r\n" == encode("HSET", "k", 7, "abc")
     c.close()
     server.close()
 
@@ -313,3 +316,37 @@ def test_a_pipeline_s_replies_share_one_deadline(sock_path: pathlib.Path) -> Non
         assert c._sock is None
     finally:
         server.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced(sock_path: pathlib.Path) -> None:
+    """Scenario: Redis's ``timeout`` closes a tier thread's connection while it waits
+    for work. The next command goes on a new connection instead of failing."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_path))
+    listener.listen(2)
+    first_closed = threading.Event()
+
+    def serve() -> None:
+        for i in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"+PONG\r\n")
+                if i == 1:
+                    conn.recv(1)  # until the client goes
+            first_closed.set()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    c = RespConnection(f"unix://{sock_path}", 5.0)
+    try:
+        c.send([encode("PING")])
+        assert c.read() == b"PONG"
+        assert first_closed.wait(10)  # the server closed it; the client has not noticed
+        c.begin()  # a tier's next job or poll
+        c.send([encode("PING")])
+        assert c.read() == b"PONG"
+    finally:
+        c.close()
+        t.join(10)
+        listener.close()

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -29,7 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffloadd.tiers.spread import TierThreads
+from kvoffloadd.tiers.spread import JobThreads, TierThreads
+
+log = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 10.0  # what closing a tier waits for its threads, all of them together
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,25 @@ class SecondaryTier(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the threads; jobs still queued fail."""
+
+    def stop_threads(self, jobs: JobThreads, others: Sequence[threading.Thread]) -> bool:
+        """Close the tier's job and promotion threads and wait for its ``others``
+        (poller, scanner), all within ``CLOSE_TIMEOUT_S``; whether every one stopped
+        (one stuck in I/O is left behind, with what it may still use)."""
+        deadline_s = time.monotonic() + CLOSE_TIMEOUT_S
+
+        def left_s() -> float:
+            return max(0.0, deadline_s - time.monotonic())
+
+        stopped = jobs.close(left_s())
+        stopped = self.tier_threads.close(left_s()) and stopped
+        for t in others:
+            if t.is_alive():  # a thread never started is stopped
+                t.join(left_s())
+        stopped = stopped and not any(t.is_alive() for t in others)
+        if not stopped:
+            log.error("tier %s: a thread is stuck in I/O; stopping without it", self.name)
+        return stopped
 
     def base_statistics(self, blocks: int, used_bytes: int, healthy: bool) -> dict[str, Any]:
         c = self.counters

@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"KVOBLK02"  # a blockauth seal, then the block (KVOBLK01: a CRC-32, refused)
 _SUFFIX = ".kvb"
-CLOSE_TIMEOUT_S = 10.0
 MAX_SCAN_FILES = 1 << 22  # files a start-up scan takes at most (4M: 1 TiB of 256 KiB)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -250,12 +249,7 @@ class DiskTier(SecondaryTier):
         """Stop; a thread stuck in I/O (a hung filesystem) is left behind, never
         waited for: the daemon's stop must finish."""
         self._stopping = True
-        self._scanner.join(timeout=CLOSE_TIMEOUT_S)
-        stuck = not self._pool.close(CLOSE_TIMEOUT_S)
-        stuck = not self.tier_threads.close(CLOSE_TIMEOUT_S) or stuck
-        if stuck:  # the directory's descriptor stays open with it
-            log.error("tier %s: a thread is stuck in I/O; stopping without it", self.name)
-        elif not self._scanner.is_alive():
+        if self.stop_threads(self._pool, [self._scanner]):  # else the descriptor stays
             os.close(self._dir_fd)
 
     # ------------------------------------------------------------ worker threads
@@ -424,11 +418,13 @@ class DiskTier(SecondaryTier):
                     os.close(ns_fd)
                 if self._stopping:
                     return
+                if len(found) >= MAX_SCAN_FILES:
+                    break
         except OSError as exc:
             log.warning("tier %s: scanning %s failed: %s", self.name, self.path, exc)
         if len(found) >= MAX_SCAN_FILES:
             log.warning(
-                "tier %s: more than %d files under %s; only those are used",
+                "tier %s: the scan took the first %d files under %s; any others are not used",
                 self.name,
                 MAX_SCAN_FILES,
                 self.path,
@@ -442,10 +438,11 @@ class DiskTier(SecondaryTier):
     def _scan_namespace(self, tid: str, ns_fd: int, found: list[tuple[float, Entry, int]]) -> None:
         for _, sub_fd in self._subdirs(ns_fd):
             try:
-                if not self._stopping and len(found) < MAX_SCAN_FILES:
-                    self._scan_dir(tid, sub_fd, found)
+                self._scan_dir(tid, sub_fd, found)
             finally:
                 os.close(sub_fd)
+            if self._stopping or len(found) >= MAX_SCAN_FILES:
+                break
 
     def _subdirs(self, parent_fd: int) -> Iterator[tuple[str, int]]:
         """(name, descriptor) of the daemon's own subdirectories (at most

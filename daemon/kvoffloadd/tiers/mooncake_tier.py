@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 MAGIC = b"KVOMC003"  # a blockauth seal in the header (KVOMC002: a CRC-32, refused)
 HEADER_BYTES = 64  # one slot of the header area per key: the seal, then zeros
 MAX_JOB_KEYS = 256  # header slots per job thread; longer jobs go in pieces
-CLOSE_TIMEOUT_S = 10.0  # what closing waits for the poller, and for the promotion threads
 EXIST_BATCH = 4096  # keys per existence check
 MAX_WANTED = 65_536  # misses queued for an existence check
 
@@ -207,13 +206,8 @@ class MooncakeTier(RemoteTier):
     def close(self) -> None:
         self._stop.set()
         self._want_full.set()
-        stopped = self._pool.close(CLOSE_TIMEOUT_S)
-        stopped = self.tier_threads.close(CLOSE_TIMEOUT_S) and stopped
-        if self._poller.is_alive():
-            self._poller.join(timeout=CLOSE_TIMEOUT_S)
-        if not stopped or self._poller.is_alive():  # closing a client in use crashes
-            log.error("tier %s: a thread is still busy; stopping without it", self.name)
-            return
+        if not self.stop_threads(self._pool, [self._poller]):
+            return  # closing a client a thread still uses would crash the daemon
         with self._lock:
             client, self._client = self._client, None
         if client is not None:

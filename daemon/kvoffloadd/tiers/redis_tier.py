@@ -39,7 +39,6 @@ Rules:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -67,7 +66,6 @@ SCAN_COUNT = 1000  # ZSCAN's COUNT hint
 MAX_SCAN_CALLS = 2048  # ZSCAN pages per namespace in one full read (about 2M members)
 SCORE_SLACK_MS = 60_000  # scores later than the server's clock by more are not believed
 MAX_EVICTIONS_PER_WRITE = 256  # members one write's script evicts at most
-CLOSE_TIMEOUT_S = 5.0  # what closing waits for the poller, and for the promotion threads
 
 # The bytes travel in plain HSET/HGETALL commands (through Lua they would be copied
 # twice more); these scripts keep the index and the byte total in step atomically.
@@ -115,15 +113,7 @@ return 0
 """
 
 
-_INDEX_SHA = hashlib.sha1(_INDEX_LUA.encode()).hexdigest()
-_TOUCH_SHA = hashlib.sha1(_TOUCH_LUA.encode()).hexdigest()
 _ERRORS = (OSError, RespError)  # the server unreachable, or not speaking RESP
-
-
-def _lost_script(reply: Any) -> bool:
-    """The server no longer has a script (flushed, or a new server at the address):
-    the connection reconnects, which loads them again."""
-    return isinstance(reply, RespError) and str(reply).startswith("NOSCRIPT")
 
 
 def _count(raw: Any) -> int:
@@ -235,12 +225,8 @@ class RedisTier(RemoteTier):
     def close(self) -> None:
         self._stop.set()
         self._want_full.set()
-        stopped = self._pool.close(CLOSE_TIMEOUT_S)
-        stopped = self.tier_threads.close(CLOSE_TIMEOUT_S) and stopped
-        self._poller.join(timeout=CLOSE_TIMEOUT_S)
-        if not stopped or self._poller.is_alive():  # its socket stays open with it
-            log.error("tier %s: a thread is still busy; stopping without it", self.name)
-            return
+        if not self.stop_threads(self._pool, [self._poller]):
+            return  # a stuck thread's socket stays open with it
         for conn in self._conns:
             conn.close()
 
@@ -252,21 +238,22 @@ class RedisTier(RemoteTier):
     def _store_parts(self, job: TierJob, entries: list[Entry]) -> list[bytes | memoryview]:
         """A store job's pipeline: per block DEL (a block written again replaces, never
         mixes, fields), HSET of its seal and the slot itself, [PEXPIRE,] the index
-        script."""
+        script (sent whole: a server whose script cache was flushed still runs it, and
+        no block is left written but unindexed)."""
         nbytes = job.ns.block_bytes
         parts: list[bytes | memoryview] = []
         between = b""  # the commands after one block and before the next
         for e, buf in zip(entries, job.buffers):
             data = self._data_key(e)
             seal = self.seals.seal(job.ns, e[1], buf)
-            head = encode_head(b"HSET", data, b"m", seal, b"d", last_bytes=len(buf))
+            head = encode_head(b"HSET", data, b"m", seal, b"d", last_bytes=buf.nbytes)
             parts += [between + encode(b"DEL", data) + head, buf]
             between = b"\r\n"
             if self._ttl_ms:
                 between += encode(b"PEXPIRE", data, self._ttl_ms)
             between += encode(
-                b"EVALSHA",
-                _INDEX_SHA,
+                b"EVAL",  # the script itself (under 1 KiB): no cache on the server to lose
+                _INDEX_LUA,
                 3,
                 data,
                 self._idx,
@@ -297,12 +284,11 @@ class RedisTier(RemoteTier):
                 if ok[i] and isinstance(mine[-1], list):
                     evicted = mine[-1][:MAX_EVICTIONS_PER_WRITE]
                     gone.extend(p[0] for m in evicted if (p := parse_member(m)))
-            if any(_lost_script(r) for r in replies):
-                conn.close()
         except _ERRORS as exc:
             conn.close()
             self._failed(exc)
         except Exception as exc:  # a tier fault stays inside the tier
+            conn.close()
             log.warning("tier %s: a store failed: %r", self.name, exc)
         self.finished.post("job", (job.result(ok, done), gone))
 
@@ -324,13 +310,12 @@ class RedisTier(RemoteTier):
 
         spread = self.tier_threads.spread(len(entries), nbytes, verify, done, ready=0)
         conn = self._conn()
-        reload = False
         try:
             cmds = []  # per key: its read and its touch
             for e in entries:
                 data = self._data_key(e)
                 args = (data, self._idx, self._bytes_key, member(e, nbytes), nbytes)
-                touch = encode("EVALSHA", _TOUCH_SHA, 3, *args)
+                touch = encode("EVAL", _TOUCH_LUA, 3, *args)
                 cmds.append(encode("HMGET", data, "m", "d") + touch)
             window = max(1, LOAD_WINDOW_BYTES // nbytes)
             conn.send(cmds[:window])
@@ -345,13 +330,10 @@ class RedisTier(RemoteTier):
                     raise RespError(f"HMGET answered {fields} fields, not 2")
                 meta = conn.read(MAX_MEMBER_BYTES)  # a seal; anything longer is dropped
                 whole = conn.read_into(out)
-                if _lost_script(conn.read()):  # the touch: costs recency only
-                    reload = True
+                conn.read()  # the touch: an error there costs recency only
                 if whole is True and isinstance(meta, bytes):
                     seals[i] = meta
                     spread.release(i + 1)
-            if reload:
-                conn.close()
         except _ERRORS as exc:
             conn.close()
             self._failed(exc)
@@ -361,12 +343,12 @@ class RedisTier(RemoteTier):
         spread.release(len(entries))  # blocks not received fail without a check
 
     def _conn(self) -> RespConnection:
-        """This thread's raw connection (reads blocks into slots)."""
+        """This thread's connection, for one job's exchange."""
         conn: RespConnection | None = getattr(self._local, "conn", None)
         if conn is None:
-            setup = [encode("SCRIPT", "LOAD", lua) for lua in (_INDEX_LUA, _TOUCH_LUA)]
-            conn = self._local.conn = RespConnection(self.url, self._timeout_s, setup)
+            conn = self._local.conn = RespConnection(self.url, self._timeout_s)
             self._conns.append(conn)  # list.append is atomic: threads add their own
+        conn.begin()
         return conn
 
     def _check(self, meta: Any, job: TierJob, key: bytes, out: memoryview) -> bool:
@@ -411,6 +393,7 @@ class RedisTier(RemoteTier):
         ``MAX_MEMBER_BYTES`` come back as ``RespError`` items, unread. An error reply
         raises (``strict``) or is returned."""
         conn = self._index_conn
+        conn.begin()
         conn.send([encode(*args)])
         reply = conn.read(MAX_MEMBER_BYTES)
         if strict and isinstance(reply, RespError):

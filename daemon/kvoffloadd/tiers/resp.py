@@ -10,7 +10,8 @@ socket into the slot, no copy in between.
 Rules:
 - One connection per tier thread, never shared; connect, AUTH and SELECT as the
   tier's URL says (redis://, rediss:// with the system's CA roots, unix://; checked by
-  ``check_url`` before any connection), then the caller's setup commands (script loads).
+  ``check_url`` before any connection). A connection the server closed while it sat
+  idle (Redis's ``timeout``) is found when an exchange begins (``begin``), and replaced.
 - A send is bounded too: ``send_parts`` must be done within ``timeout_s`` plus its
   bytes at ``MIN_SEND_BYTES_PER_S``, however slowly the server takes them.
 - ``read_into(view)`` accepts a bulk reply only if it is exactly ``len(view)`` bytes
@@ -31,6 +32,7 @@ Rules:
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 import time
@@ -44,7 +46,7 @@ MAX_REPLY_ELEMENTS = 1 << 16  # array elements in one reply, nested ones include
 MAX_REPLY_BYTES = 16 << 20  # bulk-string bytes one reply keeps
 MAX_SKIP_BYTES = 512 << 20  # Redis's proto-max-bulk-len: no real value is longer
 MAX_DEPTH = 8  # arrays within arrays (the tier's replies nest two deep at most)
-MIN_SEND_BYTES_PER_S = 16 << 20  # a send may take timeout_s plus its bytes at this rate
+MIN_SEND_BYTES_PER_S = 4 << 20  # a send may take timeout_s plus its bytes at this rate
 IOV_PARTS = 512  # buffers per sendmsg (IOV_MAX is 1024 on Linux)
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -77,21 +79,22 @@ def check_url(url: str) -> None:
     u = urlparse(url)
     if u.scheme not in SCHEMES:
         raise ValueError(f"the scheme must be one of {', '.join(SCHEMES)}")
+    if u.query or u.fragment or u.params:
+        raise ValueError("options after the path (?...) are not supported")
     if u.scheme == "unix":
         if not u.path:
             raise ValueError("a unix:// url needs the socket's path")
         return
     _ = u.port  # ValueError for a port that is not a number in range
     db = u.path.strip("/")
-    if db and not db.isdigit():
+    if db and not (db.isascii() and db.isdigit()):
         raise ValueError(f"the database must be a number, not {db!r}")
 
 
 class RespConnection:
-    def __init__(self, url: str, timeout_s: float, setup: Sequence[bytes] = ()) -> None:
+    def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url
         self.timeout_s = timeout_s
-        self._setup = list(setup)  # commands sent after connecting (SCRIPT LOAD ...)
         self._sock: socket.socket | None = None
         self._buf = bytearray()  # bytes received past the last reply read
         self._scanned = 0  # bytes of _buf known to hold no CRLF
@@ -122,7 +125,6 @@ class RespConnection:
         db = u.path.strip("/") if u.scheme != "unix" else ""
         if db and db != "0":
             hello.append(encode("SELECT", db))
-        hello += self._setup
         if hello:
             self.send(hello)
             for _ in hello:
@@ -140,12 +142,23 @@ class RespConnection:
         """Small commands (``encode``), joined and sent at once."""
         self.send_parts([b"".join(commands)])
 
+    def begin(self) -> None:
+        """Start an exchange (a job's, a poll's): with no reply outstanding nothing may
+        arrive, so a connection with something to read (the end of the stream: the
+        server closed it while it sat idle) is closed, and the next send reconnects."""
+        if self._sock is None:
+            return
+        poller = select.poll()  # not select(): the daemon's descriptors pass 1024
+        poller.register(self._sock, select.POLLIN)
+        if self._buf or poller.poll(0):
+            self.close()
+
     def send_parts(self, parts: Sequence[bytes | memoryview]) -> None:
         """Commands laid out in ``parts``, sent as they are: a block argument is its
         slot's memory, never copied. Done within ``timeout_s`` plus the bytes at
         ``MIN_SEND_BYTES_PER_S``, or the connection closes (``TimeoutError``)."""
         sock = self._sock or self._connect()
-        views = [memoryview(p).cast("B") for p in parts]
+        views = [v for p in parts if (v := memoryview(p).cast("B"))]
         total = sum(len(v) for v in views)
         bound_s = self.timeout_s + total / MIN_SEND_BYTES_PER_S
         deadline_s = time.monotonic() + bound_s
@@ -165,8 +178,6 @@ class RespConnection:
                     else:
                         views[i] = views[i][sent:]
                         sent = 0
-                while i < len(views) and not views[i]:
-                    i += 1
         except OSError as exc:
             self.close()
             if isinstance(exc, TimeoutError):  # the socket's or the deadline's

@@ -7,9 +7,10 @@ Rules:
   none), and closing waits a bounded time for it: one stuck in I/O (a hung filesystem,
   a C library that never returns) is left behind and ``close`` says so; it never holds
   up the daemon's stop or its exit.
-- ``JobThreads`` run a tier's jobs in the order they were submitted; a job that raises
-  is logged and dropped (the tier's stall check fails its keys); ``close`` drops the
-  jobs not yet started.
+- ``JobThreads`` run a tier's jobs in the order they were submitted; ``close`` drops
+  the jobs not yet started. A tier's job catches its own faults and always posts its
+  result; one that raises all the same is logged, and never finishing, leaves its
+  tier stalled (tiering.py) until the daemon restarts.
 - Each tier has its own threads, so a hung tier (a dead disk) holds only its own;
   a tier's I/O threads (``[[tiers]] threads``) are apart from these.
 - Work is handed over as a *spread*: ``n`` blocks and a function of a block's index.
