@@ -78,7 +78,7 @@ class Client:
     def __init__(self, socket_path: str, timeout_s: float = 5.0, name: str = "") -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
-        self.name = name or f"pid{os.getpid()}"
+        self.name = (name or f"pid{os.getpid()}")[: m.MAX_CLIENT_NAME_CHARS]  # for humans
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._rids = itertools.count(1)

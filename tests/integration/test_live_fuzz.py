@@ -1,7 +1,8 @@
 """Fuzzing a live daemon: 100,000 frames of typed-but-random and mutated requests.
 
 Most frames are well-formed requests of every type with random field values (huge,
-negative, empty, unknown ids, wrong lengths), which exercise every handler's
+negative, empty, unknown ids, wrong lengths; sizes within each field's schema bound,
+which the decoder's tests cover past it), which exercise every handler's
 validation while the connection stays open; each batch ends with a mutated frame
 (bit flips, truncation, random bytes) that exercises the decoder and usually ends the
 connection, after the replies to everything before it. Afterwards a client that was
@@ -37,6 +38,10 @@ LAYOUT = kvoffload.KVLayout(tensor_page_bytes=[4096])
 def value(tp: Any, rng: random.Random, depth: int = 0) -> Any:
     """A random value of type ``tp`` (the field types the protocol uses)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:  # a bounded field: cut to its bound
+        most = [x.max_length for x in args[1:] if isinstance(x, msgspec.Meta)]
+        got = value(args[0], rng, depth)
+        return got[: min(most)] if most and most[0] is not None else got
     if args and type(None) in args:
         return None if rng.random() < 0.3 else value(args[0], rng, depth)
     if origin is list:
@@ -49,7 +54,7 @@ def value(tp: Any, rng: random.Random, depth: int = 0) -> Any:
         return rng.randbytes(rng.choice([0, 1, 8, 16, 36, 64, 65, 512]))
     if tp is str:
         return rng.choice(["", "fuzz", "x" * 300, "\u2603", f"n-{rng.randrange(4)}"])
-    hints = typing.get_type_hints(tp)
+    hints = typing.get_type_hints(tp, include_extras=True)
     return tp(**{f.name: value(hints[f.name], rng, depth) for f in msgspec.structs.fields(tp)})
 
 

@@ -11,9 +11,15 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
+import kvoffload
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.connection import MAX_ERROR_CHARS, ServerConnection, encode_frame
-from kvoffload.protocol.errors import ProtocolError
+from kvoffload.protocol.connection import (
+    MAX_ERROR_CHARS,
+    ClientConnection,
+    ServerConnection,
+    encode_frame,
+)
+from kvoffload.protocol.errors import InvalidArgumentError, ProtocolError
 
 SIZED = (
     mi.StrType,
@@ -128,3 +134,23 @@ def test_a_refusal_quotes_little_of_what_it_refused() -> None:
     with pytest.raises(ProtocolError) as info:
         server.next_event()
     assert len(str(info.value)) < MAX_ERROR_CHARS + 100
+
+
+def test_a_client_refuses_a_request_past_its_bounds_before_sending() -> None:
+    """A name, layout or cache list a user or engine chose past its bound fails at once
+    with a clear error on the client, which the daemon would otherwise refuse by closing
+    the connection (and a client that reconnects would be refused again, for ever); the
+    connection stays usable. A client name is cut to its bound instead: it is only for
+    people reading ``kvoffloadctl clients``."""
+    client = ClientConnection()
+    client.send(m.Hello(1, m.PROTOCOL_VERSION))
+    client.receive_data(encode_frame(m.Welcome(1, m.PROTOCOL_VERSION, "0", "i", 1, "/r", 1)))
+    assert isinstance(client.next_event(), m.Welcome)
+    too_long = m.OpenNamespace(2, "x" * (m.MAX_TEXT_CHARS + 1), LAYOUT)
+    with pytest.raises(
+        InvalidArgumentError, match=r"OpenNamespace: Expected `str` of length <= 4096"
+    ):
+        client.send(too_long)
+    assert client.send(m.OpenNamespace(2, "x", LAYOUT))  # rid 2 was not taken
+    with kvoffload.Client("/nonexistent", name="n" * 1000) as c:
+        assert c.name == "n" * m.MAX_CLIENT_NAME_CHARS

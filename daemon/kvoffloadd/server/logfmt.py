@@ -35,14 +35,17 @@ WRITE_BATCH_LINES = 256  # lines the writer thread writes at once at most
 DRAIN_S = 5.0  # how long leaving the loop waits for the queued lines to be written
 
 
-def _cut(value: str) -> str:
+def _cut(value: str, keep_end: bool = False) -> str:
+    """At most ``MAX_FIELD_CHARS`` of ``value``: its start, or its end (a traceback's
+    innermost frames and its exception)."""
     if len(value) <= MAX_FIELD_CHARS:
         return value
+    if keep_end:
+        return f"({len(value)} characters, cut) ...{value[-MAX_FIELD_CHARS:]}"
     return f"{value[:MAX_FIELD_CHARS]}... ({len(value)} characters, cut)"
 
 
 def _quote(value: str) -> str:
-    value = _cut(value)
     if value and not any(c in value for c in ' "=\n\t'):
         return value
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
@@ -57,10 +60,11 @@ class LogfmtFormatter(logging.Formatter):
             f"ts={ts}.{int(record.msecs):03d}Z",
             f"level={record.levelname.lower()}",
             f"logger={record.name}",
-            f"msg={_quote(record.getMessage())}",
+            f"msg={_quote(_cut(record.getMessage()))}",
         ]
         if record.exc_info:
-            parts.append(f"exc={_quote(self.formatException(record.exc_info))}")
+            trace = _cut(self.formatException(record.exc_info), keep_end=True)
+            parts.append(f"exc={_quote(trace)}")
         return " ".join(parts)
 
 

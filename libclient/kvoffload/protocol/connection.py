@@ -32,8 +32,9 @@ from typing import Generic, NoReturn, TypeVar
 
 import msgspec
 
-from kvoffload.protocol.errors import ProtocolError, error_for_code
+from kvoffload.protocol.errors import InvalidArgumentError, ProtocolError, error_for_code
 from kvoffload.protocol.messages import (
+    CHECKED_ON_SEND,
     DEFAULT_MAX_FRAME_BYTES,
     ONE_WAY,
     PUSHES,
@@ -52,6 +53,19 @@ HEADER_BYTES = _LEN.size
 # What a decoder's message may quote of the frame (msgspec quotes an unknown tag
 # whole): the error goes to the log and back to the sender, never megabytes of it.
 MAX_ERROR_CHARS = 200
+
+
+_checkers = {t: msgspec.msgpack.Decoder(t) for t in CHECKED_ON_SEND}
+
+
+def check_bounds(req: Request) -> None:
+    """InvalidArgumentError if a field of ``req`` is past its schema bound: the daemon
+    would refuse the frame and close the connection, and a client that retried would
+    be refused again for ever."""
+    try:
+        _checkers[type(req)].decode(msgspec.msgpack.encode(req))
+    except msgspec.ValidationError as exc:
+        raise InvalidArgumentError(f"{type(req).__name__}: {exc}") from None
 
 
 def undecodable(exc: Exception) -> ProtocolError:
@@ -185,6 +199,8 @@ class ClientConnection:
     def send_into(self, req: Request, buf: bytearray) -> None:
         """Append ``req``'s frame to ``buf`` (what ``send`` returns, without a copy)."""
         state, rid = self.state, req.rid
+        if type(req) in CHECKED_ON_SEND:
+            check_bounds(req)
         if state is not State.READY:
             if state in (State.CLOSED, State.ERROR):
                 raise ProtocolError(f"cannot send on a connection in state {state.value}")

@@ -619,6 +619,13 @@ Reply = (
 )
 
 ONE_WAY: tuple[type[_Msg], ...] = (StepBatch, Wrote, SubmitStore, SubmitLoad)
+# The requests whose fields come from users' and engines' choices (names, layouts,
+# caches, admin input): a client checks their bounds before sending one, so a request
+# the daemon would refuse at decode fails at once with a clear error. The others are
+# built within their bounds by the library (keys and ids are split before them).
+CHECKED_ON_SEND: frozenset[type[_Msg]] = frozenset(
+    (Hello, OpenNamespace, AttachWorker, Evict, WaitJobs)
+)
 PUSHES: tuple[type[_Msg], ...] = (FeedPush, LeaseGrant, LeaseRevoke, JobsDone, Notice)
 # The requests whose reply may bring descriptors (SCM_RIGHTS: the region's, with a
 # ``WorkerAttached``); the daemon sends none with any other message. A client reads
