@@ -280,7 +280,7 @@ class RedisTier(RemoteTier):
             for i, buf in enumerate(job.buffers):
                 mine = replies[i * per_key : (i + 1) * per_key]
                 ok[i] = not any(isinstance(r, RespError) for r in mine)
-                done += len(buf) if ok[i] else 0
+                done += buf.nbytes if ok[i] else 0
                 if ok[i] and isinstance(mine[-1], list):
                     evicted = mine[-1][:MAX_EVICTIONS_PER_WRITE]
                     gone.extend(p[0] for m in evicted if (p := parse_member(m)))

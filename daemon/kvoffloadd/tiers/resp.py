@@ -101,20 +101,31 @@ class RespConnection:
         self._deadline_s = 0.0  # the reply being read must be in by then
         self._elements_left = self._bytes_left = 0  # of the reply being read
 
-    def _connect(self) -> socket.socket:
+    def _open(self) -> socket.socket:
+        """A connected socket (TLS set up for rediss://); closed again if that fails."""
         u = urlparse(self.url)
-        sock: socket.socket
         if u.scheme == "unix":
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout_s)
-            sock.connect(u.path)
         else:
             sock = socket.create_connection(
                 (u.hostname or "127.0.0.1", u.port or 6379), self.timeout_s
             )
+        try:
+            sock.settimeout(self.timeout_s)
+            if u.scheme == "unix":
+                sock.connect(u.path)
+                return sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if u.scheme == "rediss":
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=u.hostname)
+                return ssl.create_default_context().wrap_socket(sock, server_hostname=u.hostname)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _connect(self) -> socket.socket:
+        u = urlparse(self.url)
+        sock = self._open()
         sock.settimeout(self.timeout_s)
         self._sock, self._buf, self._scanned = sock, bytearray(), 0
         hello: list[bytes] = []
@@ -150,7 +161,8 @@ class RespConnection:
             return
         poller = select.poll()  # not select(): the daemon's descriptors pass 1024
         poller.register(self._sock, select.POLLIN)
-        if self._buf or poller.poll(0):
+        pending = isinstance(self._sock, ssl.SSLSocket) and self._sock.pending()
+        if self._buf or pending or poller.poll(0):
             self.close()
 
     def send_parts(self, parts: Sequence[bytes | memoryview]) -> None:
