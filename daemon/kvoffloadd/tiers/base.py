@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffloadd.tiers.spread import JobThreads, TierThreads
+from kvoffloadd.tiers.spread import JobThreads, TierThreads, join_all
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 10.0  # what closing a tier waits for its threads, all of them together
@@ -202,12 +202,8 @@ class SecondaryTier(ABC):
         def left_s() -> float:
             return max(0.0, deadline_s - time.monotonic())
 
-        stopped = jobs.close(left_s())
-        stopped = self.tier_threads.close(left_s()) and stopped
-        for t in others:
-            if t.is_alive():  # a thread never started is stopped
-                t.join(left_s())
-        stopped = stopped and not any(t.is_alive() for t in others)
+        closed = [jobs.close(left_s()), self.tier_threads.close(left_s())]  # both, always
+        stopped = join_all(others, left_s()) and all(closed)
         if not stopped:
             log.error("tier %s: a thread is stuck in I/O; stopping without it", self.name)
         return stopped

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,13 @@ Job = tuple[Callable[..., None], tuple[Any, ...]]
 TAKE_BYTES = 1 << 20  # a thread takes at least this many bytes of small blocks at once
 
 
-def _join_all(threads: list[threading.Thread], timeout_s: float) -> bool:
-    """Wait at most ``timeout_s`` in all for ``threads``; False if one is still alive."""
+def join_all(threads: Sequence[threading.Thread], timeout_s: float) -> bool:
+    """Wait at most ``timeout_s`` in all for ``threads`` (one never started counts as
+    stopped); False if one is still alive."""
     deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
     return not any(t.is_alive() for t in threads)
 
 
@@ -77,7 +79,7 @@ class JobThreads:
             self._stopping = True
             self._queue.clear()
             self._cv.notify_all()
-        return _join_all(self._threads, timeout_s)
+        return join_all(self._threads, timeout_s)
 
     def _serve(self) -> None:
         while True:
@@ -228,7 +230,7 @@ class TierThreads:
             self._cv.notify_all()
         for sp, count in dropped:
             self._finish(sp, count)
-        return _join_all(self._threads, timeout_s)
+        return join_all(self._threads, timeout_s)
 
     # ------------------------------------------------------------ the threads
 
