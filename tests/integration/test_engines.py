@@ -12,6 +12,7 @@ import pytest
 from helpers import poll
 
 import kvoffload
+from kvoffload.link.transport import MAX_UNANSWERED
 from kvoffloadbench.launch import DaemonProcess
 
 CTX = mp.get_context("spawn")
@@ -137,3 +138,25 @@ def test_daemon_down_means_misses_then_reconnect() -> None:
     finally:
         client.close()
         assert d2.stop() == 0
+
+
+def test_fire_and_forget_requests_wait_for_their_replies_in_bounded_batches(
+    daemon: DaemonProcess,
+) -> None:
+    """A client that floods one-way requests (``touch``) never has more than
+    ``MAX_UNANSWERED`` of them unanswered: its next blocking call waits behind at most
+    that much of its own queued work, not behind a backlog of the daemon's whole
+    per-connection allowance."""
+    client = kvoffload.connect(daemon.socket_path)
+    ns = client.namespace("touchy", engines.layout())
+    keys = engines.keys(b"T", 16)
+    most = 0
+    for _ in range(20 * MAX_UNANSWERED):
+        ns.touch(keys)
+        t = client._transport
+        assert t is not None
+        most = max(most, t.unanswered)
+    assert most == MAX_UNANSWERED
+    assert ns.lookup(keys) == 0  # the connection is still in step: replies matched
+    assert client.outages_total == 0
+    client.close()

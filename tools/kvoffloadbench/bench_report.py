@@ -299,8 +299,9 @@ def render(r: dict[str, Any], images: list[str]) -> str:
         "## Control path",
         "",
         "Round trips of each scheduler operation on 16 keys, from 1, 4 and 16 client "
-        "processes at once, each in a closed loop. `touch16` is one-way (no reply), so it "
-        "shows the client's cost only.",
+        "processes at once, each in a closed loop. `touch16` does not wait for its reply: "
+        "the client reads the replies in batches once 64 are unanswered, so its p50 is the "
+        "client's cost and its rate the daemon's.",
         "",
         table(
             ["operation", "clients", "p50", "p99", "ops/s"],

@@ -14,7 +14,10 @@ Rules:
   for something) and returns the pushes; an end of stream is a lost daemon.
 - ``ErrorReply`` becomes the typed exception for its code.
 - Replies to fire-and-forget requests (``send_nowait``) are read and dropped; pushes
-  that arrive while a blocking request waits are kept for the next ``poll``.
+  that arrive while a blocking request waits are kept for the next ``poll``. At most
+  ``MAX_UNANSWERED`` of them are out at once: past that, ``send_nowait`` reads replies
+  until half are in, so no request ever waits behind more than that much of its own
+  connection's queued work (and a caller that never polls holds no growing set).
 - File descriptors go out with SCM_RIGHTS in the same ``sendmsg`` as the frame that
   refers to them; descriptors a reply brings (the region, for trusted workers) wait in
   ``received_fds`` for whoever asked for them. Only the replies to ``BRINGS_FDS``
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 
 RECV_BYTES = 256 * 1024
 MAX_OUTBOX_BYTES = 16 * 1024 * 1024
+MAX_UNANSWERED = 64  # fire-and-forget requests sent and not yet answered
 _ANC_BYTES = socket.CMSG_SPACE(4 * 4)  # room for a few descriptors (one is expected)
 
 
@@ -230,6 +234,24 @@ class Transport:
     def send_nowait(self, req: m.Request) -> None:
         self._send(req, None)
         self._nowait.add(req.rid)
+        if len(self._nowait) > MAX_UNANSWERED:
+            self._settle(MAX_UNANSWERED // 2)
+
+    @property
+    def unanswered(self) -> int:
+        """Fire-and-forget requests sent whose replies have not been read."""
+        return len(self._nowait)
+
+    def _settle(self, most: int) -> None:
+        """Read replies until at most ``most`` fire-and-forget requests are unanswered
+        (pushes met on the way wait for ``poll``); one ``timeout_s`` for all of it."""
+        self._set_kernel_timeout(self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while len(self._nowait) > most:
+            try:
+                self._route(self._next_reply(deadline))
+            except ProtocolError as exc:
+                raise self._lost(exc) from exc
 
     def request(
         self, req: m.Request, fds: list[int] | None = None, timeout_s: float | None = None
