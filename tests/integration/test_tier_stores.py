@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import os
 import pathlib
+import random
 import select
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +17,7 @@ import pytest
 from hostile import requires_root
 from test_tiers import keys
 
-from kvoffloadbench.redis_server import RedisServer
+from kvoffloadbench.redis_server import RedisServer, make_tls_files
 from kvoffloadd.copies.crc import crc32
 from kvoffloadd.tiers.base import SecondaryTier, TierJob, TierNamespace, TierResult, WakeFd
 from kvoffloadd.tiers.blockauth import BlockMac
@@ -385,6 +387,59 @@ def test_a_flushed_script_cache_or_an_idle_timeout_costs_no_store(
         data = sorted(r.scan_iter(match=f"kvoffload:b:{NS.tier_id}:*"))
         indexed = r.zrange("kvoffload:idx", 0, -1)
         assert len(data) == len(indexed) == 3
+    finally:
+        r.config_set("timeout", 0)
+        r.close()
+        tier.close()
+
+
+@pytest.fixture
+def tls_redis(
+    redis_server_name: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[RedisServer]:
+    """A server that speaks TLS only, its certificate signed by a throwaway CA that
+    this process trusts through ``SSL_CERT_FILE`` (as an operator points a daemon at a
+    private CA)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed")
+    monkeypatch.setenv("SSL_CERT_FILE", make_tls_files(str(tmp_path)))
+    with RedisServer(name=redis_server_name, tls_dir=str(tmp_path)) as server:
+        yield server
+
+
+def test_a_tls_tier_moves_blocks_of_many_records_and_survives_an_idle_close(
+    tls_redis: RedisServer, wake: WakeFd
+) -> None:
+    """Scenario: the tier over ``rediss://``, the server's certificate checked. Blocks
+    of 1 MiB (each many TLS records, sent one buffer at a time: TLS has no sendmsg) go
+    down and come back byte-identical; once the server has closed the tier's idle
+    connection, the next store and load still succeed and the tier stays healthy."""
+    import redis
+
+    assert tls_redis.url.startswith("rediss://")
+    ns = TierNamespace.of("llama", "e" * 32, 1 << 20)
+    tier = RedisTier("redis", tls_redis.url, 0, wake, mac=MAC, refresh_s=0.02, connections=1)
+    tier.open_namespace(ns)
+    r = redis.Redis.from_url(tls_redis.url, ssl_ca_certs=os.environ["SSL_CERT_FILE"])
+    try:
+        rng = random.Random(7)
+        blocks = [rng.randbytes(1 << 20) for _ in range(3)]
+        ks = keys(b"s", 3)
+        assert run(tier, wake, True, ks, blocks, ns).ok == [True] * 3
+        out = [b""] * 3
+        assert run(tier, wake, False, ks, out, ns).ok == [True] * 3
+        assert out == blocks
+        r.config_set("timeout", 1)
+        idle = 3  # this test's connection, the tier's poller and its one job thread
+        deadline = time.monotonic() + 10
+        while len(r.client_list()) == idle:  # until the server closed the idle one
+            assert time.monotonic() < deadline, "the server kept its idle connection"
+            time.sleep(0.05)
+        assert run(tier, wake, True, keys(b"t", 1), blocks[2:], ns).ok == [True]
+        out = [b""]
+        assert run(tier, wake, False, keys(b"t", 1), out, ns).ok == [True]
+        assert out == blocks[2:]
+        assert tier.statistics()["healthy"]
     finally:
         r.config_set("timeout", 0)
         r.close()
