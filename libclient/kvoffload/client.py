@@ -1,17 +1,13 @@
-"""The client: one connection per engine process, and what keeps it alive.
+"""The client: one connection per engine process, kept alive by its keeper.
 
 Rules (DESIGN.md section 4, invariant 7 — an engine never crashes, hangs or waits
 because the cache is down):
 - Every blocking call has a timeout (``timeout_s``). A lost daemon turns into misses
   (see ``namespace.Namespace``); nothing here ever blocks on a daemon that is away.
-- A keeper thread watches the live connection for the daemon hanging up (a poll on a
-  duplicate of its socket that wakes on hang-up only, never on data), so an outage
-  is noticed while the engine idles, not at its next request. It then builds the
-  next connection in the background, retrying every ``RETRY_MIN_S`` to
-  ``RETRY_MAX_S`` (a daemon that comes back is found within a quarter of a second,
-  and a call never sits in a backoff), performs the whole handshake on its own
-  socket — Hello, every namespace re-opened, every worker re-attached, every engine
-  mirror's snapshot and first lease grant — and hands the finished link over.
+- A keeper thread (``link.keeper.Keeper``) notices an outage while the engine idles and
+  builds the next connection in the background: the whole handshake — Hello, every
+  namespace re-opened, every worker re-attached, every engine mirror's snapshot and
+  first lease grant — on its own socket (``handshake``), then hands it over.
 - The engine's thread adopts it at its next call at the latest (``adopt``, which an
   engine step makes first): one pointer swap and local updates. A connection it had
   not yet noticed was dead is dropped then, as if noticed (its jobs and leases void).
@@ -30,11 +26,9 @@ because the cache is down):
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +36,7 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 from kvoffload.link.channel import Registration
+from kvoffload.link.keeper import Keeper, Link
 from kvoffload.link.transport import Transport
 from kvoffload.namespace import Namespace, pack_checked
 from kvoffload.paths import default_socket_path
@@ -54,26 +49,11 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=m.Reply)
 T = TypeVar("T")
 
-_HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
-_RETRYABLE = (DaemonUnavailableError, NotFoundError)  # absent daemon, or namespace
-
-
-class _Link:
-    """A connection whose handshake is complete, waiting to be adopted."""
-
-    def __init__(self, t: Transport, welcome: m.Welcome) -> None:
-        self.transport = t
-        self.welcome = welcome
-        self.states: list[tuple[Registration, Any]] = []
-
 
 class Client:
     """A connection to kvoffloadd. Build it with ``kvoffload.connect()``."""
 
-    RETRY_MIN_S = 0.02
-    RETRY_MAX_S = 0.25
     KEEPER_LEAVE_S = 1.0  # how long close() waits for the keeper to let the connection go
-    RETRY_REFUSED_S = 5.0  # a daemon that refuses us is asked again, but rarely
 
     def __init__(self, socket_path: str, timeout_s: float = 5.0, name: str = "") -> None:
         self.socket_path = socket_path
@@ -83,12 +63,10 @@ class Client:
         self._changed = threading.Condition(self._lock)
         self._rids = itertools.count(1)
         self._transport: Transport | None = None
-        self._pending: _Link | None = None
+        self._pending: Link | None = None
         self._registrations: list[Registration] = []
         self._routes: dict[tuple[type, int], Registration] = {}  # (push kind, id) -> owner
-        self._keeper: threading.Thread | None = None
-        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # rouses the keeper
-        self._noted: set[str] = set()  # namespaces we said we wait for
+        self._keeper = Keeper(self, self._lock)
         self.epoch = 0  # bumped on every (re)connect; leases of older epochs are void
         self.welcome: m.Welcome | None = None
         self.outages_total = 0
@@ -112,7 +90,11 @@ class Client:
     def lock(self) -> AbstractContextManager[Any]:
         return self._lock
 
-    def _handshake(self) -> _Link:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def handshake(self) -> Link:
         """Connect and replay every registration on a new socket (any thread)."""
         t = Transport(self.socket_path, self.timeout_s)
         try:
@@ -120,7 +102,7 @@ class Client:
                 m.Hello(self.next_rid(), m.PROTOCOL_VERSION, self.name, os.getpid())
             )
             assert isinstance(welcome, m.Welcome)
-            link = _Link(t, welcome)
+            link = Link(t, welcome)
             with self._lock:
                 registrations = list(self._registrations)
             ns_ids: dict[int, int] = {}  # id(Namespace) -> namespace id on this connection
@@ -132,7 +114,7 @@ class Client:
             t.close()
             raise
 
-    def _adopt(self, link: _Link) -> None:
+    def _adopt(self, link: Link) -> None:
         """Take over a finished handshake (the engine's thread, the lock held)."""
         if [reg for reg, _ in link.states] != self._registrations:
             for reg, state in link.states:  # registrations changed meanwhile: again
@@ -140,7 +122,7 @@ class Client:
                 if discard is not None:
                     discard(state)
             link.transport.close()
-            self._rouse()
+            self._keeper.rouse()
             return
         if self._transport is not None:  # dead, but nobody had noticed: drop it now
             self._drop(self._transport, "replaced by a new connection")
@@ -152,7 +134,7 @@ class Client:
         self._route(link.transport.take_pushed())  # the first lease grants came along
         if self.epoch > 1:
             log.warning("kvoffloadd at %s is back; offloading resumes", self.socket_path)
-        self._rouse()  # watch the new connection
+        self._keeper.rouse()  # watch the new connection
 
     def adopt(self) -> None:
         """Take over a connection the keeper has ready (an engine step's first call)."""
@@ -169,15 +151,15 @@ class Client:
             link, self._pending = self._pending, None
             self._adopt(link)
         if self._transport is None:
-            if self._keeper is None:
-                self._rouse()
+            if not self._keeper.started:
+                self._keeper.rouse()
             raise DaemonUnavailableError(f"kvoffloadd at {self.socket_path} is unavailable")
         return self._transport
 
     def _lost(self, exc: KVOffloadError) -> None:
         if self._transport is not None:
             self._drop(self._transport, str(exc))
-            self._rouse()
+            self._keeper.rouse()
 
     def _drop(self, t: Transport, why: str, outage: bool = True) -> None:
         """Forget a connection: its leases, pins and jobs died with it (lock held)."""
@@ -199,90 +181,30 @@ class Client:
             why,
         )
 
-    def _rouse(self) -> None:
-        """Start the keeper, or wake it: the connection changed."""
-        if self._closed:
-            return
-        if self._keeper is None:
-            self._keeper = threading.Thread(target=self._keep, name="kvoffload-keeper", daemon=True)
-            self._keeper.start()
-        os.eventfd_write(self._wake, 1)
+    # ------------------------------------------------------------ for the keeper
 
-    def _wait(self, timeout_s: float | None, fd: int = -1) -> bool:
-        """Sleep until roused or ``timeout_s``; True if ``fd`` (watched for hang-up
-        only) hung up meanwhile."""
-        poller = select.poll()
-        poller.register(self._wake, select.POLLIN)
-        if fd >= 0:
-            poller.register(fd, select.POLLRDHUP)  # errors and hang-ups always count
-        events = poller.poll(None if timeout_s is None else timeout_s * 1000)
-        if any(f == self._wake for f, _ in events):
-            with contextlib.suppress(BlockingIOError):
-                os.eventfd_read(self._wake)
-        return any(f == fd and ev & _HUNG_UP for f, ev in events)
+    def watched(self) -> tuple[Transport | None, bool]:
+        return self._transport, self._pending is not None
 
-    def _keep(self) -> None:
-        """The keeper: watch the live connection, replace a lost one in the background."""
-        try:
-            self._keep_until_closed()
-        finally:
-            with self._lock:  # whoever rouses us holds it, and checks _closed first
-                os.close(self._wake)
+    def hung_up(self, t: Transport) -> None:
+        with self._lock:
+            if t is self._transport and not t.lost_noted:
+                self._note_lost(t, "it hung up")
 
-    def _keep_until_closed(self) -> None:
-        delay_s = self.RETRY_MIN_S
-        refused = ""
-        stale: Transport | None = None  # hung up, not yet noticed by the engine
-        while not self._closed:
-            with self._lock:
-                t, pending = self._transport, self._pending
-                fd = os.dup(t.sock.fileno()) if t is not None and t.sock and t is not stale else -1
-            if pending is not None:
-                self._wait(1.0)  # until the engine adopts it
-                continue
-            if fd >= 0:
-                try:
-                    hung_up = self._wait(None, fd)
-                finally:
-                    os.close(fd)
-                if hung_up:
-                    with self._lock:
-                        if t is self._transport and t is not None and not t.lost_noted:
-                            self._note_lost(t, "it hung up")
-                    stale = t
-                continue
-            try:
-                link = self._handshake()
-            except _RETRYABLE as exc:
-                if isinstance(exc, NotFoundError) and str(exc) not in self._noted:
-                    self._noted.add(str(exc))
-                    log.info("kvoffload: waiting for the engine's workers: %s", exc)
-                self._wait(delay_s)
-                delay_s = min(delay_s * 2, self.RETRY_MAX_S)
-                continue
-            except KVOffloadError as exc:
-                if str(exc) != refused:
-                    refused = str(exc)
-                    log.error("kvoffloadd at %s refuses this client: %s", self.socket_path, exc)
-                self._wait(self.RETRY_REFUSED_S)
-                continue
-            except Exception:  # a bug must not end reconnecting for good
-                log.exception("kvoffload: connecting to %s failed", self.socket_path)
-                self._wait(self.RETRY_REFUSED_S)
-                continue
-            delay_s, stale = self.RETRY_MIN_S, None
-            with self._lock:
-                if self._closed:
-                    link.transport.close()
-                    return
-                self._pending = link
-                self._changed.notify_all()
+    def offer(self, link: Link) -> bool:
+        with self._lock:
+            if self._closed:
+                link.transport.close()
+                return False
+            self._pending = link
+            self._changed.notify_all()
+        return True
 
     def connect_now(self) -> None:
         """Connect on the calling thread; raises DaemonUnavailableError if it cannot."""
         with self._lock:
             if self._transport is None:
-                self._adopt(self._handshake())
+                self._adopt(self.handshake())
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Block until a connection is up (or adopted), at most ``timeout_s``."""
@@ -428,11 +350,9 @@ class Client:
                 return
             except NotFoundError as exc:  # a joined namespace not created yet
                 self._registrations.append(reg)
-                if str(exc) not in self._noted:
-                    self._noted.add(str(exc))
-                    log.info("kvoffload: waiting for the engine's workers: %s", exc)
+                self._keeper.note_waiting(exc)
                 self._drop(t, str(exc), outage=False)  # the keeper retries all of it
-                self._rouse()
+                self._keeper.rouse()
                 return
             self._registrations.append(reg)
             reg._adopt(state)
@@ -501,16 +421,13 @@ class Client:
                     reg.close()
             self._closed = True
             self._changed.notify_all()
-            os.eventfd_write(self._wake, 1)
             if self._transport is not None:
                 self._transport.close()
                 self._transport = None
             if self._pending is not None:
                 self._pending.transport.close()
                 self._pending = None
-            keeper = self._keeper
-            if keeper is None:
-                os.close(self._wake)  # else the keeper's last act, as it leaves
+            keeper = self._keeper.stop()
         # The keeper watches the connection through a duplicate of its descriptor: wait
         # (bounded) until it has let go, so that a process forked after close() does not
         # hold the connection open for as long as it lives.
@@ -537,7 +454,7 @@ def connect(
     client = Client(path, timeout_s, name)
     if lazy:
         with client._lock:
-            client._rouse()
+            client._keeper.rouse()
     else:
         client.connect_now()
     return client

@@ -4,10 +4,11 @@ recorded, never slept; no sockets."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-import kvoffload
-from kvoffload.client import _Link
+from kvoffload.link.keeper import Keeper, Link
+from kvoffload.link.transport import Transport
 from kvoffload.protocol.errors import DaemonUnavailableError, NotFoundError
 
 
@@ -16,46 +17,66 @@ class _Transport:
         pass
 
 
-class ScriptedKeeper(kvoffload.Client):
-    """A client whose handshakes follow ``script`` ("down": the daemon is away,
-    "missing": it is up but the namespace is not yet, "up": it answers) and whose
-    keeper records each wait instead of sleeping; the engine adopts each new
-    connection at the keeper's next wait, and the connection drops again at once."""
+class ScriptedClient:
+    """A client (``Kept``) whose handshakes follow ``script`` ("down": the daemon is
+    away, "missing": it is up but the namespace is not yet, "up": it answers); the
+    engine adopts each new connection at the keeper's next wait, and the connection
+    drops again at once."""
+
+    socket_path = "kvoffloadd.sock"
 
     def __init__(self, script: list[str]) -> None:
-        super().__init__("kvoffloadd.sock")
         self.script = script
-        self.waits: list[float | None] = []
         self.handshakes = 0
+        self.pending = False
+        self.closed = False
 
-    def _handshake(self) -> _Link:
+    def watched(self) -> tuple[Transport | None, bool]:
+        return None, self.pending
+
+    def handshake(self) -> Link:
         self.handshakes += 1
         what = self.script.pop(0)
         if not self.script:
-            self._closed = True  # the script is over: the keeper leaves after this
+            self.closed = True  # the script is over: the keeper leaves after this
         if what == "down":
             raise DaemonUnavailableError("kvoffloadd is not there")
         if what == "missing":
             raise NotFoundError("namespace 'v' is not open yet")
-        return _Link(_Transport(), None)  # type: ignore[arg-type]
+        return Link(_Transport(), None)  # type: ignore[arg-type]
 
-    def _wait(self, timeout_s: float | None, fd: int = -1) -> bool:
+    def hung_up(self, t: Transport) -> None:
+        raise AssertionError("never connected")
+
+    def offer(self, link: Link) -> bool:
+        self.pending = True
+        return True
+
+
+class RecordingKeeper(Keeper):
+    """A keeper that records each wait instead of sleeping."""
+
+    def __init__(self, client: ScriptedClient) -> None:
+        super().__init__(client, threading.RLock())
+        self.scripted = client
+        self.waits: list[float | None] = []
+
+    def wait(self, timeout_s: float | None, fd: int = -1) -> bool:
         self.waits.append(timeout_s)
-        self._pending = None  # adopted, and lost again
+        self.scripted.pending = False  # adopted, and lost again
         return False
 
 
-def keeper(script: list[str]) -> ScriptedKeeper:
-    c = ScriptedKeeper(script)
-    c._keep_until_closed()
-    c._closed = False
-    c.close()
+def keeper(script: list[str]) -> RecordingKeeper:
+    c = RecordingKeeper(ScriptedClient(script))
+    c.keep_until_closed()
+    assert c.stop() is None  # no thread ran: the eventfd closes here
     return c
 
 
 def test_retries_back_off_from_the_first_delay_to_the_cap_and_no_further() -> None:
     c = keeper(["down"] * 12)
-    lo, hi = kvoffload.Client.RETRY_MIN_S, kvoffload.Client.RETRY_MAX_S
+    lo, hi = Keeper.RETRY_MIN_S, Keeper.RETRY_MAX_S
     expected: list[Any] = []
     delay = lo
     for _ in range(12):
@@ -67,14 +88,14 @@ def test_retries_back_off_from_the_first_delay_to_the_cap_and_no_further() -> No
 
 def test_a_daemon_that_comes_back_is_tried_again_from_the_first_delay() -> None:
     c = keeper(["down"] * 8 + ["up"] + ["down"] * 3)
-    lo, hi = kvoffload.Client.RETRY_MIN_S, kvoffload.Client.RETRY_MAX_S
+    lo, hi = Keeper.RETRY_MIN_S, Keeper.RETRY_MAX_S
     assert c.waits[:8] == [lo, 2 * lo, 4 * lo, 8 * lo, hi, hi, hi, hi]
-    assert c.waits[8] == 1.0  # connected: waits for the engine to adopt it
+    assert c.waits[8] == Keeper.ADOPT_WAIT_S  # connected: waits for the engine to adopt it
     assert c.waits[9:] == [lo, 2 * lo, 4 * lo]  # lost again: the backoff starts over
-    assert c.handshakes == 12
+    assert c.scripted.handshakes == 12
 
 
 def test_a_namespace_not_open_yet_is_waited_for_like_an_absent_daemon() -> None:
     c = keeper(["missing"] * 3 + ["up"])
-    lo = kvoffload.Client.RETRY_MIN_S
+    lo = Keeper.RETRY_MIN_S
     assert c.waits == [lo, 2 * lo, 4 * lo]
