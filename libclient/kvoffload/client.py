@@ -250,10 +250,12 @@ class Client:
             return reply
 
     def send_nowait(self, make: Callable[[int], m.Request]) -> None:
+        """Send a request whose reply nobody waits for; a fault loses the connection
+        (the caller carries on: what it asked for is no longer needed or is retried)."""
         with self._lock:
             try:
                 self._ensure().send_nowait(make(self.next_rid()))
-            except DaemonUnavailableError as exc:
+            except KVOffloadError as exc:  # a daemon's last word (a refusal) included
                 self._lost(exc)
 
     def post(self, msg: m.Request) -> bool:

@@ -99,3 +99,23 @@ def test_a_namespace_not_open_yet_is_waited_for_like_an_absent_daemon() -> None:
     c = keeper(["missing"] * 3 + ["up"])
     lo = Keeper.RETRY_MIN_S
     assert c.waits == [lo, 2 * lo, 4 * lo]
+
+
+def test_a_fault_inside_the_keeper_does_not_end_its_keeping() -> None:
+    """Anything that escapes the loop (here the first look at the connection, as when
+    the process is out of descriptors) is logged and the keeper starts over, rather
+    than leaving the client with no keeper and a closed wake-up descriptor."""
+
+    class Faulty(ScriptedClient):
+        looks = 0
+
+        def watched(self) -> tuple[Transport | None, bool]:
+            self.looks += 1
+            if self.looks == 1:
+                raise OSError(24, "Too many open files")
+            return super().watched()
+
+    c = RecordingKeeper(Faulty(["down", "up"]))
+    c._run()  # on this thread: returns once the script is over
+    assert c.waits == [Keeper.RETRY_REFUSED_S, Keeper.RETRY_MIN_S]
+    assert c.scripted.handshakes == 2

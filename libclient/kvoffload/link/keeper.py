@@ -131,7 +131,12 @@ class Keeper:
 
     def _run(self) -> None:
         try:
-            self.keep_until_closed()
+            while not self._client.closed:
+                try:
+                    self.keep_until_closed()
+                except Exception:  # a bug (say, out of descriptors) ends no keeping
+                    log.exception("kvoffload: the keeper of %s failed", self._client.socket_path)
+                    self.wait(self.RETRY_REFUSED_S)
         finally:
             with self._lock:  # whoever rouses us holds it, and checks closed first
                 os.close(self._wake)
@@ -145,7 +150,9 @@ class Keeper:
         while not client.closed:
             with self._lock:
                 t, pending = client.watched()
-                fd = os.dup(t.sock.fileno()) if t is not None and t.sock and t is not stale else -1
+                fd = -1
+                if t is not None and t.sock is not None and t is not stale and not pending:
+                    fd = os.dup(t.sock.fileno())
             if pending:
                 self.wait(self.ADOPT_WAIT_S)  # until the engine adopts it
                 continue

@@ -156,6 +156,8 @@ class Transport:
         if sock is None:
             raise DaemonUnavailableError("connection to kvoffloadd is closed")
         if timeout_s > 0 and not self.pushed:
+            self._decode_buffered()  # what an earlier read brought along goes first
+        if timeout_s > 0 and not self.pushed:
             try:
                 ready, _, _ = select.select([sock], [], [], timeout_s)
             except (OSError, ValueError) as exc:
@@ -243,15 +245,30 @@ class Transport:
         return len(self._nowait)
 
     def _settle(self, most: int) -> None:
-        """Read replies until at most ``most`` fire-and-forget requests are unanswered
-        (pushes met on the way wait for ``poll``); one ``timeout_s`` for all of it."""
+        """Read replies until at most ``most`` fire-and-forget requests are unanswered,
+        then decode whatever else came along (pushes wait for ``poll``). Gives up, the
+        daemon lost, after ``2 * timeout_s`` at most (the clock is read before each
+        reply; a read waits ``timeout_s`` at most)."""
         self._set_kernel_timeout(self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
         while len(self._nowait) > most:
+            if not self.conn.buffered_bytes and time.monotonic() > deadline:
+                raise self._lost(f"{len(self._nowait)} replies did not come in time")
             try:
                 self._route(self._next_reply(deadline))
             except ProtocolError as exc:
                 raise self._lost(exc) from exc
+        self._decode_buffered()
+
+    def _decode_buffered(self) -> None:
+        """Route every whole message already received (replies dropped, pushes kept)."""
+        try:
+            while self.conn.buffered_bytes and not isinstance(
+                event := self.conn.next_event(), NeedData
+            ):
+                self._route(event)
+        except ProtocolError as exc:
+            raise self._lost(exc) from exc
 
     def request(
         self, req: m.Request, fds: list[int] | None = None, timeout_s: float | None = None
