@@ -19,7 +19,8 @@ Layers, lowest first; a module imports only from its own layer or below (checked
    CLI import it too. ``version``: the distribution's version, its one place.
 2. ``datapath``, ``cuda``: how blocks lie in slots and the region and the copies that
    move them (shared with the daemon); the CUDA driver seam.
-3. ``link``: the unix-socket connection under the API, and who the daemon is.
+3. ``link``: the unix-socket connection under the API, who the daemon is, and the
+   keeper thread that replaces a lost connection.
 4. The API: ``client``, ``namespace``, ``worker``, ``cache``, ``plans``, ``paths``.
 5. ``engine``: engines' never-waiting machinery (key mirror view, streaming worker,
    tier probes).
