@@ -109,9 +109,10 @@ LINES: tuple[LineSpec, ...] = (
     LineSpec("copies", "copies", Limits.scaled(2 * MAX_JOB_COPIES), 0,
              "the copies those jobs expand to (built a piece at a time, off the loop)",
              "completion"),
-    LineSpec("waits", "waits", Limits(1024, 4096, 16384), 512,
-             "WaitJobs requests waiting for jobs",
-             "the jobs finish, the worker detaches, or closing"),
+    LineSpec("waits", "job ids", Limits(65536, 262144, 1048576), 96,
+             "jobs named by WaitJobs requests still waiting (one per job a request waits "
+             "for: what it holds, and what finishing those jobs walks)",
+             "each job as it finishes, the worker detaches, or closing"),
 )
 # fmt: on
 SPECS: dict[str, LineSpec] = {spec.name: spec for spec in LINES}

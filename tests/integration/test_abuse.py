@@ -128,6 +128,32 @@ def test_descriptors_parked_with_scm_rights_are_charged_and_cut_off(daemon: Daem
     abuse("20 x 1,000 parked descriptors", daemon, park)
 
 
+def test_a_descriptor_whose_close_would_wait_never_holds_the_loop(daemon: DaemonProcess) -> None:
+    """A TCP socket with unsent data nobody reads and a 60 s ``SO_LINGER``, sent with a
+    ping; the sender drops its own copy and hangs up. The daemon's close of what the
+    connection parked is the socket's last: it would wait out the linger time on the
+    loop (15 s stalls seen) if the daemon closed it there."""
+
+    def linger() -> list[socket.socket]:
+        listener = socket.create_server(("127.0.0.1", 0))
+        tcp = socket.create_connection(listener.getsockname())
+        peer, _ = listener.accept()  # never reads
+        tcp.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                tcp.send(b"x" * 65536)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 60))
+        s = raw(daemon.socket_path)
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [tcp.fileno()]))]
+        s.sendmsg([encode_frame(m.Ping(2))], anc)
+        tcp.close()
+        s.close()  # the daemon closes what the connection parked
+        time.sleep(0.5)  # the canary pings on meanwhile
+        return [peer, listener]
+
+    abuse("a lingering socket parked and left", daemon, linger)
+
+
 def test_the_descriptor_table_is_grown_to_the_limit_at_start(daemon: DaemonProcess) -> None:
     """Grown later, by descriptors peers send, each doubling of the table waits for an RCU
     grace period inside the loop's recvmsg (20-30 ms each; 20,000 parked descriptors
@@ -404,3 +430,56 @@ def test_a_frame_its_decoder_would_quote_whole_costs_neither_memory_nor_log() ->
         assert d.stop() == 0
         os.close(reader)
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_wait_is_charged_per_job_it_names_and_ends_with_its_last_job(
+    daemon: DaemonProcess,
+) -> None:
+    """Each WaitJobs keeps a set of the jobs it waits for, and finishing a job once
+    walked every wait of the connection: 1,024 waits of 4,096 jobs each grew a daemon
+    by 540 MiB its ledger did not see, and held the loop for 594 ms. A wait is charged
+    per job it names (``waits``: 65,536 per connection), and a finished job ends only
+    the waits on it."""
+    from liar import Liar
+
+    from kvoffload.protocol.packing import pack_ids, unpack_ids
+
+    jobs = 8
+    liar = Liar(daemon.socket_path)
+    try:
+        ns = liar.open("waits", m.KVLayout([4096])).ns
+        cache = m.CacheDesc("client", 64, 4096)
+        attached = liar.call(m.AttachWorker(0, ns, 0, [cache], client_copy=True))
+        assert isinstance(attached, m.WorkerAttached), attached
+        w = attached.worker
+        plan = liar.call(m.PrepareStore(0, ns, b"".join(b"w%07d" % i for i in range(jobs)), 8))
+        assert isinstance(plan, m.StorePlanReply), plan
+        slots = unpack_ids(plan.slots)
+        for j in range(jobs):  # client copies nobody reports: in flight until said
+            copy = liar.call(m.SubmitStore(0, w, j, pack_ids([j]), pack_ids([slots[j]])))
+            assert isinstance(copy, m.CopyPlanReply), copy
+        per_connection = 65536 // jobs  # waits on all the jobs that one connection may keep
+        rids = [liar.rid() for _ in range(per_connection + 1)]
+        for rid in rids:
+            liar.send(m.WaitJobs(rid, w, list(range(jobs))))
+        refused = liar.call(m.Ping(0))  # every wait is in before this is answered
+        assert isinstance(refused, m.Pong)
+        errors = [r for r in liar.pushes if isinstance(r, m.ErrorReply)]
+        assert [e.rid for e in errors] == [rids[-1]]  # past 65,536 job ids: refused
+        with kvoffload.connect(daemon.socket_path) as admin:
+            assert admin.stats()["ledger"]["lines"]["waits"]["total"] == 65536
+        for j in range(jobs - 1):
+            assert isinstance(liar.call(m.ClientCopyDone(0, w, j, True)), m.OkReply)
+        assert not [r for r in liar.pushes if isinstance(r, m.OkReply)]  # one job left
+        with kvoffload.connect(daemon.socket_path) as admin:
+            assert admin.stats()["ledger"]["lines"]["waits"]["total"] == per_connection
+        assert isinstance(liar.call(m.ClientCopyDone(0, w, jobs - 1, True)), m.OkReply)
+        deadline = time.monotonic() + 20
+        while len([r for r in liar.pushes if isinstance(r, m.OkReply)]) < per_connection:
+            liar._keep(liar.next(deadline))
+        answered = {r.rid for r in liar.pushes if isinstance(r, m.OkReply)}
+        assert answered == set(rids[:-1])
+        with kvoffload.connect(daemon.socket_path) as admin:
+            assert admin.stats()["ledger"]["lines"]["waits"]["total"] == 0
+    finally:
+        liar.close()

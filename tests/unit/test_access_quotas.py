@@ -141,6 +141,21 @@ def test_readers_load_what_writers_store_and_store_nothing() -> None:
         assert svc.engines.refused_claims_total == 1
 
 
+def test_a_reader_cannot_create_a_namespace_and_fix_its_layout_for_the_writers() -> None:
+    """Creating a namespace fixes its layout for everyone: a uid that may only read a
+    name could claim it first with a layout its writers do not have, and lock them out
+    of it (LAYOUT_MISMATCH) for as long as the record lasts, warm restarts included."""
+    rules = [{"pattern": "kv-*", "uids": [OTHER], "read_uids": [READER]}]
+    for svc in make_service(namespace_access=rules):
+        writer, reader = session(svc, 1, uid=OTHER), session(svc, 2, uid=READER)
+        junk = m.KVLayout([4096], model="squatted")
+        with pytest.raises(PermissionDeniedError, match="create namespace 'kv-1'"):
+            svc.handle(reader, m.OpenNamespace(1, "kv-1", junk))
+        assert "kv-1" not in svc.table.by_name
+        ns = open_ns(svc, writer, "kv-1")  # the writer's layout
+        assert open_ns(svc, reader, "kv-1") == ns  # once it exists the reader opens it
+
+
 def store(svc: Service, s: Session, ns: int, keys: list[bytes]) -> m.Reply | None:
     kp, kb = pack_keys(keys)
     r = svc.handle(s, m.PrepareStore(2, ns, kp, kb))
@@ -242,3 +257,31 @@ def test_stats_and_client_lists_name_only_namespaces_the_peer_may_open() -> None
             clients = svc.handle(s, m.ListClients(4))
             assert isinstance(clients, m.ClientsReply)
             assert {n for c in clients.clients for n in c.namespaces} == seen
+
+
+def test_housekeeping_expires_a_bounded_number_of_pins_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer that let hundreds of thousands of pins age held the loop half a second
+    at the housekeeping that dropped them all. Each call expires at most
+    ``CRON_EXPIRY_KEYS`` keys' pins (here 100), oldest first, and says when some are
+    left."""
+    from kvoffloadd.service import service
+
+    monkeypatch.setattr(service, "CRON_EXPIRY_KEYS", 100)
+    n = 150
+    for svc in make_service():
+        s = session(svc, 1)
+        ns = open_ns(svc, s, "aging")
+        keys = [b"k%07d" % i for i in range(n)]
+        for part in range(0, n, 25):  # within the blocks one client may write at once
+            assert isinstance(store(svc, s, ns, keys[part : part + 25]), m.StorePlanReply)
+        kp, kb = pack_keys(keys)
+        assert isinstance(svc.handle(s, m.PrepareLoad(4, ns, kp, kb)), m.LoadPlanReply)
+        index = svc.namespaces[ns]
+        assert index.statistics().pinned_blocks == n
+        index.pin_timeout_s = 0.0  # every pin is overdue now
+        assert svc.cron() is True  # some left for the next call
+        assert index.statistics().pinned_blocks == n - 100
+        assert svc.cron() is False
+        assert index.statistics().pinned_blocks == 0

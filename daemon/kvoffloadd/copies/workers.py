@@ -10,8 +10,6 @@ Rules:
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -133,9 +131,3 @@ class AttachedWorker:
         if self.release is not None:
             self.release()
             self.release = None
-
-
-def close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)

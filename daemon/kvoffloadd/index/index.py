@@ -154,9 +154,15 @@ class NamespaceIndex(LoadIndex):
         if done:
             self._finish_stores(done, True)
 
-    def expire_commits(self, now_s: float) -> int:
-        """Fail committed stores whose copies never landed; returns how many."""
-        late = [s for s, deadline in self._waiting.items() if deadline <= now_s]
+    def expire_commits(self, now_s: float, most: int = 1 << 62) -> int:
+        """Fail committed stores whose copies never landed, at most ``most`` a call;
+        returns how many. Commits wait in the order they came, each for the same
+        ``commit_timeout_s``: the walk stops at the first one not due."""
+        late: list[int] = []
+        for slot, deadline in self._waiting.items():
+            if deadline > now_s or len(late) >= most:
+                break
+            late.append(slot)
         blocks = []
         for slot in late:
             key = self._slot_key[slot]

@@ -165,12 +165,14 @@ class LoadIndex(StoreIndex):
         if client >= 0:  # the daemon's own pins (tiers) end by their jobs' deadlines
             self._pin_since[(client, key)] = self.clock()  # inserted in age order
 
-    def expire_pins(self, now_s: float) -> int:
+    def expire_pins(self, now_s: float, most_keys: int = 1 << 62) -> int:
         """Drop pins held longer than ``pin_timeout_s`` (a load takes a step, not a
         minute): a client cannot keep a block, or the extent it lies in, for good.
+        At most ``most_keys`` keys' pins a call, oldest first (the rest at the next).
         Returns how many pins went."""
         since_of, dropped = self._pin_since, 0
-        while since_of:
+        while since_of and most_keys > 0:
+            most_keys -= 1
             (client, key), since = next(iter(since_of.items()))  # the oldest pin
             if since > now_s - self.pin_timeout_s:
                 break
@@ -186,6 +188,11 @@ class LoadIndex(StoreIndex):
         dropped += self._expire_grave_pins(now_s)
         self._pins_expired += dropped
         return dropped
+
+    def pins_due(self, now_s: float) -> bool:
+        """Whether a pin is past ``pin_timeout_s`` (``expire_pins`` left some)."""
+        since_of = self._pin_since
+        return bool(since_of) and next(iter(since_of.values())) <= now_s - self.pin_timeout_s
 
     def _expire_grave_pins(self, now_s: float) -> int:
         dropped = 0

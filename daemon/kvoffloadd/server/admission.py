@@ -29,7 +29,7 @@ from collections import deque
 from kvoffload.protocol import ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode
-from kvoffloadd.copies.workers import close_fds
+from kvoffloadd.copies.closer import close_fds
 from kvoffloadd.server.clients import Charges, Client
 from kvoffloadd.server.listener import peer_credentials
 from kvoffloadd.server.ready import ReadyShare

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvoffload.protocol import ServerConnection
 from kvoffload.protocol import messages as m
-from kvoffloadd.copies.workers import close_fds
+from kvoffloadd.copies.closer import close_fds
 from kvoffloadd.ledger import Ledger, Line
 from kvoffloadd.service.budgets import MAX_OUTPUT_BYTES_PER_CLIENT, Budgets
 from kvoffloadd.service.session import Session

@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 RECV_BYTES = 256 * 1024
 MAX_FDS_PER_MSG = 253
 DRAIN_TIMEOUT_S = 30.0
+CRON_CATCH_UP_S = 0.05  # housekeeping that left expiries comes back this soon
 LINGER_S = 5.0  # how long a client closed for a protocol error has to read its replies
 # A request this small (a lookup of a thousand keys), with nobody waiting and the turn's
 # budget not spent, is served as it is read; anything else is buffered and queued.
@@ -156,15 +157,18 @@ class Server:
     def serve_forever(self) -> None:
         self.catch_signals()
         period_s = self.heartbeat.period_s
-        next_cron = time.monotonic() + period_s
+        next_cron = next_beat = time.monotonic() + period_s
         loopthread.claim()
         try:
             while not self._stop:
                 now = time.monotonic()
                 if now >= next_cron:
-                    self._cron()
+                    full = now >= next_beat
+                    behind = self._cron(full)
                     now = time.monotonic()
-                    next_cron = now + period_s
+                    if full:
+                        next_beat = now + period_s
+                    next_cron = min(next_beat, now + CRON_CATCH_UP_S) if behind else next_beat
                 wait_s = 0.0 if self._queued else next_cron - now
                 if self._push_due:  # pushes held back by the gap go out after it
                     wait_s = min(wait_s, FEED_PUSH_GAP_S)
@@ -231,19 +235,24 @@ class Server:
         c = self._by_fd.get(fd)
         return None if c is None else c.session.uid
 
-    def _cron(self) -> None:
-        self.service.cron()
+    def _cron(self, full: bool = True) -> bool:
+        """Housekeeping (``full``: the heartbeat's too, once a period); whether it left
+        expiries for a call soon (``CRON_CATCH_UP_S``)."""
+        behind = self.service.cron()
         for cid in self.service.pushes_due:  # what housekeeping told connections
             c = self.clients.get(cid)
             if c is not None:
                 c.queue_pushes()
                 self._flush(c)
         self.service.pushes_due.clear()
+        if not full:
+            return behind
         self.budgets.trim()
         now = time.monotonic()
         for c in [c for c in self.clients.values() if c.closing_by_s and now > c.closing_by_s]:
             self._drop(c, "did not read its replies after a protocol error")
         self.heartbeat.beat(len(self.clients))
+        return behind
 
     def _signalled(self, events: int) -> None:
         with contextlib.suppress(BlockingIOError):

@@ -41,11 +41,12 @@ from kvoffload.protocol.errors import (
     PermissionDeniedError,
 )
 from kvoffloadd.access import AccessPolicy
+from kvoffloadd.copies.closer import close_fds
 from kvoffloadd.copies.copier import Completion, CpuCopier
 from kvoffloadd.copies.gpu import GpuRuntime
 from kvoffloadd.copies.imports import check_desc, plan_import, run_import
 from kvoffloadd.copies.seals import canonical_placements
-from kvoffloadd.copies.workers import AttachedWorker, ClientCache, ImportedCache, close_fds
+from kvoffloadd.copies.workers import AttachedWorker, ClientCache, ImportedCache
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.ledger import Ledger
 from kvoffloadd.region.region import SharedOffloadRegion

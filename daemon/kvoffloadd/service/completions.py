@@ -230,18 +230,19 @@ class JobBook:
                 s.bytes_loaded += c.nbytes
 
     def _resolve_waits(self, w: AttachedWorker, job_id: int) -> list[tuple[int, m.Reply]]:
+        """End the waits on a finished job (only those: they are found by job)."""
         s = self.sessions.get(w.session_id)
         if s is None:
             return []
+        waits = s.waits.pop((w.worker_id, job_id), None)
+        if not waits:
+            return []
+        self.ledger.give(s.session_id, {"waits": len(waits)})
         out: list[tuple[int, m.Reply]] = []
-        for wait in list(s.waits):
-            rid, wid, pending = wait
-            if wid == w.worker_id:
-                pending.discard(job_id)
-                if not pending:
-                    s.waits.remove(wait)
-                    self.ledger.give(s.session_id, {"waits": 1})
-                    out.append((s.session_id, m.OkReply(rid)))
+        for wait in waits:
+            wait.pending.discard(job_id)
+            if not wait.pending:
+                out.append((s.session_id, m.OkReply(wait.rid)))
         return out
 
     def take_results(self, w: AttachedWorker) -> list[m.JobResult]:
@@ -259,9 +260,8 @@ class JobBook:
         s = self.sessions.get(w.session_id)
         if s is not None:
             s.workers.discard(w.worker_id)
-            for wait in [x for x in s.waits if x[1] == w.worker_id]:
-                s.waits.remove(wait)
-                self.ledger.give(s.session_id, {"waits": 1})
+            for key in [k for k in s.waits if k[0] == w.worker_id]:
+                self.ledger.give(s.session_id, {"waits": len(s.waits.pop(key))})
         if not w.active_jobs:
             self._unmap(w)
 

@@ -94,6 +94,13 @@ class Membership:
         if not self.access.may_open(s.peer, name):
             raise deny(s, f"open namespace {name!r}", "add a namespace_access rule for it")
         known = self.table.by_name.get(name)
+        if known is None and not join and not self.access.may_write(s.peer, name):
+            # Creating fixes the layout for everyone: a uid that may only read a name
+            # could otherwise claim it first with a layout its writers do not have.
+            raise deny(
+                s, f"create namespace {name!r} (it may only read it; a writer creates it)",
+                "list it in the uids or gids of the namespace_access rule that matches",
+            )  # fmt: skip
         new = known is None or known.ns_id not in s.namespaces
         if new:  # a cursor, a lease token, a mirror: charged before anything is held
             self.ledger.require(s.session_id, {"namespaces": 1}, f"open namespace {name!r}")

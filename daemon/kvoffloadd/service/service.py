@@ -40,9 +40,10 @@ from kvoffload.protocol.packing import pack_ids, pack_keys, unpack_ids, unpack_k
 from kvoffloadd import __version__
 from kvoffloadd.access import Peer, peer_groups
 from kvoffloadd.config import DaemonConfig
+from kvoffloadd.copies.closer import close_fds
 from kvoffloadd.copies.copier import Completion, CpuCopier
 from kvoffloadd.copies.gpu import GpuRuntime
-from kvoffloadd.copies.workers import AttachedWorker, close_fds
+from kvoffloadd.copies.workers import AttachedWorker
 from kvoffloadd.index.events import EventFeed, FeedBudget
 from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.ledger import Ledger, Limits, configured
@@ -51,13 +52,16 @@ from kvoffloadd.service.budgets import Budgets
 from kvoffloadd.service.engines import EngineChannel
 from kvoffloadd.service.membership import Membership, deny
 from kvoffloadd.service.namespaces import NamespaceTable
-from kvoffloadd.service.session import Session
+from kvoffloadd.service.session import Session, Wait
 from kvoffloadd.service.stats import LoopTurns, clients_for, stats_for
 from kvoffloadd.service.transfers import Transfers
 from kvoffloadd.tiers.tiering import Tiering
 from kvoffloadd.trust import raise_fd_limit
 
 log = logging.getLogger(__name__)
+
+CRON_EXPIRY_KEYS = 4096  # pinned keys and commits expired per housekeeping call, in all
+CRON_EXPIRY_MIN_KEYS = 16  # each namespace's least share of them
 
 PAGE_BYTES = 4096
 EVICT_PER_REQUEST = m.MAX_STATE_KEYS  # blocks one Evict request evicts at most
@@ -268,8 +272,11 @@ class Service:
         pending = set(r.job_ids) & w.active_jobs
         if not pending:
             return m.OkReply(r.rid)
-        self.ledger.require(s.session_id, {"waits": 1}, "wait for jobs")
-        s.waits.append((r.rid, r.worker, pending))
+        # charged per job it names: what it holds, and what finishing its jobs walks
+        self.ledger.require(s.session_id, {"waits": len(pending)}, "wait for jobs")
+        wait = Wait(r.rid, pending)
+        for job_id in pending:
+            s.waits.setdefault((r.worker, job_id), []).append(wait)
         return None  # answered by on_completions
 
     def _on_take_events(self, s: Session, r: m.TakeEvents) -> m.Reply:
@@ -405,21 +412,29 @@ class Service:
         """Apply finished copies; returns deferred replies as (session id, reply)."""
         return self.transfers.on_completions(done)
 
-    def cron(self) -> None:
+    def cron(self) -> bool:
+        """Housekeeping: expiries, compaction, leases taken back. What expires is
+        bounded per call (``CRON_EXPIRY_KEYS`` in all, shared by the namespaces): a
+        peer that let hundreds of thousands of pins age held the loop half a second
+        at once. Returns whether some is left for the next call, which comes soon."""
         now = time.monotonic()
+        share = max(CRON_EXPIRY_MIN_KEYS, CRON_EXPIRY_KEYS // max(1, len(self.namespaces)))
+        left = False
         for ns in self.namespaces.values():
             ns.events.compact()
-            if expired := ns.expire_pins(now):
+            if expired := ns.expire_pins(now, share):
                 log.warning("namespace %s: %d pins held too long were dropped", ns.name, expired)
             ns.free_graves()
             self.members.take_back_leases(ns, now)
-            if late := ns.expire_commits(now):
+            if late := ns.expire_commits(now, share):
                 log.warning(
                     "namespace %s: %d committed stores never got their copies", ns.name, late
                 )
             ns.slots.release_free_tail()
+            left = left or ns.pins_due(now) or late == share
         if self.tiering is not None:
             self.tiering.check_stalls(now)
+        return left
 
     @property
     def pushes_due(self) -> set[int]:

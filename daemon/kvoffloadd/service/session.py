@@ -10,6 +10,14 @@ from kvoffloadd.access import Peer
 
 
 @dataclass
+class Wait:
+    """One WaitJobs request, answered once none of its jobs is left."""
+
+    rid: int
+    pending: set[int]  # job ids not finished yet
+
+
+@dataclass
 class Session:
     session_id: int
     pid: int
@@ -29,7 +37,9 @@ class Session:
     push_feeds: set[int] = field(default_factory=set)  # namespaces whose events are pushed
     pushes: list[Any] = field(default_factory=list)  # messages to send unasked
     workers: set[int] = field(default_factory=set)
-    waits: list[tuple[int, int, set[int]]] = field(default_factory=list)  # rid, worker, jobs
+    # (worker, job id) -> the WaitJobs requests waiting for that job: a finished job
+    # ends only the waits on it, however many others the connection keeps
+    waits: dict[tuple[int, int], list[Wait]] = field(default_factory=dict)
     bytes_stored: int = 0
     bytes_loaded: int = 0
     connected_s: float = field(default_factory=time.monotonic)
