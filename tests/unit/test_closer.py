@@ -3,6 +3,7 @@ whose close would wait out its linger time is closed at once."""
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import socket
@@ -55,6 +56,27 @@ def test_a_lingering_socket_is_closed_without_waiting_out_its_linger(
     close_fds([r])
     wait_closed(r)
     os.close(w)
+
+
+def test_descriptors_queued_in_a_unix_socket_are_read_out_and_closed_without_linger(
+    lingering: socket.socket,
+) -> None:
+    """A peer's connection (or a unix socket it sent) may still hold descriptors in
+    its queue; closing it releases them as it is closed, their linger included. The
+    closer reads them out first, nested unix sockets too, and closes each without."""
+    outer_a, outer_b = socket.socketpair()
+    inner_a, inner_b = socket.socketpair()
+    rights = socket.SCM_RIGHTS
+    inner_a.sendmsg([b"x"], [(socket.SOL_SOCKET, rights, array.array("i", [lingering.fileno()]))])
+    outer_a.sendmsg([b"y"], [(socket.SOL_SOCKET, rights, array.array("i", [inner_b.fileno()]))])
+    for s in (lingering, inner_a, inner_b):
+        s.close()  # the queues hold the last references now
+    close_fds([outer_b.detach()])
+    r, w = os.pipe()
+    close_fds([r])  # closed once the closer is past the socket above
+    wait_closed(r)
+    os.close(w)
+    outer_a.close()
 
 
 def test_descriptors_of_every_kind_are_closed() -> None:

@@ -7,6 +7,8 @@ is one scenario on the index alone (no sockets, no sleeps).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from test_index_story import ks
@@ -96,6 +98,23 @@ def test_a_commit_whose_copy_never_lands_expires() -> None:
     assert idx.expire_commits(now_s=0.0) == 0
     assert idx.expire_commits(now_s=1e12) == 1
     assert idx.lookup(ks(1)) == 0 and idx.slots.num_used == 0
+
+
+def test_commits_expire_oldest_first_and_a_commit_made_again_goes_last() -> None:
+    """Expiry stops at the first commit not due, so commits are kept in deadline order:
+    committing a waiting store again moves it behind the others (it would otherwise
+    hold every later commit of the namespace back for as long as it is renewed)."""
+    idx = make_index()
+    idx.commit_timeout_s = 5.0
+    slots = idx.lease(TA, 2)
+    idx.claim(TA, A, ks(1, 2), slots)
+    t0 = time.monotonic()
+    idx.commit(TA, A, ks(1), True)
+    idx.commit(TA, A, ks(2), True)
+    idx.commit(TA, A, ks(1), True)  # again, later: its deadline moves on
+    assert idx.expire_commits(now_s=t0 + 1e6, most=1) == 1  # the oldest deadline: 2's
+    assert list(idx._waiting) == [slots[0]]  # 1's, renewed, still waits
+    assert idx.expire_commits(now_s=t0 + 1e6) == 1
 
 
 def test_two_engines_storing_one_key_at_once_end_with_one_copy() -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from kvoffload.datapath.runs import CacheGeometry
 from kvoffload.protocol.errors import InvalidArgumentError
 from kvoffload.protocol.messages import CacheDesc
+from kvoffloadd.copies.closer import close_fds
 from kvoffloadd.loopthread import off_loop
 
 MEMFD, MEMFD_IO = "memfd", "memfd_io"
@@ -284,9 +285,7 @@ def run_import(plan: ImportPlan) -> list[MappedCache | DescriptorCache]:
             fm.release()
         raise
     finally:
-        for fd in plan.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        close_fds(plan.fds)  # a peer's: an unused one may be anything (closer.py)
 
 
 def _first_hole(fd: int, lo: int, hi: int) -> int:

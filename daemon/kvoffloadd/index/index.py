@@ -148,6 +148,7 @@ class NamespaceIndex(LoadIndex):
             elif self._whole(slot):
                 done.append((key, block))
             else:
+                self._waiting.pop(slot, None)  # kept in deadline order (expire_commits)
                 self._waiting[slot] = now + self.commit_timeout_s
         if failed:
             self._finish_stores(failed, False)

@@ -29,7 +29,7 @@ from collections import deque
 from kvoffload.protocol import ServerConnection, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode
-from kvoffloadd.copies.closer import close_fds
+from kvoffloadd.copies.closer import close_fds, close_own_fds
 from kvoffloadd.server.clients import Charges, Client
 from kvoffloadd.server.listener import peer_credentials
 from kvoffloadd.server.ready import ReadyShare
@@ -87,7 +87,7 @@ class Admission:
                 return
             if self.stopping:
                 self.budgets.shed_total += 1
-                conn.close()
+                close_fds([conn.detach()])
                 continue
             conn.setblocking(False)
             pid, uid, gid = peer_credentials(conn)
@@ -112,7 +112,7 @@ class Admission:
         reason = self.service.refusal(session, code)
         with contextlib.suppress(OSError):
             conn.send(encode_frame(m.ErrorReply(0, code, reason)))
-        conn.close()
+        close_fds([conn.detach()])  # what it queued already goes with it: off the loop
         self.service.close_session(session)
 
     def describe(self, cid: int) -> str:
@@ -134,13 +134,13 @@ class Admission:
         close_fds(c.session.fds)  # descriptors it parked that no message claimed
         c.session.fds = []
         c.parts.clear()
-        for _, fds in c.fd_marks:
-            close_fds(fds)
+        for _, fds in c.fd_marks:  # the daemon's own, not yet sent
+            close_own_fds(fds)
         c.fd_marks.clear()
         log.debug("client %d (pid %d): %s", c.session.session_id, c.session.pid, why)
         with contextlib.suppress(OSError):
             self._epoll.unregister(c.fd)
-        c.sock.close()
+        close_fds([c.sock.detach()])  # descriptors it queued go with it: off the loop
         self.leaving.append(c.session)
         self._turns.wake(REAPER, LEAVING_BYTES)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvoffload.protocol import ServerConnection
 from kvoffload.protocol import messages as m
-from kvoffloadd.copies.closer import close_fds
+from kvoffloadd.copies.closer import close_own_fds
 from kvoffloadd.ledger import Ledger, Line
 from kvoffloadd.service.budgets import MAX_OUTPUT_BYTES_PER_CLIENT, Budgets
 from kvoffloadd.service.session import Session
@@ -90,7 +90,7 @@ class Client:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         n = self.sock.sendmsg([self.outbuf], anc)
         self.fd_marks.popleft()
-        close_fds(fds)  # the peer has its own copies now
+        close_own_fds(fds)  # the peer has its own copies now
         return n
 
 

@@ -31,6 +31,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffloadd.copies.closer import close_now
+
 TURN_S = 0.010  # loop time one turn dispatches, all connections together
 PAUSE_OUTPUT_BYTES = 1 << 20
 MAX_OUTPUT_BYTES_PER_CLIENT = 32 << 20
@@ -98,7 +100,9 @@ class Budgets:
         try:
             assert isinstance(accept_one, _socket.socket)
             conn, _ = accept_one.accept()
-            conn.close()
+            # Here and now, so the reserve can be taken again (the descriptor table is
+            # full): its linger off and what it queued read out first (closer.py).
+            close_now(conn.detach())
             self.shed_total += 1
         except OSError:
             pass

@@ -27,7 +27,12 @@ from __future__ import annotations
 import logging
 
 from kvoffload.protocol import messages as m
-from kvoffload.protocol.errors import ErrorCode, InvalidArgumentError, PermissionDeniedError
+from kvoffload.protocol.errors import (
+    ErrorCode,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
 from kvoffload.protocol.packing import pack_ids
 from kvoffloadd.access import AccessPolicy
 from kvoffloadd.index.index import NamespaceIndex
@@ -96,11 +101,12 @@ class Membership:
         known = self.table.by_name.get(name)
         if known is None and not join and not self.access.may_write(s.peer, name):
             # Creating fixes the layout for everyone: a uid that may only read a name
-            # could otherwise claim it first with a layout its writers do not have.
-            raise deny(
-                s, f"create namespace {name!r} (it may only read it; a writer creates it)",
-                "list it in the uids or gids of the namespace_access rule that matches",
-            )  # fmt: skip
+            # could otherwise claim it first with a layout its writers do not have. A
+            # reader waits for a writer instead (clients retry NOT_FOUND, as for a join).
+            raise NotFoundError(
+                f"namespace {name!r} does not exist yet; this uid may only read it, and "
+                "a uid that may write it creates it"
+            )
         new = known is None or known.ns_id not in s.namespaces
         if new:  # a cursor, a lease token, a mirror: charged before anything is held
             self.ledger.require(s.session_id, {"namespaces": 1}, f"open namespace {name!r}")
