@@ -71,9 +71,11 @@ def make_service(**cfg_fields: object) -> Iterator[Service]:
     ).validate()
     region = SharedOffloadRegion(cfg.region_name, Geometry.plan(cfg.region_bytes, MIB, 4096))
     copier = CpuCopier(1)
-    yield Service(cfg, region, copier)
-    copier.close()
-    region.close()
+    try:  # a failing test's region goes too (it is closed when the loop is left)
+        yield Service(cfg, region, copier)
+    finally:
+        copier.close()
+        region.close()
 
 
 def session(svc: Service, sid: int, uid: int = 0) -> Session:
