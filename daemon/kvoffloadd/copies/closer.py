@@ -56,6 +56,17 @@ def close_fds(fds: list[int]) -> None:
     _queue.put(list(fds))
 
 
+def received_fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors SCM_RIGHTS brought with a ``recvmsg`` (its ancillary data)."""
+    out: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds = array.array("i")
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+            out.extend(fds)
+    return out
+
+
 def close_own_fds(fds: list[int]) -> None:
     """Close descriptors the daemon made itself, here and now (no peer chose them)."""
     for fd in fds:
@@ -90,12 +101,8 @@ def _drain(sock: socket.socket, depth: int) -> None:
             data, anc, _flags, _ = sock.recvmsg(DRAIN_BYTES, _ANC_BYTES)
         except OSError:  # nothing more now, not connected, or not readable
             return
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                for received in fds:
-                    close_now(received, depth + 1)
+        for received in received_fds(anc):
+            close_now(received, depth + 1)
         if not data and not anc:  # the end of the stream
             return
 

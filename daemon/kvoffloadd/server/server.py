@@ -53,6 +53,7 @@ from kvoffload.protocol import NeedData, encode_frame
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.errors import ErrorCode, KVOffloadError, ProtocolError
 from kvoffloadd import loopthread
+from kvoffloadd.copies.closer import received_fds
 from kvoffloadd.server import ready as readyshare
 from kvoffloadd.server.admission import REAPER, Admission
 from kvoffloadd.server.clients import Client
@@ -347,11 +348,7 @@ class Server:
     def _park_fds(self, c: Client, anc: list[tuple[int, int, bytes]]) -> None:
         """Descriptors that came with the bytes: the session's until a request claims
         them (charged with the bytes, ``Charges.account``)."""
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                c.session.fds.extend(fds)
+        c.session.fds.extend(received_fds(anc))
 
     def _serve(self, end_s: float) -> None:
         """Serve queued connections one unit at a time, fairly, until ``end_s``. A unit
