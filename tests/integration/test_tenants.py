@@ -437,6 +437,46 @@ def store_as_b(sock: str, blocks: int) -> int:
     return stored
 
 
+def repin_as_reader(sock: str, keys: list[bytes], rounds: int) -> list[int]:
+    """A uid that may only read tenant A's namespace pins every block of it, drops the
+    pins and takes them again, ``rounds`` times; returns the blocks pinned each time."""
+    liar = Liar(sock)
+    ns = liar.open("tenant-a", m.KVLayout([A_PAGE])).ns
+    pinned = []
+    for _ in range(rounds):
+        liar.step(ns, len(keys[0]), pin_keys=b"".join(keys))
+        stats = liar.call(m.GetStats(0))
+        assert isinstance(stats, m.StatsReply)
+        pinned.append(stats.sections["namespaces"]["tenant-a"]["pinned_blocks"])
+        liar.step(ns, len(keys[0]), unpin_keys=b"".join(keys))
+    liar.close()
+    return pinned
+
+
+def test_a_reader_uid_pins_at_most_its_part_of_a_namespace_however_often(
+    shared_sock: str,
+) -> None:
+    """A uid that may only read a namespace pinned all of it, and pinned it again
+    before any pin aged out: its writers' stores found nothing to evict. Now one
+    reader uid pins at most a quarter of the namespace's slots (all readers half)."""
+    rules = [{"pattern": "tenant-a", "uids": [0], "read_uids": [NOBODY]}]
+    settings = {"namespace_access": rules}
+    with DaemonProcess("32MiB", socket_path=shared_sock, settings=settings) as d:
+        n = fill_region(shared_sock, 4096)
+        stored = [b"a-%06d" % i for i in range(n)]
+        with kvoffload.connect(shared_sock) as a:
+            ns = a.namespace("tenant-a", kvoffload.KVLayout(tensor_page_bytes=[A_PAGE]))
+            held = [k for k in stored if ns.lookup([k])]
+            stats = a.stats()
+            slots_per_extent = stats["region"]["extent_bytes"] // A_PAGE
+            owned = stats["namespaces"]["tenant-a"]["extents"] * slots_per_extent
+            assert len(held) == owned > 0
+            pinned = measured("a reader uid pinning a namespace again and again", d,
+                              lambda: repin_as_reader(shared_sock, held, 3))  # fmt: skip
+            assert pinned == [owned // 4] * 3
+        assert d.stop() == 0
+
+
 def test_a_pinned_block_does_not_keep_others_out_of_a_full_region(shared_sock: str) -> None:
     """uid A fills the region and pins one block in its top extent; uid B still gets
     its fair share (today: NO_SPACE, since only the top extent could move)."""

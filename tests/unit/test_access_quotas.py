@@ -158,6 +158,60 @@ def test_a_reader_cannot_create_a_namespace_and_fix_its_layout_for_the_writers()
         assert open_ns(svc, reader, "kv-1") == ns  # once it exists the reader opens it
 
 
+def test_readers_pin_at_most_their_part_of_a_namespace_however_often_they_repin() -> None:
+    """A uid that may only read a namespace could pin every block, and unpin and pin
+    them again before any pin aged out: the writers' stores then found nothing to
+    evict (NO_SPACE) for as long as it kept at it. Readers now pin within their part
+    of the namespace's slots (one uid a quarter, all readers half), so the writers
+    always have the rest to store into."""
+    second = READER + 1
+    rules = [{"pattern": "kv-*", "uids": [OTHER], "read_uids": [READER, second]}]
+    for svc in make_service(namespace_access=rules):
+        writer, reader = session(svc, 1, uid=OTHER), session(svc, 2, uid=READER)
+        ns = open_ns(svc, writer, "kv-1")
+        assert open_ns(svc, reader, "kv-1") == ns
+        index = svc.namespaces[ns]
+        keys = [b"k%07d" % i for i in range(256)]  # more than the region holds
+        for part in range(0, len(keys), 16):
+            assert isinstance(store(svc, writer, ns, keys[part : part + 16]), m.StorePlanReply)
+        assert index.statistics().free_blocks == 0
+        owned = index.slots.num_extents * index.slots.slots_per_extent
+        held = [k for k in keys if svc.handle(writer, m.Lookup(4, ns, *pack_keys([k]))).hits]
+        assert len(held) == owned > 64
+        kp, kb = pack_keys(held)
+        for turn in range(3):  # pin everything, drop it, pin it all again
+            svc.handle(reader, m.StepBatch(0, ns, kb, pin_keys=kp))
+            assert index.pinned_by(reader.session_id) == owned // 4  # one reader uid's part
+            fresh = [b"w%d-%05d" % (turn, i) for i in range(16)]
+            assert isinstance(store(svc, writer, ns, fresh), m.StorePlanReply)
+            svc.handle(reader, m.StepBatch(0, ns, kb, unpin_keys=kp))
+            assert index.pinned_by(reader.session_id) == 0
+        # blocking loads are refused past the part, all or nothing; a second reader uid
+        # shares the readers' half with the first
+        held = [k for k in held if svc.handle(writer, m.Lookup(4, ns, *pack_keys([k]))).hits]
+        part = owned // 4
+        with pytest.raises(QuotaExceededError, match="may only read it"):
+            svc.handle(reader, m.PrepareLoad(5, ns, *pack_keys(held[: part + 1])))
+        assert index.pinned_by(reader.session_id) == 0
+        load = svc.handle(reader, m.PrepareLoad(6, ns, *pack_keys(held[:part])))
+        assert isinstance(load, m.LoadPlanReply)
+        other = session(svc, 3, uid=second)
+        assert open_ns(svc, other, "kv-1") == ns
+        svc.handle(other, m.StepBatch(0, ns, kb, pin_keys=pack_keys(held[part:])[0]))
+        assert index.pinned_by(other.session_id) == owned // 2 - part
+        # a writer pins as much as it likes; a reader's part is its uid's, and its
+        # pins go with it
+        load = svc.handle(writer, m.PrepareLoad(7, ns, *pack_keys(held[: 2 * part])))
+        assert isinstance(load, m.LoadPlanReply)
+        again = session(svc, 4, uid=READER)
+        assert open_ns(svc, again, "kv-1") == ns
+        svc.handle(again, m.StepBatch(0, ns, kb, pin_keys=kp))
+        assert index.pinned_by(again.session_id) == 0
+        assert svc.close_session(reader)
+        svc.handle(again, m.StepBatch(0, ns, kb, pin_keys=kp))
+        assert index.pinned_by(again.session_id) == part
+
+
 def store(svc: Service, s: Session, ns: int, keys: list[bytes]) -> m.Reply | None:
     kp, kb = pack_keys(keys)
     r = svc.handle(s, m.PrepareStore(2, ns, kp, kb))

@@ -74,9 +74,11 @@ def remove_regions_left(before: set[str]) -> None:
 
 
 def toml_value(v: Any) -> str:
-    """A config value as TOML: JSON scalars and lists are TOML; tables go inline."""
+    """A config value as TOML: JSON scalars are TOML; lists and tables go inline."""
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(map(toml_value, v)) + "]"
     return json.dumps(v)
 
 

@@ -301,11 +301,11 @@ class NamespaceIndex(LoadIndex):
             self._unpin(key, pins, n, client)  # one step per key, however many pins
             dropped += n
         if pins:
-            self.pin_ledger.give(client, dropped)
+            self._pins_given(client, dropped)
             return len(writes), dropped, False
         self._pins.pop(client, None)
         graves = self.graves.release(client)
-        self.pin_ledger.give(client, dropped + graves)
+        self._pins_given(client, dropped + graves)
         self.free_graves()
         return len(writes), dropped + graves, True
 

@@ -10,6 +10,10 @@ Rules:
 - Pins are bounded per client, per uid and in total (``pin_ledger``) and by the
   namespace's ``max_pinned_blocks``; each ages from its first take and is dropped after
   ``pin_timeout_s`` (``expire_pins``): nobody keeps a block, or its extent, for good.
+- A client that may only read the namespace (``reader_joined``) pins within the
+  readers' part of its slots: one reader uid at most 1/``READER_UID_PIN_PART``, all
+  of them 1/``READERS_PIN_PART``. A reader that pins every block again and again,
+  before any pin ages out, still leaves the writers half the namespace to store into.
 - A pinned block that a mirror may still hit after its eviction lies in a grave
   (graves.py): its pins are the grave's, and a load reads it there (``resolve_load``).
 - A block found corrupt is never served again: no new pin, and it is evicted once its
@@ -29,6 +33,12 @@ import numpy.typing as npt
 from kvoffload.protocol.errors import NotFoundError, NotLeasedError, QuotaExceededError
 from kvoffloadd.index.policies import Block
 from kvoffloadd.index.storeindex import StoreIndex
+from kvoffloadd.ledger import UNLIMITED, Limits
+
+# The parts of a namespace's slots that clients which may only read it may pin: one
+# reader uid 1/4, all of them 1/2 (a load pins a step's blocks, not a quarter)
+READER_UID_PIN_PART = 4
+READERS_PIN_PART = 2
 
 _slot_of = attrgetter("slot")
 _ref_of = attrgetter("ref")
@@ -37,12 +47,35 @@ _ref_of = attrgetter("ref")
 class LoadIndex(StoreIndex):
     """A namespace's blocks with their pins and loads (see the module docstring)."""
 
+    def reader_joined(self, client: int, uid: int) -> None:
+        """``client`` (of ``uid``) may read this namespace but not write it."""
+        self.reader_pins.join(client, uid)
+
+    def reader_left(self, client: int) -> None:
+        """``client`` gave back its pins here (``release_client``) and left."""
+        self.reader_pins.leave(client)
+
+    def _readers_room(self, client: int) -> int:
+        """Pins ``client`` may take within the readers' part (any number: a writer)."""
+        owned = self.slots.num_extents * self.slots.slots_per_extent
+        line = self.reader_pins
+        line.limits = Limits(UNLIMITED, owned // READER_UID_PIN_PART, owned // READERS_PIN_PART)
+        return line.room(client)
+
+    def _pins_taken(self, client: int, n: int) -> None:
+        self.pin_ledger.add(client, n)
+        self.reader_pins.add(client, n)
+
+    def _pins_given(self, client: int, n: int) -> None:
+        self.pin_ledger.give(client, n)
+        self.reader_pins.give(client, n)
+
     def pin(self, keys: Sequence[bytes], client: int) -> None:
         """Pins an engine took locally: each key's block, wherever it is now. Pins
         past the client's share (``pin_ledger``) are missed, like pins of keys gone."""
         pins = self._pins.setdefault(client, Counter())
         limit = self.max_pinned_blocks
-        room = self.pin_ledger.room(client)
+        room = min(self.pin_ledger.room(client), self._readers_room(client))
         taken = 0
         for key in keys:
             if taken >= room:
@@ -60,7 +93,7 @@ class LoadIndex(StoreIndex):
                 taken += 1
             else:
                 self._pins_missed += 1
-        self.pin_ledger.add(client, taken)
+        self._pins_taken(client, taken)
         if not pins:
             del self._pins[client]
 
@@ -80,7 +113,7 @@ class LoadIndex(StoreIndex):
                 held[slot] -= 1
                 if not held[slot]:
                     del held[slot]
-        self.pin_ledger.give(client, dropped)
+        self._pins_given(client, dropped)
         if client in self._pins and not pins:
             del self._pins[client]
         self.free_graves()
@@ -108,12 +141,19 @@ class LoadIndex(StoreIndex):
                     f"namespace {self.name!r} has {self._num_pinned} blocks pinned; "
                     f"{new} more would pass its quota of {self.max_pinned_blocks}"
                 )
+        if len(keys) > self._readers_room(client):
+            raise QuotaExceededError(
+                f"{len(keys)} more pins would pass the part of namespace {self.name!r} "
+                f"that uids which may only read it may pin (one uid 1/{READER_UID_PIN_PART}"
+                f" of its slots, all 1/{READERS_PIN_PART}); complete some loads first"
+            )
         if not self.pin_ledger.take(client, len(keys)):
             raise QuotaExceededError(
                 f"this client holds {self.pin_ledger.held(client)} pins; {len(keys)} more "
                 "would pass what one client, its uid or all clients may hold; complete "
                 "some loads first"
             )
+        self.reader_pins.add(client, len(keys))
         pins = self._pins.setdefault(client, Counter())
         for key, block in zip(keys, blocks):
             if id(block) in buried:
@@ -180,7 +220,7 @@ class LoadIndex(StoreIndex):
             n = pins[key] if pins is not None else 0
             if n and pins is not None:
                 self._unpin(key, pins, n, client)
-                self.pin_ledger.give(client, n)
+                self._pins_given(client, n)
                 dropped += n
                 if not pins:
                     del self._pins[client]
@@ -197,7 +237,7 @@ class LoadIndex(StoreIndex):
     def _expire_grave_pins(self, now_s: float) -> int:
         dropped = 0
         for conn, n in self.graves.expire_pins(now_s, self.pin_timeout_s):
-            self.pin_ledger.give(conn, n)
+            self._pins_given(conn, n)
             dropped += n
         if dropped:
             self.free_graves(now_s)

@@ -150,6 +150,9 @@ class StoreIndex:
         self._pin_since: OrderedDict[tuple[int, bytes], float] = OrderedDict()
         # pins held per client, per uid and in total (the service's; unlimited alone)
         self.pin_ledger = Line("pins", Limits.scaled(0))
+        # pins of the clients that may only read here (``reader_joined``): a reader uid
+        # holds at most a quarter of the namespace's slots, all of them half (loads.py)
+        self.reader_pins = Line("pins of readers", Limits.scaled(0))
         # region bytes leased empty per client, per uid and in total (the service's)
         self.lease_ledger = Line("leased_bytes", Limits.scaled(0))
         self._lease_client: dict[int, int] = {}  # lease token -> the client it is for

@@ -15,6 +15,8 @@ Rules:
   the connection only once all of it is.
 - A connection reads any namespace it opened and stores only into those the access
   policy lets it write (``writable``); a refusal names the rule that would allow it.
+  One that may only read a namespace pins within the readers' part of it
+  (``LoadIndex.reader_joined``).
 - A namespace the table takes back is lost by every connection that has it open:
   released, its workers there detached, each told by a ``Notice`` pushed at the next
   housekeeping turn (``pushes_due``), idle or not.
@@ -120,6 +122,8 @@ class Membership:
             s.namespaces.add(index.ns_id)
             if self.access.may_write(s.peer, name):
                 s.writable.add(index.ns_id)
+            else:  # its pins share the readers' part of the namespace
+                index.reader_joined(s.session_id, s.uid)
             self.holders.setdefault(index.ns_id, set()).add(s.session_id)
             s.leases[index.ns_id] = new_token()
             if subscribe:
@@ -147,6 +151,7 @@ class Membership:
             )
         s.namespaces.discard(ns_id)
         s.writable.discard(ns_id)
+        index.reader_left(s.session_id)
         self.ledger.give(s.session_id, {"namespaces": 1})
         held = self.holders.get(ns_id)
         if held is not None:
