@@ -129,6 +129,59 @@ def test_a_grave_pinned_past_its_grace_and_the_pin_timeout_is_freed() -> None:
     assert idx.slots.num_free == 1
 
 
+class CountingSlots(dict[int, object]):
+    """A graveyard's ``by_slot`` that counts the graves looked up in it."""
+
+    looked = 0
+
+    def __getitem__(self, slot: int) -> object:
+        self.looked += 1
+        return super().__getitem__(slot)
+
+    def get(self, slot: int, default: object = None) -> object:
+        self.looked += 1
+        return super().get(slot, default)
+
+
+def test_expiring_grave_pins_costs_what_it_drops_however_many_graves_are_pinned() -> None:
+    """Each housekeeping call looked at every pinned grave of the namespace to find the
+    few past their deadline: a peer holding half a million pinned graves made every
+    call cost half a million looks. Pinned graves now wait in a heap by deadline: a
+    call looks at those it drops (at most ``most``), the earliest first, and pinning
+    and unpinning one grave again and again keeps one entry for it."""
+    from kvoffloadd.index.graves import Graveyard
+    from kvoffloadd.index.policies import Block
+
+    g = Graveyard(grace_s=1.0)
+    g.add_mirror(A, 0)
+    for i in range(20_000):
+        block = Block(i)
+        block.ref = 0
+        g.bury(b"k%d" % i, block, seq=i + 1, exempt=None, now_s=0.0 if i < 100 else 50.0)
+        g.pin(B if i % 2 else A, i)
+    slots = CountingSlots(g.by_slot)
+    g.by_slot = slots  # type: ignore[assignment]
+    assert g.expire_pins(now_s=30.0, timeout_s=60.0) == [] and slots.looked == 0
+    assert g.pins_due(now_s=62.0, timeout_s=60.0)
+    assert sorted(g.expire_pins(now_s=62.0, timeout_s=60.0, most=30)) == [(A, 15), (B, 15)]
+    assert slots.looked <= 2 * 30 and g.by_slot[0].block.ref == 0 and g.by_slot[30].block.ref == 1
+    slots.looked = 0
+    assert sorted(g.expire_pins(now_s=62.0, timeout_s=60.0)) == [(A, 35), (B, 35)]
+    assert slots.looked <= 2 * 70 and not g.pins_due(now_s=62.0, timeout_s=60.0)
+    assert len(g.pinned_by(A)) == len(g.pinned_by(B)) == 9_950  # the later ones stay
+    for _ in range(1000):  # one grave pinned and unpinned again and again
+        g.unpin(A, 100)
+        g.pin(A, 100)
+    assert len(g._due) <= 20_000
+    for i in range(100, 20_000):  # every pin goes; the heap's stale entries do too
+        g.unpin(B if i % 2 else A, i)
+    block = Block(20_000)
+    block.ref = 0
+    g.bury(b"last", block, seq=20_001, exempt=None, now_s=50.0)
+    g.pin(A, 20_000)
+    assert len(g._due) <= 2 * 1 + 64
+
+
 def test_acks_cost_what_they_free_however_many_graves_and_mirrors() -> None:
     """200 acking mirrors and a silent one over 4,096 graves: an ack looks at the
     oldest grave and the two least advanced mirrors only (never graves x mirrors), and

@@ -388,3 +388,33 @@ def test_connections_that_hang_up_during_their_first_request_leave_nothing_in_th
     book = server.turns
     assert set(book._usage) <= {REAPER}  # the release of what they held: one id for all
     assert not book._uid_of and not book.queued
+
+
+class SlowHousekeeping(Service):
+    """Housekeeping that takes 2 ms of the loop, then stops it."""
+
+    server: Server
+
+    def cron(self) -> bool:
+        end_s = time.perf_counter() + 0.002
+        while time.perf_counter() < end_s:
+            pass
+        self.server._stop = True
+        return super().cron()
+
+
+def test_housekeeping_counts_in_the_loop_turn_histogram(tmp_path: Path) -> None:
+    """A client waits behind housekeeping as behind any turn: its time is a turn's."""
+    cfg = DaemonConfig(instance=f"f{uuid.uuid4().hex[:8]}", region_size="16MiB")
+    region = SharedOffloadRegion(cfg.region_name, Geometry.plan(16 << 20, 2 << 20, 16384))
+    copier = CpuCopier(1)
+    service = SlowHousekeeping(cfg, region, copier)
+    server = service.server = Server(service, bind_listener(str(tmp_path / "s.sock")))
+    server.heartbeat.period_s = 0.001
+    try:
+        server.serve_forever()  # nobody connects: housekeeping is the only work
+        assert service.loop.turns_total == 1 and service.loop.max_s >= 0.002
+    finally:
+        server.listener.close()
+        copier.close()
+        region.close()

@@ -23,12 +23,17 @@ Rules:
   (their feed positions and deadlines only grow), mirrors' positions in a heap, so one
   look at the oldest grave and the two least advanced mirrors says whether anything
   can go; a pinned grave waits apart until its last pin goes.
+- A grave's pins are dropped ``timeout_s`` past its grace (``expire_pins``), and that
+  too costs what it drops: pinned graves wait in a heap by deadline (one entry per
+  grave, rebuilt once stale entries outnumber the pinned graves), and each grave
+  knows the connections pinning it.
 - Loop thread only, like the index that owns it.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -46,6 +51,7 @@ class Grave:
     exempt: int | None  # the connection that does not need to ack it
     loadable: bool = True  # False once found corrupt
     seen: bool = False  # every mirror has seen it (or its grace is over): it waits for pins
+    due: bool = False  # in the graveyard's heap of pinned graves (``expire_pins``)
 
 
 class Graveyard:
@@ -59,6 +65,10 @@ class Graveyard:
         self._order: deque[Grave] = deque()  # in burial order, not yet seen
         self._ready: list[Grave] = []  # seen, unpinned or forbidden: free at the next call
         self._pinned: set[int] = set()  # slots of graves with pins
+        self._pinners: dict[int, set[int]] = {}  # grave slot -> connections pinning it
+        # pinned graves by deadline (stale entries of unpinned or freed ones skipped)
+        self._due: list[tuple[float, int, Grave]] = []
+        self._tiebreak = itertools.count()
 
     def __len__(self) -> int:
         return len(self.by_slot)
@@ -85,6 +95,7 @@ class Graveyard:
         self._order.append(grave)
         if block.ref:
             self._pinned.add(block.slot)
+            self._queue(grave)
         old = self._by_key.get(key)
         if old is None or old.seq < seq:
             self._by_key[key] = grave
@@ -107,9 +118,28 @@ class Graveyard:
                 self._ready.append(grave)
 
     def pin(self, conn: int, slot: int) -> None:
-        self.by_slot[slot].block.ref += 1
+        grave = self.by_slot[slot]
+        grave.block.ref += 1
         self._pinned.add(slot)
         self._pins.setdefault(conn, Counter())[slot] += 1
+        self._pinners.setdefault(slot, set()).add(conn)
+        if not grave.due:
+            self._queue(grave)
+
+    def _queue(self, grave: Grave) -> None:
+        """Put a pinned ``grave`` in the heap its pins expire from."""
+        due = self._due
+        if len(due) > 2 * len(self._pinned) + 64:  # mostly graves unpinned or freed
+            for _, _, g in due:
+                g.due = False
+            by_slot = self.by_slot
+            live = (by_slot[s] for s in self._pinned)
+            due[:] = [(g.deadline_s, next(self._tiebreak), g) for g in live if g is not grave]
+            heapq.heapify(due)
+            for _, _, g in due:
+                g.due = True
+        grave.due = True
+        heapq.heappush(due, (grave.deadline_s, next(self._tiebreak), grave))
 
     def pinned_by(self, conn: int) -> dict[bytes, dict[int, int]]:
         """Key -> {grave slot: pins} of the connection (its distinct slots, whatever
@@ -125,8 +155,15 @@ class Graveyard:
         pins[slot] -= n
         if not pins[slot]:
             del pins[slot]
+            self._unpinned_by(conn, slot)
         if not pins:
             del self._pins[conn]
+
+    def _unpinned_by(self, conn: int, slot: int) -> None:
+        pinners = self._pinners[slot]
+        pinners.discard(conn)
+        if not pinners:
+            del self._pinners[slot]
 
     def _drop_pins(self, slot: int, n: int) -> None:
         grave = self.by_slot[slot]
@@ -136,26 +173,39 @@ class Graveyard:
             if grave.seen:
                 self._ready.append(grave)
 
-    def expire_pins(self, now_s: float, timeout_s: float) -> list[tuple[int, int]]:
+    def expire_pins(
+        self, now_s: float, timeout_s: float, most: int = 1 << 62
+    ) -> list[tuple[int, int]]:
         """Drop the pins on graves evicted more than ``timeout_s`` past their grace
-        (a load takes a step); returns (connection, pins dropped) pairs."""
-        late = {s for s in self._pinned if now_s > self.by_slot[s].deadline_s + timeout_s}
-        out: list[tuple[int, int]] = []
-        for conn, pins in list(self._pins.items()):
-            n = sum(pins.pop(slot) for slot in late & pins.keys())
-            if n:
-                out.append((conn, n))
-            if not pins:
-                del self._pins[conn]
-        for slot in late:
-            self._drop_pins(slot, self.by_slot[slot].block.ref)
-        return out
+        (a load takes a step), looking at most at ``most`` graves, the earliest
+        buried first; returns (connection, pins dropped) pairs."""
+        out: Counter[int] = Counter()
+        due, by_slot = self._due, self.by_slot
+        while due and most > 0 and now_s > due[0][0] + timeout_s:
+            most -= 1
+            grave = heapq.heappop(due)[2]
+            grave.due = False
+            slot = grave.block.slot
+            if by_slot.get(slot) is not grave or not grave.block.ref:
+                continue  # unpinned or freed since it was queued
+            for conn in self._pinners.pop(slot, ()):
+                pins = self._pins[conn]
+                out[conn] += pins.pop(slot)
+                if not pins:
+                    del self._pins[conn]
+            self._drop_pins(slot, grave.block.ref)
+        return list(out.items())
+
+    def pins_due(self, now_s: float, timeout_s: float) -> bool:
+        """Whether a pinned grave may be past ``timeout_s`` (``expire_pins`` left some)."""
+        return bool(self._due) and now_s > self._due[0][0] + timeout_s
 
     def release(self, conn: int) -> int:
         """A connection went away: its pins and its mirror go; returns the pins dropped."""
         pins = self._pins.pop(conn, Counter())
         for slot, n in pins.items():
             self._drop_pins(slot, n)
+            self._unpinned_by(conn, slot)
         self.drop_mirror(conn)
         return sum(pins.values())
 

@@ -225,18 +225,20 @@ class LoadIndex(StoreIndex):
                 if not pins:
                     del self._pins[client]
             since_of.pop((client, key), None)
-        dropped += self._expire_grave_pins(now_s)
+        dropped += self._expire_grave_pins(now_s, most_keys)
         self._pins_expired += dropped
         return dropped
 
     def pins_due(self, now_s: float) -> bool:
         """Whether a pin is past ``pin_timeout_s`` (``expire_pins`` left some)."""
-        since_of = self._pin_since
-        return bool(since_of) and next(iter(since_of.values())) <= now_s - self.pin_timeout_s
+        since_of, timeout_s = self._pin_since, self.pin_timeout_s
+        if since_of and next(iter(since_of.values())) <= now_s - timeout_s:
+            return True
+        return self.graves.pins_due(now_s, timeout_s)
 
-    def _expire_grave_pins(self, now_s: float) -> int:
+    def _expire_grave_pins(self, now_s: float, most: int) -> int:
         dropped = 0
-        for conn, n in self.graves.expire_pins(now_s, self.pin_timeout_s):
+        for conn, n in self.graves.expire_pins(now_s, self.pin_timeout_s, most):
             self._pins_given(conn, n)
             dropped += n
         if dropped:

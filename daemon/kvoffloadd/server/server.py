@@ -35,7 +35,8 @@ Rules:
 - SIGTERM/SIGINT: stop accepting, drain in-flight copies, close, unlink, exit 0.
 - The cron (every second, or every half watchdog interval when shorter) runs the
   service's housekeeping and the ``heartbeat``: a stats snapshot to the metrics
-  endpoint, progress (STATUS=) and liveness (WATCHDOG=1) to systemd.
+  endpoint, progress (STATUS=) and liveness (WATCHDOG=1) to systemd. Its time counts
+  in the loop-turn histogram like a turn's: a client waits behind it the same way.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ class Server:
                 if now >= next_cron:
                     full = now >= next_beat
                     behind = self._cron(full)
+                    self._record_turn(time.monotonic() - now)  # loop time like any turn's
                     now = time.monotonic()
                     if full:
                         next_beat = now + period_s
