@@ -64,8 +64,8 @@ def abuse(name: str, d: DaemonProcess, attack: Callable[[], object]) -> None:
     held = attack()
     rss1, fds1 = rss_bytes(d.pid), fd_count(d.pid)
     assert d.alive(), f"{name}: the daemon died"
-    for s in held if isinstance(held, list) else [held]:  # the abuser goes away
-        s.close()
+    for s in held if isinstance(held, list) else [held] if held is not None else []:
+        s.close()  # the abuser goes away (one as another uid is gone already)
     poll(lambda: fd_count(d.pid) <= fds0 + 2, f"{name}: descriptors back", deadline_s=20)
     # memory back too: buffers freed, the heap trimmed by the next cron turn (1 s)
     poll(lambda: rss_bytes(d.pid) <= rss0 + RSS_SLACK_BYTES, f"{name}: memory back", 10)
@@ -128,30 +128,54 @@ def test_descriptors_parked_with_scm_rights_are_charged_and_cut_off(daemon: Daem
     abuse("20 x 1,000 parked descriptors", daemon, park)
 
 
-def test_a_descriptor_whose_close_would_wait_never_holds_the_loop(daemon: DaemonProcess) -> None:
-    """A TCP socket with unsent data nobody reads and a 60 s ``SO_LINGER``, sent with a
-    ping; the sender drops its own copy and hangs up. The daemon's close of what the
-    connection parked is the socket's last: it would wait out the linger time on the
-    loop (15 s stalls seen) if the daemon closed it there."""
+@contextlib.contextmanager
+def reachable_daemon(settings: dict[str, object] | None = None) -> Iterator[DaemonProcess]:
+    """A daemon whose socket another uid reaches (its directory 0755, the socket
+    0660: group 0); it must stop cleanly."""
+    requires_root()
+    run = Path(tempfile.mkdtemp(prefix="kvoffload-abuse-"))
+    run.chmod(0o755)
+    sock = str(run / "k.sock")
+    with DaemonProcess("64MiB", "--log-level", "warning", socket_path=sock,
+                       settings=settings) as d:  # fmt: skip
+        yield d
+        assert d.stop() == 0
+    shutil.rmtree(run, ignore_errors=True)
 
-    def linger() -> list[socket.socket]:
+
+def test_a_descriptor_whose_close_would_wait_never_holds_the_loop() -> None:
+    """Another uid sends a TCP socket with unsent data nobody reads and a 60 s
+    ``SO_LINGER`` with a ping, drops its own copy and hangs up. The daemon's close of
+    what the connection parked is the socket's last: it would wait out the linger time
+    on the loop (15 s stalls seen) if the daemon closed it there."""
+    with reachable_daemon() as d:
+        abuse("a lingering socket parked and left", d, lambda: as_uid(linger(d), NOBODY, 0))
+
+
+def linger(d: DaemonProcess) -> Callable[[], None]:
+    """The attack, to run as another uid."""
+    path = d.socket_path
+
+    def linger() -> None:
         listener = socket.create_server(("127.0.0.1", 0))
-        tcp = socket.create_connection(listener.getsockname())
-        peer, _ = listener.accept()  # never reads
+        tcp = socket.socket()  # no name lookup: the child imports nothing new (idna)
+        tcp.connect(listener.getsockname())
+        peer, _ = listener.accept()  # never reads, while the daemon closes the socket
         tcp.setblocking(False)
         with contextlib.suppress(BlockingIOError):
             while True:
                 tcp.send(b"x" * 65536)
         tcp.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 60))
-        s = raw(daemon.socket_path)
+        s = raw(path)
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [tcp.fileno()]))]
         s.sendmsg([encode_frame(m.Ping(2))], anc)
         tcp.close()
         s.close()  # the daemon closes what the connection parked
         time.sleep(0.5)  # the canary pings on meanwhile
-        return [peer, listener]
+        peer.close()
+        listener.close()
 
-    abuse("a lingering socket parked and left", daemon, linger)
+    return linger
 
 
 def test_the_descriptor_table_is_grown_to_the_limit_at_start(daemon: DaemonProcess) -> None:
@@ -432,20 +456,29 @@ def test_a_frame_its_decoder_would_quote_whole_costs_neither_memory_nor_log() ->
         shutil.rmtree(run, ignore_errors=True)
 
 
-def test_a_wait_is_charged_per_job_it_names_and_ends_with_its_last_job(
-    daemon: DaemonProcess,
-) -> None:
+def test_a_wait_is_charged_per_job_it_names_and_ends_with_its_last_job() -> None:
     """Each WaitJobs keeps a set of the jobs it waits for, and finishing a job once
     walked every wait of the connection: 1,024 waits of 4,096 jobs each grew a daemon
     by 540 MiB its ledger did not see, and held the loop for 594 ms. A wait is charged
     per job it names (``waits``: 65,536 per connection), and a finished job ends only
-    the waits on it."""
+    the waits on it. The waiter is another uid, one allowed to copy for itself."""
+    with reachable_daemon({"client_copy_uids": [NOBODY]}) as d:
+        as_uid(lambda: wait_on_jobs(d.socket_path), NOBODY, 0)
+
+
+def wait_on_jobs(path: str) -> None:
+    """The attack and its checks, as the waiting uid (the ledger's totals are
+    everyone's to read)."""
     from liar import Liar
 
     from kvoffload.protocol.packing import pack_ids, unpack_ids
 
+    def waits_held() -> int:
+        with kvoffload.connect(path) as c:
+            return int(c.stats()["ledger"]["lines"]["waits"]["total"])
+
     jobs = 8
-    liar = Liar(daemon.socket_path)
+    liar = Liar(path)
     try:
         ns = liar.open("waits", m.KVLayout([4096])).ns
         cache = m.CacheDesc("client", 64, 4096)
@@ -466,20 +499,17 @@ def test_a_wait_is_charged_per_job_it_names_and_ends_with_its_last_job(
         assert isinstance(refused, m.Pong)
         errors = [r for r in liar.pushes if isinstance(r, m.ErrorReply)]
         assert [e.rid for e in errors] == [rids[-1]]  # past 65,536 job ids: refused
-        with kvoffload.connect(daemon.socket_path) as admin:
-            assert admin.stats()["ledger"]["lines"]["waits"]["total"] == 65536
+        assert waits_held() == 65536
         for j in range(jobs - 1):
             assert isinstance(liar.call(m.ClientCopyDone(0, w, j, True)), m.OkReply)
         assert not [r for r in liar.pushes if isinstance(r, m.OkReply)]  # one job left
-        with kvoffload.connect(daemon.socket_path) as admin:
-            assert admin.stats()["ledger"]["lines"]["waits"]["total"] == per_connection
+        assert waits_held() == per_connection
         assert isinstance(liar.call(m.ClientCopyDone(0, w, jobs - 1, True)), m.OkReply)
         deadline = time.monotonic() + 20
         while len([r for r in liar.pushes if isinstance(r, m.OkReply)]) < per_connection:
             liar._keep(liar.next(deadline))
         answered = {r.rid for r in liar.pushes if isinstance(r, m.OkReply)}
         assert answered == set(rids[:-1])
-        with kvoffload.connect(daemon.socket_path) as admin:
-            assert admin.stats()["ledger"]["lines"]["waits"]["total"] == 0
+        assert waits_held() == 0
     finally:
         liar.close()
