@@ -1,7 +1,7 @@
 """The resource census: whatever a peer makes the daemon hold is in its ledger.
 
-Clients of two uids (neither root nor the daemon's) drive every request type of the
-protocol against a real daemon, each in its valid, invalid and maximal forms, some on
+Clients of two uids (neither root nor the daemon's; the second may copy for itself,
+as an engine's uid may) drive every request type of the protocol against a real daemon, each in its valid, invalid and maximal forms, some on
 connections that never read their replies. After each request type's burst, while the
 clients hold what they took, the daemon's own figures from /proc are held to what its
 ledger accounts for (``kvoffloadd.ledger``, in its stats) plus a fixed slack:
@@ -37,14 +37,15 @@ import kvoffload
 from kvoffload.protocol import messages as m
 from kvoffload.protocol.connection import encode_frame
 from kvoffload.protocol.messages import MAX_KEYS_PER_MESSAGE, MAX_STATE_KEYS
-from kvoffload.protocol.packing import pack_ids
+from kvoffload.protocol.packing import pack_ids, unpack_ids
 from kvoffloadd.server.clients import CHARGE_STEP_BYTES
 
 __all__ = ["run"]  # the fixture
 
 MIB = 1 << 20
 PAGE = 64 * 1024
-UIDS = (65534, 4242)  # nobody, and another tenant
+UIDS = (65534, 4242)  # nobody, and another tenant that may copy for itself
+WAITS_PER_CONNECTION = 65536  # the ``waits`` line: job ids one connection's waits name
 # What the daemon may hold beyond what its ledger accounts for, whatever peers do:
 SLACK_FDS = 24  # the region's descriptors for copiers, the descriptor copier's
 SLACK_MAPS = 32
@@ -282,8 +283,25 @@ def gen_get_finished(p: Peer) -> None:
 
 
 def gen_wait_jobs(p: Peer) -> None:
+    with contextlib.suppress(OSError):  # past the bound: a protocol error, then closed
+        p.liar().call(m.WaitJobs(0, p.worker, list(range(100000))))
+    # waits on jobs in flight, as many job ids as a connection may name: client
+    # copies nobody reports (the second uid may copy for itself)
     liar = p.liar()
-    liar.call(m.WaitJobs(0, p.worker, list(range(100000))))
+    ns = opened(p, liar)
+    r = liar.call(m.AttachWorker(0, ns, 0, [m.CacheDesc("client", 64, PAGE)], client_copy=True))
+    if not isinstance(r, m.WorkerAttached):
+        return  # a uid that may not copy for itself
+    plan = liar.call(m.PrepareStore(0, ns, keys(b"w", 8), KB))
+    assert isinstance(plan, m.StorePlanReply), plan
+    slots = unpack_ids(plan.slots).tolist()
+    for job, slot in enumerate(slots):
+        liar.call(m.SubmitStore(0, r.worker, job, pack_ids([job]), pack_ids([slot])))
+    for _ in range(WAITS_PER_CONNECTION // len(slots) + 1):  # the last one refused
+        liar.send(m.WaitJobs(liar.rid(), r.worker, list(range(len(slots)))))
+    stats = liar.call(m.GetStats(0))  # every wait is in before this is answered
+    assert isinstance(stats, m.StatsReply)
+    assert stats.sections["ledger"]["lines"]["waits"]["total"] >= WAITS_PER_CONNECTION
 
 
 def gen_get_stats(p: Peer) -> None:
@@ -412,7 +430,8 @@ def held_after_everyone_left(sock: str, deadline_s: float = 20.0) -> dict[str, o
 
 def test_what_the_daemon_holds_is_what_its_ledger_accounts_for(run: Path) -> None:
     sock = str(run / "k.sock")
-    with start(run, "128MiB") as d, Measure("census", d) as f:
+    config = f"client_copy_uids = [{UIDS[1]}]\n"
+    with start(run, "128MiB", config) as d, Measure("census", d) as f:
         region_bytes = figures(d.pid).rss_shmem_bytes
         check = Check(sock, d.pid, region_bytes, f.before)
         second: list[str] = []
