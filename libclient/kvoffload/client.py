@@ -20,6 +20,9 @@ because the cache is down):
 - Pushes (feed, leases, job results, notices) are read only when the engine's thread
   asks (``poll``), without blocking, and routed to the namespace or worker they are
   for. One-way requests are queued (``post``) and written by ``flush``.
+- A namespace the daemon takes from the connection (the table's take-back, an
+  admin's drop; a ``Notice`` naming it) voids what the client holds of it, as an
+  outage does: the connection is replaced, and the new one opens it again.
 - One warning per outage, one note on recovery.
 - One lock serialises calls, so a client may be shared between threads.
 """
@@ -297,17 +300,29 @@ class Client:
             self._route(pushes)
 
     def _route(self, pushes: Sequence[m.Reply]) -> None:
+        lost = ""
         for msg in pushes:
             if isinstance(msg, (m.FeedPush, m.LeaseGrant, m.LeaseRevoke)):
                 owner = self._routes.get((Namespace, msg.ns))
             elif isinstance(msg, m.JobsDone):
                 owner = self._routes.get((m.JobsDone, msg.worker))
-            else:  # a refused one-way request: its effect is counted, never raised
+            else:  # a refused one-way request (counted, never raised), or a lost namespace
                 self.notices_total += 1
                 log.debug("kvoffloadd refused a request: %s", getattr(msg, "message", msg))
+                if isinstance(msg, m.Notice) and msg.ns >= 0 and self._opened(msg.ns):
+                    lost = msg.message
                 continue
             if owner is not None:
                 owner._on_push(msg)
+        if lost and self._transport is not None:
+            # what the client holds of it (its id, leases, workers) is void, as after an
+            # outage: a new connection opens it again, if the table's rules allow
+            log.warning("%s; kvoffload reconnects to open it again", lost)
+            self._drop(self._transport, lost, outage=False)
+            self._keeper.rouse()
+
+    def _opened(self, ns_id: int) -> bool:
+        return any(isinstance(r, Namespace) and r.ns_id == ns_id for r in self._registrations)
 
     def route(self, kind: type, ident: int, owner: Registration) -> None:
         """Deliver pushes of ``kind`` for ``ident`` (namespace or worker id) to owner."""
@@ -407,6 +422,12 @@ class Client:
             total += reply.evicted
             if reply.evicted < m.MAX_STATE_KEYS:
                 return total
+
+    def drop_namespace(self, name: str) -> m.NamespaceDropped:
+        """Drop a namespace (admin uids only): the connections that have it open lose
+        it (and reconnect to open it again), then its blocks and table entry go.
+        NotFoundError if there is none; NoSpaceError while copies run in it."""
+        return self.call(lambda rid: m.DropNamespace(rid, name), m.NamespaceDropped)
 
     def config(self) -> dict[str, Any]:
         """The daemon's effective configuration (admin uids only)."""

@@ -320,6 +320,12 @@ def gen_get_config(p: Peer) -> None:
     p.liar().call(m.GetConfig(0))
 
 
+def gen_drop_namespace(p: Peer) -> None:
+    liar = p.liar()  # not an admin: refused, whatever the name
+    for name in ("census", "no-such-namespace", "n" * m.MAX_TEXT_CHARS):
+        liar.call(m.DropNamespace(0, name))
+
+
 GENERATORS: dict[type, Callable[[Peer], None]] = {
     m.Hello: gen_hello,
     m.Ping: gen_ping,
@@ -346,6 +352,7 @@ GENERATORS: dict[type, Callable[[Peer], None]] = {
     m.ListClients: gen_list_clients,
     m.Evict: gen_evict,
     m.GetConfig: gen_get_config,
+    m.DropNamespace: gen_drop_namespace,
 }
 
 

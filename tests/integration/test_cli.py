@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from helpers import ctl, store_blocks
+import numpy as np
+from helpers import ctl, poll, store_blocks
 
 import kvoffload
 from kvoffloadbench.launch import DaemonProcess
@@ -42,6 +43,43 @@ def test_stats_clients_evict(daemon: DaemonProcess) -> None:
     assert json.loads(r.stdout)["evicted_blocks"] == 3
     r = ctl(daemon.socket_path, "evict", "--namespace", "nope")
     assert r.returncode == 3 and "no namespace" in r.stderr
+    c.close()
+
+
+def test_drop_namespace_and_its_engine_carries_on(daemon: DaemonProcess) -> None:
+    """An admin drops a namespace an engine has open: its blocks go, and the engine's
+    client, told by a notice, reconnects, opens the namespace again (empty) with its
+    worker, and stores into it as before."""
+    sock = daemon.socket_path
+    c = kvoffload.connect(sock, name="engine-a")
+    keys = [b"d%07d" % i for i in range(4)]
+    ns, w = store_blocks(c, "dropme", keys)
+    epoch = c.epoch
+    r = ctl(sock, "drop-namespace", "dropme", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"namespace": "dropme", "dropped_blocks": 4, "connections": 1}
+
+    def reconnected() -> bool:
+        c.poll()  # the notice comes at the daemon's next housekeeping turn
+        return c.epoch > epoch
+
+    poll(reconnected, "the engine's client to reconnect after the drop")
+    assert c.outages_total == 0 and ns.ns_id >= 0
+    assert ns.lookup(keys) == 0  # the blocks went with the namespace
+    plan = ns.prepare_store(keys)
+    assert plan is not None and plan.keys_to_store == keys
+    assert w.submit_store(2, np.arange(len(keys)), plan.slots), w.last_error
+    w.wait([2])
+    assert [r.success for r in w.get_finished()] == [True]
+    ns.complete_store(keys)
+    assert ns.lookup(keys) == 4
+    st = json.loads(ctl(sock, "--json", "stats").stdout)
+    assert st["namespaces"]["dropme"]["stored_blocks"] == 4
+
+    r = ctl(sock, "drop-namespace", "dropme")  # human output
+    assert r.returncode == 0 and r.stdout.startswith("dropped namespace dropme: 4 blocks; 1 ")
+    r = ctl(sock, "drop-namespace", "nope")
+    assert r.returncode == 3 and "[NOT_FOUND] no namespace named 'nope'" in r.stderr
     c.close()
 
 

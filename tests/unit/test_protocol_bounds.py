@@ -109,6 +109,7 @@ LAYOUT = m.KVLayout([4096])
         m.SubmitStore(2, 0, 1, b"i" * (m.MAX_IDS_PER_MESSAGE * 8 + 8), b""),
         m.WaitJobs(2, 0, list(range(m.MAX_JOB_IDS + 1))),
         m.Evict(2, key_prefix=b"p" * (m.MAX_KEY_BYTES + 1)),
+        m.DropNamespace(2, "x" * (m.MAX_TEXT_CHARS + 1)),
     ],
     ids=lambda msg: type(msg).__name__,
 )
@@ -152,5 +153,7 @@ def test_a_client_refuses_a_request_past_its_bounds_before_sending() -> None:
     ):
         client.send(too_long)
     assert client.send(m.OpenNamespace(2, "x", LAYOUT))  # rid 2 was not taken
+    with pytest.raises(InvalidArgumentError, match=r"DropNamespace: Expected `str` of length"):
+        client.send(m.DropNamespace(3, "x" * (m.MAX_TEXT_CHARS + 1)))  # admin input, checked too
     with kvoffload.Client("/nonexistent", name="n" * 1000) as c:
         assert c.name == "n" * m.MAX_CLIENT_NAME_CHARS

@@ -1,6 +1,6 @@
-"""``kvoffloadctl``: admin CLI for a running kvoffloadd (stats, clients, evict, top,
-config, ping), and ``check``: whether this node is ready for the configured region
-(no daemon needed, check.py).
+"""``kvoffloadctl``: admin CLI for a running kvoffloadd (stats, clients, evict,
+drop-namespace, top, config, ping), and ``check``: whether this node is ready for the
+configured region (no daemon needed, check.py).
 
 Human tables on a terminal, ``--json`` for scripts. The global options (``--socket``,
 ``--json``, ``--timeout``) go before or after the subcommand, as with kubectl or
@@ -21,7 +21,8 @@ from typing import Any
 import msgspec
 
 import kvoffload
-from kvoffload.protocol.errors import DaemonUnavailableError, KVOffloadError
+from kvoffload.protocol import messages as m
+from kvoffload.protocol.errors import DaemonUnavailableError, KVOffloadError, NoSpaceError
 from kvoffloadctl.check import EXIT_UNFIT, check
 from kvoffloadd.config import ConfigError, load_config
 
@@ -113,6 +114,22 @@ def run_top(client: kvoffload.Client, interval_s: float, count: int, as_json: bo
         )
 
 
+DROP_RETRY_S = 0.05  # a drop refused while copies run in the namespace is asked again
+
+
+def drop_when_quiet(client: kvoffload.Client, name: str, timeout_s: float) -> m.NamespaceDropped:
+    """Drop the namespace, asking again while copies run in it (``NO_SPACE``) until
+    ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.drop_namespace(name)
+        except NoSpaceError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(DROP_RETRY_S)
+
+
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 GLOBAL_DEFAULTS: dict[str, Any] = {"socket": None, "json": False, "timeout": 5.0}
 
@@ -154,6 +171,12 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--namespace", help="only this namespace (default: all)")
     ev.add_argument("--key", action="append", default=None, help="hex key (repeatable)")
     ev.add_argument("--prefix", help="only keys starting with these hex bytes")
+    drop = command(
+        "drop-namespace",
+        "drop one namespace: its blocks and table entry go, and the connections that "
+        "have it open lose it (they reconnect and may create it again)",
+    )
+    drop.add_argument("name", help="the namespace's name")
     top = command("top", "live view of throughput, hit rate and occupancy")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--count", type=int, default=0, help="stop after N refreshes (0: never)")
@@ -245,6 +268,16 @@ def _run(client: kvoffload.Client, args: argparse.Namespace) -> int:
             print(json.dumps({"evicted_blocks": n, "namespace": args.namespace}))
         else:
             print(f"evicted {n} blocks from {scope}")
+    elif args.command == "drop-namespace":
+        r = drop_when_quiet(client, args.name, args.timeout)
+        if args.json:
+            out = {"namespace": args.name, "dropped_blocks": r.blocks}
+            print(json.dumps(out | {"connections": r.connections}))
+        else:
+            print(
+                f"dropped namespace {args.name}: {r.blocks} blocks; {r.connections} "
+                "connections had it open (they reconnect, and may create it again)"
+            )
     elif args.command == "config":
         cfg = client.config()
         if args.json:

@@ -17,9 +17,10 @@ Rules:
   policy lets it write (``writable``); a refusal names the rule that would allow it.
   One that may only read a namespace pins within the readers' part of it
   (``LoadIndex.reader_joined``).
-- A namespace the table takes back is lost by every connection that has it open:
-  released, its workers there detached, each told by a ``Notice`` pushed at the next
-  housekeeping turn (``pushes_due``), idle or not.
+- A namespace the table takes back, or an admin drops, is lost by every connection
+  that has it open: released, its workers there detached, each told by a ``Notice``
+  naming it and why, pushed at the next housekeeping turn (``pushes_due``), idle or
+  not.
 - Leases unused for ``lease_timeout_s`` go back (housekeeping): their holders are
   pushed a ``LeaseRevoke`` and get new slots once they wish for them again.
 """
@@ -165,25 +166,28 @@ class Membership:
             self.engines.drop_snapshot(s)
         return True
 
-    def revoke(self, index: NamespaceIndex) -> None:
-        """The table takes ``index`` back: every connection that has it open loses
-        it (stores failed, pins dropped, leases freed, workers detached), and is told."""
+    def revoke(self, index: NamespaceIndex, dropped_by: int | None = None) -> int:
+        """Every connection that has ``index`` open loses it (stores failed, pins
+        dropped, leases freed, workers detached) and is told why: the table took it back
+        (``dropped_by`` None) or the admin of uid ``dropped_by`` dropped it. Returns how
+        many connections lost it."""
         ns_id = index.ns_id
         workers = self.transfers.workers
-        for sid in list(self.holders.get(ns_id, ())):
+        held = list(self.holders.get(ns_id, ()))
+        for sid in held:
             s = self.sessions[sid]
             self.leave(s, ns_id)
             for wid in [w for w in s.workers if workers[w].ns_id == ns_id]:
                 self.transfers.detach(workers[wid])
+            if dropped_by is None:
+                why = f"taken back: uid {s.uid} holds more than its share of the namespace table"
+            else:
+                why = f"dropped by an admin (uid {dropped_by})"
             s.pushes.append(
-                m.Notice(
-                    0,
-                    ErrorCode.NOT_FOUND,
-                    f"namespace {index.name!r} was taken back: uid {s.uid} holds more than "
-                    "its share of the namespace table",
-                )
+                m.Notice(0, ErrorCode.NOT_FOUND, f"namespace {index.name!r} was {why}", ns_id)
             )
             self.pushes_due.add(sid)
+        return len(held)
 
     def take_back_leases(self, index: NamespaceIndex, now_s: float) -> None:
         """Leases unused for ``lease_timeout_s`` go back; their engines are told, and

@@ -21,6 +21,8 @@ Rules:
   holder's, with no copy running in it; its connections lose it (``on_revoke``).
   Root's and the daemon's entries are never taken. Only then is the open refused
   (``NO_SPACE``), saying which of these stopped it.
+- An admin may drop any namespace with no copy running in it (``DropNamespace``,
+  service.py): its connections lose it first, as when it is taken back.
 - The region is shared fairly per uid, then per namespace: a namespace whose uid holds
   fewer extents than an equal share among the uids with extents takes them from the
   fattest namespace of a uid above its share; one whose uid has its share takes from
@@ -92,7 +94,7 @@ class NamespaceTable:
         region: SharedOffloadRegion,
         on_new: Callable[[NamespaceIndex], None],
         on_drop: Callable[[NamespaceIndex], None],
-        on_revoke: Callable[[NamespaceIndex], None] = lambda index: None,
+        on_revoke: Callable[[NamespaceIndex], object] = lambda index: None,
     ) -> None:
         self.config = config
         self.region = region
@@ -219,9 +221,10 @@ class NamespaceTable:
         # the largest holder's first, least used among them
         return min(takeable, key=lambda ns: (-len(holders.get(ns.creator_uid, ())), *_use(ns)))
 
-    def drop(self, index: NamespaceIndex) -> None:
-        """Forget an idle namespace: its blocks, extents and table entry."""
-        index.evict()
+    def drop(self, index: NamespaceIndex, why: str = "to make room in the table") -> int:
+        """Forget an idle namespace: its blocks, extents, table entry and region
+        record; ``why`` goes into the log line. Returns how many blocks it held."""
+        blocks = index.evict()
         index.free_graves()
         index.slots.release_free_tail()
         del self.by_id[index.ns_id]
@@ -229,7 +232,8 @@ class NamespaceTable:
         self.region.unregister_namespace(index.ns_id)
         self._on_drop(index)
         self.dropped_total += 1
-        log.info("namespace %s dropped to make room in the table", index.name)
+        log.info("namespace %s dropped %s (%d blocks)", index.name, why, blocks)
+        return blocks
 
     def _new_index(
         self, ns_id: int, name: str, layout: m.KVLayout, fp: str, slot_bytes: int, uid: int

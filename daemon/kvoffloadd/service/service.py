@@ -11,6 +11,8 @@ Rules:
   that fails validation.
 - Engines' per-step batches and the pushes they get back are the engine channel's
   (engines.py); messages to push go into ``Session.pushes``.
+- Admin requests (``Evict``, ``GetConfig``, ``DropNamespace``) are refused
+  ``PERMISSION_DENIED`` to peers outside ``admin_uids``/``admin_gids``.
 - Copies are validated in full before any address reaches a copier (invariant 4).
 - A session that goes away fails its stores, drops its pins and detaches its workers;
   their mappings close once their copies have drained (invariant 5).
@@ -31,6 +33,7 @@ from kvoffload.protocol.errors import (
     ErrorCode,
     InvalidArgumentError,
     NoSpaceError,
+    NotFoundError,
     PermissionDeniedError,
     ShuttingDownError,
     VersionMismatchError,
@@ -189,6 +192,7 @@ class Service:
             m.DetachWorker: self._on_detach,
             m.Hello: self._on_hello,
             m.Evict: self._on_evict,
+            m.DropNamespace: self._on_drop_namespace,
             m.GetConfig: self._on_get_config,
             m.GetStats: lambda s, r: m.StatsReply(r.rid, stats_for(self, s.peer)),
             m.ListClients: lambda s, r: m.ClientsReply(r.rid, clients_for(self, s.peer)),
@@ -291,6 +295,11 @@ class Service:
         self._require_admin(s, "evict")
         return m.EvictReply(r.rid, self.evict(r.namespace, r.keys, r.key_bytes, r.key_prefix))
 
+    def _on_drop_namespace(self, s: Session, r: m.DropNamespace) -> m.Reply:
+        self._require_admin(s, f"drop namespace {r.namespace!r}")
+        blocks, connections = self.drop_namespace(r.namespace, s.uid)
+        return m.NamespaceDropped(r.rid, blocks, connections)
+
     def _on_get_config(self, s: Session, r: m.GetConfig) -> m.Reply:
         self._require_admin(s, "read the config")
         return m.ConfigReply(r.rid, self.config.effective())
@@ -379,6 +388,26 @@ class Service:
                 break
         log.info("admin evicted %d blocks from %s", n, namespace or "all namespaces")
         return n
+
+    def drop_namespace(self, name: str, admin_uid: int) -> tuple[int, int]:
+        """An admin's drop: every connection that has the namespace open loses it, as
+        when the table takes it back, then it is dropped. Refused, with nothing
+        changed, while copies run in its slots (engines' or a tier's: they would land
+        in extents another namespace may own next). Returns (blocks it held,
+        connections that lost it)."""
+        index = self.table.by_name.get(name)
+        if index is None:
+            raise NotFoundError(f"no namespace named {name!r}")
+        tiers = self.tiering.busy_with(index) if self.tiering is not None else 0
+        if index.slots.any_busy() or tiers:
+            raise NoSpaceError(
+                f"namespace {name!r} has copies running in its slots (engines' or a "
+                "secondary tier's); nothing was dropped: try again once they finish "
+                "(stop its engines if they never pause)"
+            )
+        connections = self.members.revoke(index, dropped_by=admin_uid)
+        blocks = self.table.drop(index, f"by an admin (uid {admin_uid})")
+        return blocks, connections
 
     # ------------------------------------------------------------ sessions
 

@@ -19,7 +19,10 @@ section 8):
 - A failed tier transfer is counted and logged; a failed promotion frees its slot and
   the key misses. Stores that complete while a tier is unhealthy (unreachable) are not
   queued for it: they would only pin region slots until their copies time out.
-  Region eviction never removes a block from a tier.
+  Region eviction never removes a block from a tier, nor does dropping a namespace
+  (the table's or an admin's): a tier's blocks are keyed by the namespace's name and
+  layout, so a namespace of that name and layout created again finds them, one of
+  another layout never does, and the tier's own capacity bounds them.
 - A tier with a job older than ``job_timeout_s`` (a hung disk, a stuck server) is
   *stalled*: it gets no new promotions or cascades and its keys miss, until its late
   jobs finish. Their region slots stay pinned meanwhile, since a tier thread may still
@@ -129,8 +132,14 @@ class Tiering:
     def count(self) -> int:
         return len(self._tiers)
 
+    def busy_with(self, index: NamespaceIndex) -> int:
+        """Blocks of ``index`` a tier's thread copies now (a cascade reads them, a
+        promotion writes them): the namespace may not be dropped under them."""
+        return sum(len(job.keys) for job in self._jobs.values() if job.index is index)
+
     def namespace_dropped(self, index: NamespaceIndex) -> None:
-        """An idle namespace left the table: its queued cascades go with it."""
+        """A namespace with no tier job in flight left the table: its queued cascades
+        go with it. What the tiers hold of it stays theirs (see the module's rules)."""
         self._ns.pop(index.ns_id, None)
         for st in self._tiers:
             st.backlog = deque(x for x in st.backlog if x[0] != index.ns_id)

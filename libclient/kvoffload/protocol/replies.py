@@ -160,6 +160,15 @@ class EvictReply(Message, frozen=True, tag="evicted"):
     evicted: int
 
 
+class NamespaceDropped(Message, frozen=True, tag="dropped_ns"):
+    """What an admin's ``DropNamespace`` dropped: the stored blocks it held, and the
+    connections that had it open (each told by a ``Notice``)."""
+
+    rid: int
+    blocks: int
+    connections: int
+
+
 class ConfigReply(Message, frozen=True, tag="config_r"):
     """The daemon's effective configuration (defaults, file and flags merged)."""
 
@@ -208,11 +217,14 @@ class JobsDone(Message, frozen=True, tag="done"):
 
 
 class Notice(Message, frozen=True, tag="notice"):
-    """A one-way request was refused; nothing else about the connection changes."""
+    """A one-way request was refused (``ns`` -1): nothing else about the connection
+    changes. Or the connection lost namespace ``ns`` (the table took it back, or an
+    admin dropped it): its leases, pins, stores and workers there are gone."""
 
     rid: int
     code: int
     message: str
+    ns: int = -1
 
 
 Reply = (
@@ -234,6 +246,7 @@ Reply = (
     | ClientsReply
     | EvictReply
     | ConfigReply
+    | NamespaceDropped
     | FeedPush
     | LeaseGrant
     | LeaseRevoke

@@ -292,6 +292,16 @@ class GetConfig(Message, frozen=True, tag="config"):
     rid: int
 
 
+class DropNamespace(Message, frozen=True, tag="drop_ns"):
+    """Take one namespace away from every connection that has it open (each is told
+    by a ``Notice`` naming it), then drop it: its blocks, extents, table entry and
+    region record. Admins only; refused (``NO_SPACE``, nothing changed) while copies
+    run in its slots. ``NamespaceDropped`` says what went."""
+
+    rid: int
+    namespace: Text
+
+
 Request = (
     Hello
     | Ping
@@ -318,6 +328,7 @@ Request = (
     | ListClients
     | Evict
     | GetConfig
+    | DropNamespace
 )
 
 ONE_WAY: tuple[type[Message], ...] = (StepBatch, Wrote, SubmitStore, SubmitLoad)
@@ -326,7 +337,7 @@ ONE_WAY: tuple[type[Message], ...] = (StepBatch, Wrote, SubmitStore, SubmitLoad)
 # the daemon would refuse at decode fails at once with a clear error. The others are
 # built within their bounds by the library (keys and ids are split before them).
 CHECKED_ON_SEND: frozenset[type[Message]] = frozenset(
-    (Hello, OpenNamespace, AttachWorker, Evict, WaitJobs)
+    (Hello, OpenNamespace, AttachWorker, Evict, WaitJobs, DropNamespace)
 )
 # The requests whose reply may bring descriptors (SCM_RIGHTS: the region's, with a
 # ``WorkerAttached``); the daemon sends none with any other message. A client reads
