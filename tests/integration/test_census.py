@@ -1,10 +1,11 @@
 """The resource census: whatever a peer makes the daemon hold is in its ledger.
 
 Clients of two uids (neither root nor the daemon's; the second may copy for itself,
-as an engine's uid may) drive every request type of the protocol against a real daemon, each in its valid, invalid and maximal forms, some on
-connections that never read their replies. After each request type's burst, while the
-clients hold what they took, the daemon's own figures from /proc are held to what its
-ledger accounts for (``kvoffloadd.ledger``, in its stats) plus a fixed slack:
+as an engine's uid may) drive every request type of the protocol against a real
+daemon, each in its valid, invalid and maximal forms, some on connections that never
+read their replies. After each request type's burst, while the clients hold what they
+took, the daemon's own figures from /proc are held to what its ledger accounts for
+(``kvoffloadd.ledger``, in its stats) plus a fixed slack:
 
 - descriptors <= before + connections + held descriptors;
 - mappings <= before + imported mappings;

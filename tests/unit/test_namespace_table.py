@@ -25,6 +25,7 @@ from kvoffload.protocol.errors import (
 from kvoffload.protocol.packing import pack_keys, unpack_ids
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.copies.copier import CpuCopier
+from kvoffloadd.index.index import NamespaceIndex
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
 from kvoffloadd.service.service import Service
 from kvoffloadd.service.session import Session
@@ -269,6 +270,42 @@ def test_a_uid_below_its_share_of_a_full_table_takes_an_entry_from_the_largest_h
         assert svc.table.revoked_total == 2
         with pytest.raises(NoSpaceError, match="table is full"):  # over its share: no
             svc.handle(hogs[1], m.OpenNamespace(1, "hog1-more", LAYOUT))
+
+
+class TierCopying:
+    """A secondary tier whose thread copies one block of each of ``names`` now."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def busy_with(self, index: NamespaceIndex) -> int:
+        return int(index.name in self.names)
+
+    def namespace_opened(self, index: NamespaceIndex) -> None:
+        pass
+
+    def namespace_dropped(self, index: NamespaceIndex) -> None:
+        pass
+
+
+def test_a_namespace_a_tier_copies_in_is_never_taken_back() -> None:
+    """A tier thread's cascade reads, or promotion writes, a namespace's slots with
+    no engine's copy counted in them: taken back under it, its copy would land in
+    extents another namespace may own next. The table takes back only entries no
+    copy of anyone's runs in."""
+    with service(config(max_namespaces_per_uid=0)) as svc:
+        hog, other = session(svc, 10, 2000), session(svc, 11, 2001)
+        for i in range(MAX_NAMESPACES):
+            open_ns(svc, hog if i % 4 else other, f"ns-{i:03d}")
+        hogs = {n for n, ns in svc.table.by_name.items() if ns.creator_uid == 2000}
+        svc.tiering = TierCopying(hogs)  # type: ignore[assignment]
+        with pytest.raises(NoSpaceError, match="has copies running"):
+            svc.handle(session(svc, 99, 3000), m.OpenNamespace(1, "mine", LAYOUT))
+        assert svc.table.revoked_total == 0 and set(svc.table.by_name) >= hogs
+        least_used = min(hogs)
+        svc.tiering = TierCopying(hogs - {least_used})  # type: ignore[assignment]
+        assert svc.table.by_id[open_ns(svc, session(svc, 99), "mine")].name == "mine"
+        assert svc.table.revoked_total == 1 and least_used not in svc.table.by_name
 
 
 def test_a_full_table_of_roots_namespaces_is_never_taken_from() -> None:

@@ -18,7 +18,8 @@ Rules:
   joined, and its fair share is the entries root's and the daemon's do not take, over
   the uids holding entries (the newcomer counted). A uid below its share takes the
   least used entry all of whose holders are above theirs, preferring the largest
-  holder's, with no copy running in it; its connections lose it (``on_revoke``).
+  holder's, with no copy running in it (``busy``: an engine's, or a secondary tier
+  thread's); its connections lose it (``on_revoke``).
   Root's and the daemon's entries are never taken. Only then is the open refused
   (``NO_SPACE``), saying which of these stopped it.
 - An admin may drop any namespace with no copy running in it (``DropNamespace``,
@@ -95,9 +96,11 @@ class NamespaceTable:
         on_new: Callable[[NamespaceIndex], None],
         on_drop: Callable[[NamespaceIndex], None],
         on_revoke: Callable[[NamespaceIndex], object] = lambda index: None,
+        busy: Callable[[NamespaceIndex], bool] = lambda index: index.slots.any_busy(),
     ) -> None:
         self.config = config
         self.region = region
+        self.busy = busy  # copies run in its slots (an engine's or a tier's): keep it
         self.by_id: dict[int, NamespaceIndex] = {}
         self.by_name: dict[str, NamespaceIndex] = {}
         self._on_new, self._on_drop, self._on_revoke = on_new, on_drop, on_revoke
@@ -162,7 +165,7 @@ class NamespaceTable:
         idle = [
             ns
             for ns in self.by_id.values()
-            if not users(ns.ns_id) and ns.is_idle() and not ns.slots.any_busy()
+            if not users(ns.ns_id) and ns.is_idle() and not self.busy(ns)
         ]
         if idle:
             victim = min(idle, key=_use)
@@ -210,7 +213,7 @@ class NamespaceTable:
             for ns in self.by_id.values()
             if ns.creator_uid not in TRUSTED
             and {ns.creator_uid, *users(ns.ns_id)} - TRUSTED <= over
-            and not ns.slots.any_busy()
+            and not self.busy(ns)
         ]
         if not takeable:
             raise NoSpaceError(

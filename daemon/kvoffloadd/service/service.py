@@ -98,6 +98,7 @@ class Service:
             self._namespace_new,
             self._namespace_dropped,
             lambda index: self.members.revoke(index),
+            self.copies_in,
         )
         self.namespaces: dict[int, NamespaceIndex] = self.table.by_id
         self.sessions: dict[int, Session] = {}
@@ -398,8 +399,7 @@ class Service:
         index = self.table.by_name.get(name)
         if index is None:
             raise NotFoundError(f"no namespace named {name!r}")
-        tiers = self.tiering.busy_with(index) if self.tiering is not None else 0
-        if index.slots.any_busy() or tiers:
+        if self.copies_in(index):
             raise NoSpaceError(
                 f"namespace {name!r} has copies running in its slots (engines' or a "
                 "secondary tier's); nothing was dropped: try again once they finish "
@@ -408,6 +408,12 @@ class Service:
         connections = self.members.revoke(index, dropped_by=admin_uid)
         blocks = self.table.drop(index, f"by an admin (uid {admin_uid})")
         return blocks, connections
+
+    def copies_in(self, index: NamespaceIndex) -> bool:
+        """Whether copies run in the namespace's slots, an engine's or a tier thread's:
+        it may not leave the table under them (its extents may go to another next)."""
+        tiering = self.tiering
+        return index.slots.any_busy() or (tiering is not None and tiering.busy_with(index) > 0)
 
     # ------------------------------------------------------------ sessions
 
