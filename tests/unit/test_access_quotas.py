@@ -88,6 +88,12 @@ def open_ns(svc: Service, s: Session, name: str) -> int:
     return r.ns
 
 
+def lookup_hits(svc: Service, s: Session, ns: int, keys: list[bytes]) -> int | None:
+    r = svc.handle(s, m.Lookup(4, ns, *pack_keys(keys)))
+    assert isinstance(r, m.LookupReply)
+    return r.hits
+
+
 def test_refused_peer_gets_permission_denied_on_every_request() -> None:
     for svc in make_service(allow_uids=[1000]):
         s = session(svc, 1, uid=OTHER)
@@ -176,7 +182,7 @@ def test_readers_pin_at_most_their_part_of_a_namespace_however_often_they_repin(
             assert isinstance(store(svc, writer, ns, keys[part : part + 16]), m.StorePlanReply)
         assert index.statistics().free_blocks == 0
         owned = index.slots.num_extents * index.slots.slots_per_extent
-        held = [k for k in keys if svc.handle(writer, m.Lookup(4, ns, *pack_keys([k]))).hits]
+        held = [k for k in keys if lookup_hits(svc, writer, ns, [k])]
         assert len(held) == owned > 64
         kp, kb = pack_keys(held)
         for turn in range(3):  # pin everything, drop it, pin it all again
@@ -188,7 +194,7 @@ def test_readers_pin_at_most_their_part_of_a_namespace_however_often_they_repin(
             assert index.pinned_by(reader.session_id) == 0
         # blocking loads are refused past the part, all or nothing; a second reader uid
         # shares the readers' half with the first
-        held = [k for k in held if svc.handle(writer, m.Lookup(4, ns, *pack_keys([k]))).hits]
+        held = [k for k in held if lookup_hits(svc, writer, ns, [k])]
         part = owned // 4
         with pytest.raises(QuotaExceededError, match="may only read it"):
             svc.handle(reader, m.PrepareLoad(5, ns, *pack_keys(held[: part + 1])))

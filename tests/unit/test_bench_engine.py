@@ -29,7 +29,7 @@ def _point(wall_p99_ms: float, cpu_p99_ms: float, preempted: float) -> dict[str,
 
 
 def test_the_report_puts_the_engines_cpu_tail_and_preemptions_beside_the_wall_p99() -> None:
-    runs = [
+    runs: list[dict[str, Any]] = [
         {"points": [_point(1.2, 0.55, 0.02)], "load_average": [1.0, 1.0]},
         {"points": [_point(0.96, 0.6, 0.03)], "load_average": [1.0, 1.0]},
     ]

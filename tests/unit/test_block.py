@@ -4,6 +4,7 @@ the same attributes and behave alike, and the policies hold either."""
 from __future__ import annotations
 
 import shutil
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -11,18 +12,27 @@ import pytest
 from kvoffloadd.index import policies
 from kvoffloadd.index.policies import POLICIES, PyBlock
 
-KINDS = [PyBlock] + ([policies._NativeBlock] if policies.BUILT else [])
+if TYPE_CHECKING:
+    from kvoffloadd.index._block import Block as NativeBlock
+
+# policies._NativeBlock: the C type, private to policies (None where not built)
+KINDS: list[type[PyBlock] | type[NativeBlock]] = [PyBlock]
+if policies.BUILT:
+    KINDS.append(policies._NativeBlock)  # type: ignore[attr-defined]
 
 
 def test_the_c_block_is_built_where_a_compiler_is() -> None:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: blocks are Python objects")
     assert policies.BUILT, "kvoffloadd.index._block did not build: pip install -e ."
-    assert policies.Block is policies._NativeBlock  # unless KVOFFLOAD_NO_NATIVE_INDEX
+    # unless KVOFFLOAD_NO_NATIVE_INDEX (mypy reads Block as PyBlock: the same attributes)
+    assert policies.Block is policies._NativeBlock  # type: ignore[attr-defined,comparison-overlap]
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__module__)
-def test_a_block_starts_written_and_counts_its_pins(kind: type[PyBlock]) -> None:
+def test_a_block_starts_written_and_counts_its_pins(
+    kind: type[PyBlock] | type[NativeBlock],
+) -> None:
     b = kind(7)
     assert (b.slot, b.ref, b.is_ready) == (7, -1, False)
     assert repr(b) == "Block(slot=7, ref=-1)"
@@ -39,7 +49,7 @@ def test_a_block_starts_written_and_counts_its_pins(kind: type[PyBlock]) -> None
 @pytest.mark.skipif(not policies.BUILT, reason="no C Block built")
 def test_the_c_block_refuses_what_is_no_slot() -> None:
     """(The Python class stores what it is given: mypy types its callers.)"""
-    kind = policies._NativeBlock
+    kind = policies._NativeBlock  # type: ignore[attr-defined]
     for bad in ((), (1, 2)):
         with pytest.raises(TypeError, match="one positional argument"):
             kind(*bad)

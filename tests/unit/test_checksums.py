@@ -52,12 +52,12 @@ def attach(svc: Service, s: Session, ns: int, cache: torch.Tensor) -> int:
     return r.worker
 
 
-def run(svc: Service, req: m.Request, s: Session) -> m.JobResult:
+def run(svc: Service, req: m.SubmitStore | m.SubmitLoad, s: Session) -> m.JobResult:
     assert isinstance(svc.handle(s, req), m.OkReply)
     r, _, _ = select.select([svc.copier.wake_fd], [], [], 10)
     assert r, "copy did not finish"
     svc.on_completions(svc.copier.drain())
-    w = svc.workers[req.worker]  # type: ignore[attr-defined]
+    w = svc.workers[req.worker]
     (result,) = w.finished
     w.finished = []
     return result

@@ -16,7 +16,7 @@ def test_sizes() -> None:
     assert parse_size(4096) == 4096
     for bad in ("lots", "-1", "1 GiBs", 0, True):
         with pytest.raises(ConfigError):
-            parse_size(bad)  # type: ignore[arg-type]
+            parse_size(bad)
 
 
 def test_defaults_need_no_file() -> None:

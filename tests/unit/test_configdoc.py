@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvoffloadd import configdoc
-from kvoffloadd.config import DaemonConfig, TierConfig, load_config
+from kvoffloadd.config import TIER_TYPES, DaemonConfig, TierConfig, load_config
 
 ROOT = Path(__file__).parents[2]
 
@@ -78,7 +78,7 @@ def test_the_example_file_loads_as_the_defaults_and_its_tier_tables_load_too(
     example = (ROOT / configdoc.EXAMPLE).read_text()
     assert load_config(str(ROOT / configdoc.EXAMPLE), {}) == DaemonConfig().validate()
     tables = re.findall(r"^# \[\[tiers\]\]\n(?:# .*\n)+", example, re.M)
-    assert len(tables) == len(configdoc.config.TIER_TYPES)
+    assert len(tables) == len(TIER_TYPES)
     for table in tables:
         f = tmp_path / "tier.toml"
         f.write_text("\n".join(line[2:] for line in table.splitlines()))

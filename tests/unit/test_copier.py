@@ -30,7 +30,7 @@ def test_small_jobs_complete_inline_and_large_ones_on_threads() -> None:
         assert (dst[:4096] == src[4096:8192]).all() and (dst[8192:12288] == src[:4096]).all()
         big = np.asarray([src.size], dtype=np.int64)
         copier.submit(2, addrs(dst, [0]), addrs(src, [0]), big)
-        got = []
+        got: list[Completion] = []
         while not got:
             assert select.select([copier.wake_fd], [], [], 10)[0], "large copy never finished"
             got = copier.drain()

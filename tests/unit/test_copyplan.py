@@ -220,7 +220,12 @@ def test_groups_copy_what_the_runs_copy(
 
     def ordered(n: int, how: str) -> np.ndarray:
         a = np.arange(n, dtype=np.int64)
-        return {"ascending": a, "descending": a[::-1].copy(), "scattered": rng.permutation(a)}[how]
+        orders: dict[str, np.ndarray] = {
+            "ascending": a,
+            "descending": a[::-1].copy(),
+            "scattered": rng.permutation(a),
+        }
+        return orders[how]
 
     ids = ordered(num_slots * f, id_order) * 2  # every other engine block
     slots = ordered(num_slots, slot_order) * 3 + 1

@@ -24,7 +24,7 @@ def test_values_are_zlibs(data: bytes, start: int) -> None:
 
 def test_a_region_slot_view_and_a_large_block_match_zlib() -> None:
     block = np.random.default_rng(7).integers(0, 256, 4 << 20, dtype=np.uint8)
-    view = memoryview(block)[12345:]  # unaligned, as a slot inside a page need not be
+    view = memoryview(block.data)[12345:]  # unaligned, as a slot inside a page need not be
     assert crc.crc32(view) == zlib.crc32(view)
     whole = crc.crc32(view[:1000])
     assert crc.crc32(view[1000:], whole) == zlib.crc32(view)

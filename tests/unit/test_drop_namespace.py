@@ -181,7 +181,7 @@ def test_a_client_told_it_lost_a_namespace_replaces_its_connection() -> None:
             m.Notice(0, ErrorCode.NOT_LEASED, "a one-way request was refused"),
             m.Notice(0, ErrorCode.NOT_FOUND, "namespace 'other' was dropped by an admin", 4),
         ])  # fmt: skip
-        assert c._transport is t and not t.closed and c.notices_total == 2
+        assert c._transport is t and not t.closed and c.notices_total == 2  # type: ignore[comparison-overlap]
         c._route([m.Notice(0, ErrorCode.NOT_FOUND, "namespace 'kv' was dropped", 3)])
         assert c._transport is None and t.closed and c.outages_total == 0
         assert c._keeper.started  # it reconnects (here: to a daemon that is not there)

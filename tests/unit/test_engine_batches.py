@@ -8,6 +8,7 @@ is one scenario on the index alone (no sockets, no sleeps).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -191,7 +192,8 @@ def test_leasing_evicts_outside_requests_but_never_pinned_blocks() -> None:
     # everything evictable goes, 1 is pinned; the space frees once both mirrors saw it
     assert idx.lease(TA, 4) == []
     assert idx.lookup(ks(2)) == idx.lookup(ks(3)) == idx.lookup(ks(4)) == 0
-    idx.ack(A, idx.events.seq), idx.ack(B, idx.events.seq)
+    idx.ack(A, idx.events.seq)
+    idx.ack(B, idx.events.seq)
     assert len(idx.lease(TA, 4)) == 3 and idx.lookup(ks(1)) == 1
 
 
@@ -203,7 +205,8 @@ def test_a_local_pin_reaches_the_daemon_before_the_ack_so_the_slot_stays() -> No
     idx.claim(TA, A, ks(1, 2, 3, 4), slots)
     idx.mark_written(slots, area=0)
     idx.commit(TA, A, ks(1, 2, 3, 4), True)
-    idx.ack(A, idx.events.seq), idx.ack(B, idx.events.seq)
+    idx.ack(A, idx.events.seq)
+    idx.ack(B, idx.events.seq)
     idx.evict(ks(1))  # pressure: 1 is evicted while B's mirror still says HIT
     idx.pin(ks(1), B)  # B's batch: the pin...
     idx.ack(B, idx.events.seq)  # ...then the ack
@@ -220,7 +223,8 @@ def test_a_load_by_key_finds_the_key_where_it_is_now() -> None:
     idx.claim(TA, A, ks(1), first)
     idx.mark_written(first, 0)
     idx.commit(TA, A, ks(1), True)
-    idx.graves.drop_mirror(A), idx.graves.drop_mirror(B)
+    idx.graves.drop_mirror(A)
+    idx.graves.drop_mirror(B)
     idx.evict(ks(1))  # gone, slot free
     assert idx.lookup(ks(1)) == 0
     with pytest.raises(NotFoundError):
@@ -301,9 +305,14 @@ def test_a_million_pins_of_one_key_go_in_one_step_and_past_the_cap_are_missed(
         idx.pin(ks(1) * 65536, A)
     assert ledger.held(A) == 1_000_000 and idx.pinned_by(A) == 1_000_000
     assert idx.statistics().pins_missed_total == 16 * 65536 - 1_000_000
-    calls = []
+    calls: list[int] = []
     unpin = type(idx)._unpin
-    monkeypatch.setattr(type(idx), "_unpin", lambda self, *a: calls.append(1) or unpin(self, *a))
+
+    def counted_unpin(self: NamespaceIndex, *a: Any) -> None:
+        calls.append(1)
+        unpin(self, *a)
+
+    monkeypatch.setattr(type(idx), "_unpin", counted_unpin)
     assert idx.release_client(A, TA) == (0, 1_000_000, True)
     assert len(calls) == 1 and ledger.held(A) == 0
     assert idx.statistics().pinned_blocks == 0
@@ -341,7 +350,8 @@ def test_pinning_and_unpinning_in_a_loop_holds_nothing_once_unpinned() -> None:
     idx.claim(TA, A, ks(1), slots)
     idx.mark_written(slots, 0)
     idx.commit(TA, A, ks(1), True)
-    idx.pin(ks(1), A), idx.unpin(ks(1), A)  # warm the containers up
+    idx.pin(ks(1), A)  # warm the containers up
+    idx.unpin(ks(1), A)
     with OwnHeap() as heap:
         for _ in range(10_000):
             idx.pin(ks(1), A)
@@ -417,13 +427,12 @@ def test_a_storing_engine_beside_an_idle_mirror_finds_its_refills_free(
     for most of each grace period (its stores refused as no space)."""
     from kvoffload.protocol import messages as m
     from kvoffload.protocol.packing import pack_ids, pack_keys, unpack_ids
-    from kvoffloadd.index import storeindex
     from kvoffloadd.ledger import Ledger
     from kvoffloadd.service.engines import EngineChannel
     from kvoffloadd.service.session import Session
 
-    now = [1000.0]
-    monkeypatch.setattr(storeindex.time, "monotonic", lambda: now[0])  # graves' clock
+    now = [1000.0]  # the graves' clock
+    monkeypatch.setattr("kvoffloadd.index.storeindex.time.monotonic", lambda: now[0])
     step_s, per_step, want = 0.1, 4, 4  # 40 blocks/s, 1 s of grace: 44 ahead of 64
     idx = make_index(blocks=512, grace_s=1.0)  # lease budget 512 // 8 = 64
     idx.clock = lambda: now[0]

@@ -33,7 +33,8 @@ def test_every_subscriber_sees_every_event_once_and_taken_events_go() -> None:
     assert not feed.pending(1) and feed.take(1) == ([], False)
     feed.compact()
     assert feed.pending_bytes() == 0
-    feed.unsubscribe(1), feed.unsubscribe(2)
+    feed.unsubscribe(1)
+    feed.unsubscribe(2)
     feed.emit(OffloadEvent([b"c"], removed=False))  # nobody reads it: not kept
     assert feed.pending_bytes() == 0 and feed.seq == 3
     assert feed.take(3) == ([], False)  # a first take subscribes

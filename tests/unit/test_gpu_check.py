@@ -9,6 +9,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_cuda import FakeCuda
@@ -42,7 +43,7 @@ def test_the_kernel_bench_runs_its_rows_and_round_trip_on_the_fake(
 
 def test_the_summary_says_which_targets_were_met() -> None:
     ratios = {"32k": {"store": 0.9, "load": 0.8, "target": 0.85}}
-    report = {
+    report: dict[str, Any] = {
         "gpu": True,
         "seconds": 1.0,
         "skipped": ["bench: none"],
@@ -62,7 +63,7 @@ def _tier_run(threads: int, promote_gbps: float, same: float) -> dict[str, float
 
 
 def test_the_tier_promotion_targets_are_judged_on_free_cores_only() -> None:
-    r = {
+    r: dict[str, Any] = {
         "memcpy_gbps": 10.0,
         "disk": [_tier_run(1, 2.0, 0.9), _tier_run(4, 5.5, 0.85), _tier_run(8, 6.0, 0.82)],
         "mooncake": [_tier_run(1, 2.5, 0.9), _tier_run(4, 4.0, 0.7)],

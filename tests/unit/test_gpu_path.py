@@ -32,6 +32,7 @@ from kvoffloadd.copies.gpu import GpuRuntime
 from kvoffloadd.region.pinning import MAX_CHUNK_BYTES, RegionPinner, plan_chunks
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
 from kvoffloadd.service.service import Service
+from kvoffloadd.service.session import Session
 
 MIB = 1 << 20
 PAGES = [4096, 8192]
@@ -129,7 +130,7 @@ class Rig:
     copier: CpuCopier
     pinner: RegionPinner
 
-    def session(self, sid: int = 1) -> object:
+    def session(self, sid: int = 1) -> Session:
         return self.svc.sessions.get(sid) or self.svc.open_session(sid, 1, 0, 0)
 
     def drain(self, timeout_s: float = 10.0) -> list[tuple[int, m.Reply]]:

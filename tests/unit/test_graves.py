@@ -234,7 +234,8 @@ def test_a_grave_exempt_from_the_slowest_mirror_waits_for_the_next_slowest() -> 
     b2.ref = 0
     g.bury(b"j", b2, seq=6, exempt=None, now_s=0.0)
     g.pin(3, 8)
-    g.ack(1, 6), g.ack(2, 6)
+    g.ack(1, 6)
+    g.ack(2, 6)
     assert g.free_now(1.0) == []
     g.unpin(3, 8)
     assert [x.block.slot for x in g.free_now(1.0)] == [8]

@@ -9,6 +9,7 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -116,7 +117,7 @@ def test_one_peer_holds_at_most_its_share_and_the_oldest_goes_first(server: Http
     try:
         for n in range(3):
             socks += [_stalled(server.port, "127.0.0.1") for _ in range(MAX_PER_PEER)]
-            poll(lambda n=n: moved_in(n), f"round {n} to move in")
+            poll(partial(moved_in, n), f"round {n} to move in")
             assert _get(server.port).startswith(b"HTTP/1.0 200")  # from the same address
         closed = [_closed_by_server(s) for s in socks]
         assert all(closed[: 2 * MAX_PER_PEER]) and not any(closed[-MAX_PER_PEER:])

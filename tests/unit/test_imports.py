@@ -62,7 +62,7 @@ def test_caches_over_one_file_share_one_mapping_of_the_rows_they_claim() -> None
     }
     caches = run_import(plan)
     assert all(isinstance(c, MappedCache) for c in caches)
-    assert len({id(c.mapping) for c in caches}) == 1  # type: ignore[union-attr]
+    assert len({id(c.mapping) for c in caches}) == 1
     deadline = time.monotonic() + 10  # the engine's descriptors are the import's to
     while any(os.path.exists(f"/proc/self/fd/{fd_}") for fd_ in fds):  # close (closer)
         assert time.monotonic() < deadline, "the import left a descriptor open"

@@ -7,9 +7,11 @@ Same inputs, same lookups, same slot ids, evicted keys and events as vLLM's own
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import pytest
 
+from kvoffload.plans import StorePlan
 from kvoffload.protocol.errors import InvalidArgumentError, NotFoundError, NotLeasedError
 from kvoffload.protocol.messages import KVLayout
 from kvoffloadd.index.index import NamespaceIndex, OffloadEvent
@@ -31,8 +33,8 @@ def ks(*ids: int) -> list[bytes]:
 class CopyingIndex(NamespaceIndex):
     """The index as the daemon drives it: every prepared slot is copied before completion."""
 
-    def prepare_store(self, keys, client):  # type: ignore[no-untyped-def]
-        plan = super().prepare_store(keys, client)
+    def prepare_store(self, keys: Sequence[bytes], client: int, token: int = 0) -> StorePlan | None:
+        plan = super().prepare_store(keys, client, token)
         if plan is not None:
             self.mark_written(plan.slots, area=0)
         return plan

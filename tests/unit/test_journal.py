@@ -9,7 +9,7 @@ import random
 import shutil
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -127,12 +127,13 @@ def test_a_slot_in_a_hole_is_a_broken_invariant_and_writes_nothing(
         spe = slots.slots_per_extent
         good, hole = live_slots(slots)[:4], spe + 1  # extent index 1 is a hole
         before = table(region)
-        for call in (
+        calls: tuple[Callable[[], object], ...] = (
             lambda: j.writing_many([*good, hole], [b"k" * 8] * 5, 1),
             lambda: j.freed_many([*good, hole]),
             lambda: j.leased_many([*good, hole], 1),
             lambda: j.ready_many([*good, hole], [b"k" * 8] * 5),
-        ):
+        )
+        for call in calls:
             with pytest.raises(AssertionError, match="hole"):
                 call()
             assert table(region) == before

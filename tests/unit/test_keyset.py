@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from kvoffloadd.index import keyset
 from kvoffloadd.index.keyset import KeySetLike, PyKeySet, key_set
 
-BUILT = keyset._NativeKeySet is not None  # used unless KVOFFLOAD_NO_NATIVE_INDEX is set
+# keyset._NativeKeySet: the C set, private to keyset (None where not built); the index
+# uses it unless KVOFFLOAD_NO_NATIVE_INDEX is set
+BUILT = keyset._NativeKeySet is not None  # type: ignore[attr-defined]
 KEY_BYTES = 12
 POOL = [os.urandom(KEY_BYTES) for _ in range(64)]  # few keys: adds and removals collide
 
@@ -110,7 +112,7 @@ def test_other_lengths_are_never_in_and_never_added() -> None:
     with pytest.raises(ValueError, match=r"1\.\.64 bytes"):
         key_set(native=True).add(b"x" * 65)
     with pytest.raises(ValueError, match="16 bytes"):
-        keyset._NativeKeySet(b"short")
+        keyset._NativeKeySet(b"short")  # type: ignore[attr-defined]
 
 
 def test_adding_a_key_already_in_never_grows_the_table() -> None:
@@ -142,7 +144,8 @@ SECRET = bytes(range(16))
 
 
 def _rotl(x: np.ndarray, b: int) -> np.ndarray:
-    return (x << np.uint64(b)) | (x >> np.uint64(64 - b))
+    out: np.ndarray = (x << np.uint64(b)) | (x >> np.uint64(64 - b))
+    return out
 
 
 def siphash13(secret: bytes, keys: list[bytes]) -> np.ndarray:
@@ -184,7 +187,7 @@ def test_tags_are_siphash_1_3_under_the_secret() -> None:
     """Every length's keys, whole words and tails of any size, hash as the reference."""
     if not BUILT:
         pytest.skip("the C set was not built")
-    s = keyset._NativeKeySet(SECRET)
+    s = keyset._NativeKeySet(SECRET)  # type: ignore[attr-defined]
     rng = random.Random(7)
     for length in range(1, 65):
         keys = [rng.randbytes(length) for _ in range(20)]
@@ -214,7 +217,7 @@ def test_keys_of_one_tag_are_told_apart(differ: str) -> None:
     pairs = _colliding(keys)
     assert pairs, "no two keys share a tag: make more"
     for a, b in pairs:
-        s = keyset._NativeKeySet(SECRET)
+        s = keyset._NativeKeySet(SECRET)  # type: ignore[attr-defined]
         assert s._tag(a) == s._tag(b)
         s.add(a)
         assert b not in s and s.prefix([b]) == 0 and s.prefix_packed(b, 12) == 0

@@ -30,8 +30,9 @@ from kvoffloadd.copies.copier import CpuCopier
 from kvoffloadd.region.region import Geometry, SharedOffloadRegion
 from kvoffloadd.server import ready as readyshare
 from kvoffloadd.server import server as srv
+from kvoffloadd.server.admission import REAPER
 from kvoffloadd.server.listener import bind_listener
-from kvoffloadd.server.server import INLINE_BYTES, REAPER, Server
+from kvoffloadd.server.server import INLINE_BYTES, Server
 from kvoffloadd.server.slowturns import LOG_GAP_S, SlowTurns
 from kvoffloadd.service.budgets import TURN_S
 from kvoffloadd.service.service import Service
@@ -127,8 +128,8 @@ def test_a_unit_is_charged_its_own_time_not_a_handler_that_ran_before_it_in_the_
         charged.append((conn, cost_s))
         served(conn, cost_s, *args)  # type: ignore[arg-type]
 
-    server.turns.served = record_served  # type: ignore[method-assign]
-    server._record_turn = turns.append
+    server.turns.served = record_served  # type: ignore[method-assign,assignment]
+    server._record_turn = turns.append  # type: ignore[assignment]
     woken: list[int] = []
     wake = server.turns.wake
 
@@ -136,7 +137,7 @@ def test_a_unit_is_charged_its_own_time_not_a_handler_that_ran_before_it_in_the_
         woken.append(conn)
         wake(conn, *args)  # type: ignore[arg-type]
 
-    server.turns.wake = record_wake  # type: ignore[method-assign]
+    server.turns.wake = record_wake  # type: ignore[method-assign,assignment]
 
     wake_w.send(b"x")
     client.sendall(encode_frame(m.Ping(2)))
@@ -195,7 +196,7 @@ def test_requests_served_as_they_are_read_stop_at_the_turns_budget(
 
     handlers[m.Ping] = slow_ping
     turns: list[float] = []
-    server._record_turn = turns.append
+    server._record_turn = turns.append  # type: ignore[assignment]
     frame = encode_frame(m.Ping(2))
     assert len(frame) <= INLINE_BYTES  # each would be served as it is read
     for c in clients:
@@ -243,7 +244,7 @@ def test_a_queued_unit_is_charged_the_loop_threads_cpu_time_not_the_cpu_the_kern
         charged.append(cost_s)
         served(conn, cost_s, *args)  # type: ignore[arg-type]
 
-    server.turns.served = record_served  # type: ignore[method-assign]
+    server.turns.served = record_served  # type: ignore[method-assign,assignment]
     client.sendall(encode_frame(m.Ping(2)) + encode_frame(m.Ping(3)))
     server.turn(0.0)  # the first served as read (nobody waits), the second queued
     assert answered([client]) == 1

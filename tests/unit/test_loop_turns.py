@@ -79,8 +79,8 @@ def test_a_small_request_waits_for_at_most_one_large_unit_however_many_there_are
     progress only."""
     clock = Clock()
     q = TurnQueue(clock)
-    for c in range(1, 129):
-        q.wake(c, 1 << 20, ATTACKER)
+    for conn in range(1, 129):
+        q.wake(conn, 1 << 20, ATTACKER)
     ping = 1000
     q.wake(ping, 20, TENANT)
     assert q.next() == ping
@@ -235,8 +235,8 @@ def test_connections_new_to_the_loop_take_turns_with_their_uids_busy_one_at_once
         clock.now += unit_s
         q.served(engine, unit_s / 2, more=0)
     assert q.usage_s(engine) > 0.1
-    for c in range(1, 31):
-        q.wake(c, 1 << 10, TENANT)
+    for conn in range(1, 31):
+        q.wake(conn, 1 << 10, TENANT)
     q.wake(engine, 1 << 10)
     waits = []
     woken = clock.now
@@ -263,8 +263,8 @@ def test_a_light_client_of_a_busy_uid_goes_next() -> None:
     q = TurnQueue(clock)
     ping = 1000
     q.served(ping, 30e-6, more=0, uid=TENANT)  # it has pinged before
-    for c in range(1, 32):
-        q.wake(c, 1 << 10, TENANT)
+    for conn in range(1, 32):
+        q.wake(conn, 1 << 10, TENANT)
     waited, woken_at = [], 0
     for unit in range(3000):
         if unit % 7 == 0 and ping not in q:

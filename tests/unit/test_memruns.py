@@ -45,17 +45,17 @@ def path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each copy test runs through the C loop (where built) and the Python path."""
     if request.param == "native" and not memruns.NATIVE:
         pytest.skip("the C copy loop is not built here")
-    saved = memruns._native
+    saved = memruns._native  # type: ignore[attr-defined]
     if request.param == "python":
-        memruns._native = None
+        memruns._native = None  # type: ignore[attr-defined,assignment]
     try:
         yield request.param
     finally:
-        memruns._native = saved
+        memruns._native = saved  # type: ignore[attr-defined]
 
 
 def expand(g: Groups) -> list[tuple[int, int, int]]:
-    out = []
+    out: list[tuple[int, int, int]] = []
     for d, s, n, rows, ds, ss in zip(g.dst, g.src, g.nbytes, g.rows, g.dst_step, g.src_step):
         out.extend((d + i * ds, s + i * ss, n) for i in range(rows))
     return out
@@ -193,7 +193,7 @@ def test_overlapping_runs_move_as_memmove_does(path: str) -> None:
 
 @pytest.mark.parametrize("path", ["native"], indirect=True)
 def test_the_c_loop_refuses_malformed_vectors_before_copying(path: str) -> None:
-    native = memruns._native
+    native = memruns._native  # type: ignore[attr-defined]
     assert native is not None
     src = np.full(64, 7, dtype=np.uint8)
     got = np.zeros(64, dtype=np.uint8)
@@ -202,7 +202,7 @@ def test_the_c_loop_refuses_malformed_vectors_before_copying(path: str) -> None:
     with pytest.raises(ValueError, match="differ in length"):
         native.copy_runs(d, s, np.array([8, 8], dtype=np.int64), 0)
     with pytest.raises(TypeError, match="int64"):
-        native.copy_runs(d, s, np.array([8], dtype=np.int32), 0)  # type: ignore[arg-type]
+        native.copy_runs(d, s, np.array([8], dtype=np.int32), 0)
     with pytest.raises(ValueError, match="negative run length"):
         native.copy_runs(d, s, np.array([-1], dtype=np.int64), 0)
     one = array.array("q", [1])

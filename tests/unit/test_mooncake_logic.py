@@ -440,7 +440,7 @@ def test_copies_that_end_after_half_the_lease_are_all_handed_back() -> None:
         Answering({"a": [replica(base, n + h, "me:1")]}),
         ["a"],
         n,
-        lambda j, src: MAC.copy_and_hash(NS, b"a", memoryview(dest), dest.ctypes.data, src),
+        lambda j, src: MAC.copy_and_hash(NS, b"a", memoryview(dest.data), dest.ctypes.data, src),
         [header.ctypes.data],
         h,
         (base, base + n + h),
@@ -517,7 +517,8 @@ def test_a_question_that_fails_returns_only_once_no_copy_is_running() -> None:
     those copies are done (their slots may be reused at once)."""
     count, n, h = FIRST_ASK + 2, BLOCK, HEADER_BYTES
     segment, answer, names = own_blocks(count)
-    base, events = segment.ctypes.data, []
+    base = segment.ctypes.data
+    events: list[Any] = []
     dest = np.zeros((count, n), np.uint8)
     gate, copied = threading.Event(), []
     threads = TierThreads(2, "test")

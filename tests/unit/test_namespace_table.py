@@ -424,7 +424,9 @@ def test_the_slot_records_a_store_writes_are_the_table_layout_field_by_field() -
         def rec(slot: int) -> np.void:
             ext = slots.extents[slot // spe]
             assert ext is not None
-            return region.slot_table[ext * spe_max + slot % spe]
+            record = region.slot_table[ext * spe_max + slot % spe]
+            assert isinstance(record, np.void)
+            return record
 
         keys = [bytes([1 + i % 255]) * (1 + i % 64) for i in range(len(taken))]
         journal.writing_many(taken, keys, lease=(1 << 63) - 5)

@@ -6,6 +6,7 @@ is found resident and only mapped, and a failure stops population without a hang
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import mmap
@@ -64,11 +65,11 @@ def test_the_libc_handle_releases_the_gil() -> None:
     r, w = os.pipe()
     result: list[int] = []
 
-    class PollFd(kernel.ctypes.Structure):
+    class PollFd(ctypes.Structure):
         _fields_ = (
-            ("fd", kernel.ctypes.c_int),
-            ("events", kernel.ctypes.c_short),
-            ("revents", kernel.ctypes.c_short),
+            ("fd", ctypes.c_int),
+            ("events", ctypes.c_short),
+            ("revents", ctypes.c_short),
         )
 
     fds = PollFd(r, select.POLLIN, 0)
@@ -76,7 +77,7 @@ def test_the_libc_handle_releases_the_gil() -> None:
 
     def wait_in_c() -> None:
         started.set()
-        result.append(kernel.libc.poll(kernel.ctypes.byref(fds), 1, int(DEADLINE_S * 1000)))
+        result.append(kernel.libc.poll(ctypes.byref(fds), 1, int(DEADLINE_S * 1000)))
 
     t = threading.Thread(target=wait_in_c)
     t.start()

@@ -133,7 +133,7 @@ def test_incompatible_region_is_refused_unless_discarded() -> None:
     with pytest.raises(RegionError, match=r"format version 0.*--discard-region"):
         SharedOffloadRegion(name, g)
     region = SharedOffloadRegion(name, g, discard=True)
-    assert struct.unpack_from("<I", region.buffer, 8)[0] == FORMAT_VERSION
+    assert struct.unpack_from("<I", region.buffer.data, 8)[0] == FORMAT_VERSION
     region.close()
     with pytest.raises(posix_ipc.ExistentialError):
         posix_ipc.SharedMemory(name)

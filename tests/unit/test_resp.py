@@ -153,7 +153,9 @@ class Streaming:
     """Accepts one connection, reads the command, then lets ``feed`` write whatever it
     likes until the client goes away or the test ends."""
 
-    def __init__(self, path: pathlib.Path, feed: Callable[[socket.socket, threading.Event], None]):
+    def __init__(
+        self, path: pathlib.Path, feed: Callable[[socket.socket, threading.Event], object]
+    ):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(1)
@@ -161,7 +163,7 @@ class Streaming:
         self._t = threading.Thread(target=self._serve, args=(feed,), daemon=True)
         self._t.start()
 
-    def _serve(self, feed: Callable[[socket.socket, threading.Event], None]) -> None:
+    def _serve(self, feed: Callable[[socket.socket, threading.Event], object]) -> None:
         conn, _ = self.sock.accept()
         with conn, contextlib.suppress(OSError):  # the client closed: done
             conn.recv(65536)

@@ -104,17 +104,18 @@ def test_pool_pages_become_strided_caches() -> None:
 def test_a_pool_whose_pages_do_not_line_up_is_refused() -> None:
     pool = FakeMHAPool()
     meta = pool.get_page_buffer_meta
-    pool.get_page_buffer_meta = lambda idx: (
-        [p + int(idx[0]) % 3 for p in meta(idx)[0]],
-        meta(idx)[1],
-    )  # type: ignore[method-assign]
+    pool.get_page_buffer_meta = lambda indices: (  # type: ignore[method-assign]
+        [p + int(indices[0]) % 3 for p in meta(indices)[0]],
+        meta(indices)[1],
+    )
     with pytest.raises(PoolError, match="evenly"):
         pool_shape(pool)
 
 
 def test_block_ids_take_whole_aligned_pages_only() -> None:
     ids = np.concatenate([np.arange(8, 12), np.arange(0, 4)])
-    assert block_ids(ids, 2, 4).tolist() == [2, 0]
+    whole = block_ids(ids, 2, 4)
+    assert whole is not None and whole.tolist() == [2, 0]
     assert block_ids(np.arange(1, 9), 2, 4) is None  # not page-aligned
     assert block_ids(np.array([0, 1, 3, 2]), 1, 4) is None  # not in order
     assert block_ids(np.arange(4), 2, 4) is None  # short

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
 from collections import defaultdict
 from pathlib import Path
-
-import tomllib
 
 from kvoffloadd.config import DaemonConfig
 from kvoffloadd.main import config_of, parse_args
 from kvoffloadd.service.budgets import FD_RESERVE
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 ROOT = Path(__file__).parents[2]
 UNITS = ROOT / "systemd"

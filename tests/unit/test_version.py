@@ -6,16 +6,21 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 
 import kvoffload
 import kvoffloadd
 from kvoffload.version import __version__
 from kvoffloadctl import cli
 from kvoffloadd import main
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 ROOT = Path(__file__).parents[2]
 

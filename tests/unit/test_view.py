@@ -5,6 +5,7 @@ change the answers. No daemon, no sockets, no sleeps."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypedDict
 
 import pytest
 
@@ -83,7 +84,19 @@ class FakeNamespace:
         self.inbox.append(m.FeedPush(0, self.ns_id, seq, msgs))
 
 
-def fields(batch: m.StepBatch) -> dict[str, object]:
+class Fields(TypedDict):
+    """A batch's fields, keys unpacked."""
+
+    claims: list[tuple[bytes, int]]
+    pins: list[bytes]
+    unpins: list[bytes]
+    commits: list[bytes]
+    fails: list[bytes]
+    ack: int
+    want: int
+
+
+def fields(batch: m.StepBatch) -> Fields:
     kb = batch.key_bytes
 
     def keys(packed: bytes) -> list[bytes]:
@@ -259,10 +272,10 @@ def test_a_reconnect_starts_from_a_snapshot_and_pins_again() -> None:
     ns.sent.clear()
     view.adopt(Snapshot(k(2, 3), [20, 21], seq=1))
     assert view.ready == {k(2)[0]: 20, k(3)[0]: 21}
-    assert sorted(fields(ns.sent[-1])["pins"]) == sorted(k(1, 1, 2))  # type: ignore[type-var]
+    assert sorted(fields(ns.sent[-1])["pins"]) == sorted(k(1, 1, 2))
     view.complete_load(k(1, 1, 2))
     view.end_step()
-    assert sorted(fields(ns.sent[-1])["unpins"]) == sorted(k(1, 1, 2))  # type: ignore[type-var]
+    assert sorted(fields(ns.sent[-1])["unpins"]) == sorted(k(1, 1, 2))
 
 
 def test_a_feed_with_a_gap_resyncs_from_a_snapshot() -> None:
