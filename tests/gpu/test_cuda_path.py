@@ -42,7 +42,8 @@ def gpu_daemon() -> Iterator[DaemonProcess]:
 def gpu_stats(sock: str) -> dict[str, Any]:
     client = kvoffload.connect(sock)
     try:
-        return client.stats()["gpu"]  # type: ignore[no-any-return]
+        stats: dict[str, Any] = client.stats()["gpu"]
+        return stats
     finally:
         client.close()
 

@@ -14,11 +14,13 @@ import pickle
 import resource
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 NOBODY = 65534
+
+T = TypeVar("T")
 
 
 def requires_root() -> None:
@@ -27,8 +29,8 @@ def requires_root() -> None:
 
 
 def as_uid(
-    fn: Callable[[], Any], uid: int = NOBODY, gid: int | None = None, timeout_s: float = 60.0
-) -> Any:
+    fn: Callable[[], T], uid: int = NOBODY, gid: int | None = None, timeout_s: float = 60.0
+) -> T:
     """Run ``fn`` in a child process as ``uid`` (group ``gid``, default the same number)
     and return its result."""
     requires_root()
@@ -53,7 +55,8 @@ def as_uid(
     kind, value = pickle.loads(data)
     if kind == "error":
         raise AssertionError(f"the child as uid {uid} failed:\n{value}")
-    return value
+    returned: T = value  # what ``fn`` returned, unpickled
+    return returned
 
 
 def fd_count(pid: int) -> int:

@@ -56,7 +56,11 @@ def limited_daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     assert d.stop() == 0
 
 
-def abuse(name: str, d: DaemonProcess, attack: Callable[[], object]) -> None:
+def abuse(
+    name: str,
+    d: DaemonProcess,
+    attack: Callable[[], socket.socket | list[socket.socket] | None],
+) -> None:
     """Run ``attack`` against ``d`` with a canary; check and print the figures."""
     canary = Canary(d.socket_path, d.pid)
     time.sleep(0.05)

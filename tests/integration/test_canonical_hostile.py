@@ -72,8 +72,8 @@ def test_another_uids_bad_canonical_mappings_are_refused_and_harm_nobody() -> No
         assert d.alive() and ns.lookup(keys) == 4
         out = kvoffload.shared_kv_cache(8, PAGE)
         reader = ns.attach_worker([out])
-        plan = ns.prepare_load(keys)
-        assert reader.submit_load(2, plan.slots, np.arange(4))
+        load = ns.prepare_load(keys)
+        assert reader.submit_load(2, load.slots, np.arange(4))
         reader.wait([2])
         assert all(r.success for r in reader.get_finished())
         ns.complete_load(keys)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from helpers import ctl, poll, store_blocks
@@ -111,7 +113,7 @@ def test_global_options_go_before_or_after_the_subcommand(daemon: DaemonProcess)
 def test_every_subcommand_speaks_json(daemon: DaemonProcess) -> None:
     c = kvoffload.connect(daemon.socket_path)
     store_blocks(c, "j", [b"j%07d" % i for i in range(2)])
-    outputs = {
+    outputs: dict[str, Callable[[Any], object]] = {
         "stats": lambda o: "region" in o,
         "clients": lambda o: isinstance(o, list) and o,
         "config": lambda o: "region_size" in o,

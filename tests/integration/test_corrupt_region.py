@@ -111,7 +111,8 @@ class Tables:
 
     def record_of(self, name: str, key: bytes) -> int:
         ns = self.ns_id(name)
-        for i in np.flatnonzero(self.slots["state"] == SLOT_READY).tolist():
+        ready: list[int] = np.flatnonzero(self.slots["state"] == SLOT_READY).tolist()
+        for i in ready:
             rec = self.slots[i]
             if rec["ns"] == ns and bytes(rec["key"])[: rec["key_len"]] == key:
                 return i
@@ -463,6 +464,7 @@ def test_hundreds_of_random_damages_recover_in_process(kept: Kept) -> None:
                             continue
                         slot = index.slots_of([key])[0]
                         ext = pool.extents[slot // pool.slots_per_extent]
+                        assert ext is not None, (round_, name, key)  # a ready block's extent
                         off = g.data_offset + ext * g.extent_bytes
                         off += (slot % pool.slots_per_extent) * pool.slot_bytes
                         page = LAYOUTS[name].tensor_page_bytes[0]

@@ -18,7 +18,7 @@ from test_probes import PROBE_TIMEOUT_S
 import kvoffload
 from kvoffloadbench.launch import DaemonProcess
 from kvoffloadbench.server_process import free_port
-from kvoffloadd.config import load_config
+from kvoffloadd.config import DaemonConfig, load_config
 
 ROOT = Path(__file__).parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
@@ -36,7 +36,9 @@ def kind(docs: list[dict[str, Any]], k: str) -> dict[str, Any]:
 
 def quantity_bytes(q: str) -> int:
     units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
-    num, unit = re.fullmatch(r"(\d+)([KMGT]i)?", q).groups()  # type: ignore[union-attr]
+    found = re.fullmatch(r"(\d+)([KMGT]i)?", q)
+    assert found is not None, q
+    num, unit = found.groups()
     return int(num) * units.get(unit or "", 1)
 
 
@@ -134,7 +136,7 @@ def test_the_hugepages_variant_differs_only_in_the_region_pages(tmp_path: Path) 
     assert cfg == cm_plain
 
 
-def load_config_text(tmp_path: Path, text: str):  # type: ignore[no-untyped-def]
+def load_config_text(tmp_path: Path, text: str) -> DaemonConfig:
     f = tmp_path / "other.toml"
     f.write_text(text)
     return load_config(str(f), {})
@@ -142,7 +144,9 @@ def load_config_text(tmp_path: Path, text: str):  # type: ignore[no-untyped-def]
 
 def test_the_vllm_example_reaches_the_daemon_of_its_node() -> None:
     cm = kind(documents("kvoffloadd.yaml"), "ConfigMap")
-    socket_path = re.search(r'socket = "([^"]+)"', cm["data"]["kvoffloadd.toml"]).group(1)  # type: ignore[union-attr]
+    found = re.search(r'socket = "([^"]+)"', cm["data"]["kvoffloadd.toml"])
+    assert found is not None, cm["data"]["kvoffloadd.toml"]
+    socket_path = found.group(1)
     dep = kind(documents("vllm-example.yaml"), "Deployment")
     spec = dep["spec"]["template"]["spec"]
     (c,) = spec["containers"]

@@ -8,6 +8,8 @@ the view comes back by itself when the daemon does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from engines import FACTOR, filled_caches, keys, layout
 from helpers import poll
@@ -26,17 +28,22 @@ def step(view: EngineView) -> None:
     view.lookup(b"")  # the next step begins: reads what arrived
 
 
-def settle(view: EngineView, predicate: object, what: str) -> None:
+def settle(view: EngineView, predicate: Callable[[], object], what: str) -> None:
     def again() -> bool:
         step(view)
-        return bool(predicate())  # type: ignore[operator]
+        return bool(predicate())
 
     poll(again, what, deadline_s=20)
 
 
 def finished(w: StreamingWorker, job: int) -> kvoffload.TransferResult:
     out: list[kvoffload.TransferResult] = []
-    poll(lambda: out.extend(r for r in w.get_finished() if r.job_id == job) or out, f"job {job}")
+
+    def got() -> bool:
+        out.extend(r for r in w.get_finished() if r.job_id == job)
+        return bool(out)
+
+    poll(got, f"job {job}")
     return out[0]
 
 

@@ -43,7 +43,8 @@ def test_other_layout_cannot_see_blocks(daemon: DaemonProcess) -> None:
 
 
 def _ns_stats(client: kvoffload.Client, name: str) -> dict[str, int]:
-    return client.stats()["namespaces"][name]  # type: ignore[no-any-return]
+    stats: dict[str, int] = client.stats()["namespaces"][name]
+    return stats
 
 
 @pytest.mark.parametrize("victim", ["store", "load"])

@@ -39,9 +39,13 @@ def value(tp: Any, rng: random.Random, depth: int = 0) -> Any:
     """A random value of type ``tp`` (the field types the protocol uses)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Annotated:  # a bounded field: cut to its bound
-        most = [x.max_length for x in args[1:] if isinstance(x, msgspec.Meta)]
+        most = [
+            x.max_length
+            for x in args[1:]
+            if isinstance(x, msgspec.Meta) and x.max_length is not None
+        ]
         got = value(args[0], rng, depth)
-        return got[: min(most)] if most and most[0] is not None else got
+        return got[: min(most)] if most else got
     if args and type(None) in args:
         return None if rng.random() < 0.3 else value(args[0], rng, depth)
     if origin is list:

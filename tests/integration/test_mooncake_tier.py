@@ -61,7 +61,9 @@ def ours(m: MooncakeMaster) -> list[str]:
     return [k for k in m.objects() if k.startswith("kvoffload/")]
 
 
-def test_store_evict_promote_is_byte_identical(tmp_path: pathlib.Path, master: MooncakeMaster):
+def test_store_evict_promote_is_byte_identical(
+    tmp_path: pathlib.Path, master: MooncakeMaster
+) -> None:
     with tier_daemon(tmp_path, mooncake_toml(master)) as d:
         e = Engine(d)
         e.wait_healthy("mooncake")

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,9 @@ def populated(client: kvoffload.Client) -> bool:
     return bool(client.stats()["region"]["populate_done"])
 
 
-def run_refused(*args: str, settings: dict[str, object], preexec: object = None) -> str:
+def run_refused(
+    *args: str, settings: dict[str, object], preexec: Callable[[], object] | None = None
+) -> str:
     """Start a daemon that must refuse: its exit status and what it said."""
     tmp = tempfile.mkdtemp(prefix="kvoffload-refused-")
     config = os.path.join(tmp, "k.toml")
@@ -68,7 +70,7 @@ def run_refused(*args: str, settings: dict[str, object], preexec: object = None)
             capture_output=True,
             text=True,
             timeout=60,
-            preexec_fn=preexec,  # type: ignore[arg-type]
+            preexec_fn=preexec,
         )
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert "listening" not in proc.stdout
@@ -121,7 +123,7 @@ def memory_cgroup(limit_bytes: int) -> Iterator[str]:
                 time.sleep(0.05)
 
 
-def entering(procs: str) -> object:
+def entering(procs: str) -> Callable[[], None]:
     def enter() -> None:
         with open(procs, "w") as f:
             f.write("0\n")
@@ -152,7 +154,7 @@ def test_without_the_check_the_same_daemon_is_oom_killed() -> None:
             "--log-level",
             "warning",
             settings={"check_memory_limits": False},
-            preexec=entering(procs),  # type: ignore[arg-type]
+            preexec=entering(procs),
         )
         d.start()
         try:
@@ -172,7 +174,7 @@ def test_a_region_that_fits_its_cgroup_comes_up_whole() -> None:
             "1GiB",
             "--log-level",
             "warning",
-            preexec=entering(procs),  # type: ignore[arg-type]
+            preexec=entering(procs),
         ) as d,
     ):
         client = kvoffload.connect(d.socket_path)

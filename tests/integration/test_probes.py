@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import pytest
 from hostile import as_uid, fd_count, requires_root, rss_bytes
@@ -96,10 +97,10 @@ def _hold(
         for s in [s for s in socks if _closed(s)]:
             socks.remove(s)
             s.close()
-        while len(socks) < n and (s := _connect(port, rcvbuf, source)) is not None:
+        while len(socks) < n and (c := _connect(port, rcvbuf, source)) is not None:
             with contextlib.suppress(OSError):
-                s.send(first)
-            socks.append(s)
+                c.send(first)
+            socks.append(c)
             made += 1
         if then and time.monotonic() > next_s:
             next_s = time.monotonic() + 0.1
@@ -119,7 +120,7 @@ def idle(port: int, stop: Callable[[], bool]) -> int:
 def stalled_from_many_addresses(port: int, stop: Callable[[], bool]) -> int:
     """One byte of a request, then nothing, from 32 addresses: 8 each, 256 in all."""
     return _in_threads(
-        [lambda i=i: _hold(port, stop, 8, first=b"G", source=f"127.0.1.{i + 1}") for i in range(32)]
+        [partial(_hold, port, stop, 8, first=b"G", source=f"127.0.1.{i + 1}") for i in range(32)]
     )
 
 

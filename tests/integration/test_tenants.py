@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -125,7 +125,7 @@ def read_back_as_b(sock: str) -> dict[str, int]:
 
 
 def load_pattern(
-    ns: kvoffload.Namespace, w: kvoffload.Worker, keys: list[bytes], caches: list, stored: bool
+    ns: kvoffload.Namespace, w: kvoffload.Worker, keys: list[bytes], caches: list[Any], stored: bool
 ) -> int:
     try:
         ns.complete_store(keys)

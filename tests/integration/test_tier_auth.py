@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import struct
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 from helpers import poll
@@ -36,9 +37,12 @@ def refused(e: Engine, tier: str, ks: list[bytes], failures: int) -> None:
             e.ns.lookup([k])
         return bool(e.tier(tier)["auth_failures_total"] >= failures)
 
+    def missed(k: bytes) -> bool:
+        return e.ns.lookup([k]) == 0
+
     poll(looked_up, f"{failures} blocks to be refused")
     for k in ks:
-        poll(lambda k=k: e.ns.lookup([k]) == 0, f"{k!r} to miss")
+        poll(partial(missed, k), f"{k!r} to miss")
         assert e.ns.lookup([k]) == 0
     assert e.tier(tier)["promoted_blocks_total"] == 0
 
@@ -74,14 +78,15 @@ def test_redis_blocks_without_the_secret_or_replayed_miss(
         poll(lambda: e.tier("redis")["stores_total"] == 3, "the cascade")
         tid, mistral = ns_of(e).tier_id, ns_of(other_ns).tier_id
         real = r.hgetall(f"kvoffload:b:{tid}:".encode() + a[0])
-        key_id = SEAL.unpack(real[b"m"])[1]
-        data = real[b"d"]
+        sealed, data = real[b"m"], real[b"d"]
+        assert isinstance(sealed, bytes) and isinstance(data, bytes)  # not decoded
+        key_id = SEAL.unpack(sealed)[1]
         f = keys(b"f", 4)
         planted = {
             (tid, f[0]): OTHER.seal(redis_tier.MAGIC, ns_of(e), f[0], data),  # own secret
             (tid, f[1]): forged_seal(redis_tier.MAGIC, key_id, data),  # our key id, no MAC
-            (tid, f[2]): real[b"m"],  # a replay under another key
-            (mistral, a[0]): real[b"m"],  # a replay into another namespace
+            (tid, f[2]): sealed,  # a replay under another key
+            (mistral, a[0]): sealed,  # a replay into another namespace
             (tid, f[3]): struct.pack("<8sIQ", b"KVORED03", crc32(data), PAGE),  # CRC only
         }
         now_ms = int(r.time()[0]) * 1000

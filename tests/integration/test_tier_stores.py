@@ -11,11 +11,11 @@ import select
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from hostile import requires_root
-from test_tiers import keys
+from tiered import keys
 
 from kvoffloadbench.redis_server import RedisServer, make_tls_files
 from kvoffloadd.copies.crc import crc32
@@ -54,7 +54,7 @@ def run(
     raise AssertionError("tier job did not finish")
 
 
-def wait_for(tier: SecondaryTier, wake: WakeFd, predicate) -> None:  # type: ignore[no-untyped-def]
+def wait_for(tier: SecondaryTier, wake: WakeFd, predicate: Callable[[], object]) -> None:
     deadline = time.monotonic() + 10
     while not predicate():
         assert time.monotonic() < deadline, "tier view did not settle"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import urllib.request
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,8 @@ class Engine:
         slots = self.ns.prepare_load(ks).slots
         self._run(False, slots, list(range(8, 8 + len(ks))))
         self.ns.complete_load(ks)
-        return self.cache[8 : 8 + len(ks)].numpy().tobytes()
+        data: bytes = self.cache[8 : 8 + len(ks)].numpy().tobytes()
+        return data
 
     def tier(self, name: str) -> dict[str, Any]:
         stats: dict[str, Any] = self.client.stats()["tiers"][name]
@@ -118,8 +120,12 @@ def shared_by_two(
     """An engine on each daemon; a's stores 4 blocks, they cascade to ``tier``, and b's
     daemon promotes them from it byte-identical. The engines, the keys and the bytes."""
     ea, eb = Engine(da), Engine(db)
+
+    def healthy(e: Engine) -> object:
+        return e.tier(tier)["healthy"]
+
     for e in (ea, eb):
-        poll(lambda e=e: e.tier(tier)["healthy"], "the tiers to connect")
+        poll(partial(healthy, e), "the tiers to connect")
     a = keys(b"a", 4)
     data = ea.store(a, seed=seed)
     poll(lambda: ea.tier(tier)["stores_total"] == 4, "the cascade")

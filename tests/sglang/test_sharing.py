@@ -108,7 +108,7 @@ def test_page_head_tp2_shares_heads_with_tp4(daemon: DaemonProcess) -> None:
         assert load_seen(r1, 4, 6) == (6 * PAGE, 6 * PAGE, shards[1::2])
 
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "model": {"model_name": "another-model"},
     "dtype": {"model": rig.Model(dtype=torch.float16)},
     "layout": {"layout": "page_first_direct"},

@@ -33,7 +33,7 @@ VLLM = VllmIdentity("llama", "bfloat16", 1, [16], 16, parallel="tp1.pp1.pcp1.dcp
 VLLM_NAME = VLLM.namespace(0, 1, 0, 1)  # one group, one pipeline stage
 
 
-def vllm_engine(socket_path: str, first: int, blocks: int, out: mp.SimpleQueue) -> None:  # type: ignore[type-arg]
+def vllm_engine(socket_path: str, first: int, blocks: int, out: mp.SimpleQueue[int]) -> None:
     """Store ``blocks`` blocks of 256 KiB as the vLLM plug-in's worker would."""
     with kvoffload.connect(socket_path) as c:
         ns = c.namespace(VLLM_NAME, VLLM.layout([BLOCK], 1, 0))

@@ -143,7 +143,8 @@ def test_engines_of_one_shape_share_every_block(daemon: DaemonProcess, name: str
     a, b = engine(daemon, f"{name}-a", shape), engine(daemon, f"{name}-b", shape)
     try:
         a.ready(), b.ready()
-        a.connected(), b.connected()
+        a.connected()
+        b.connected()
         notes = a.stats()["notes"]
         said = [x for x in notes if "layout" in x and ("per-rank" in x or "canonical" in x)]
         assert len(said) == 1 and layout in said[0] and why in said[0], notes
@@ -160,7 +161,8 @@ def test_data_parallel_engines_share(daemon: DaemonProcess) -> None:
     b = engine(daemon, "dp-1", {**shape, "dp_index": 1})
     try:
         a.ready(), b.ready()
-        a.connected(), b.connected()
+        a.connected()
+        b.connected()
         share(a, b, daemon, "dp")
         share(b, a, daemon, "dp-back")
     finally:

@@ -283,7 +283,8 @@ def test_sigterm_a_cold_restart_and_new_stores(
     a.add(("tc-1", p, 4))
     finish(a)  # runs without the daemon
     d2 = daemon()
-    a.connected(), b.connected()
+    a.connected()
+    b.connected()
     a.add(("tc-2", prompt(), 4))
     finish(a)
     b.add(("tc-3", p, 4))  # stored before the restart: gone, recomputed

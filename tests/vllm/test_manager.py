@@ -72,7 +72,7 @@ def events(mgr: OffloadingManager) -> list[tuple[set[bytes], bool]]:
 def step(*managers: OffloadingManager) -> None:
     """The end of a scheduler step, for each manager: its batch goes, pushes come in."""
     for m_ in managers:
-        m_.on_schedule_end(None)  # type: ignore[arg-type]
+        m_.on_schedule_end(None)
 
 
 def settled(mgr: OffloadingManager, ids: tuple[int, ...], want: list[LookupResult]) -> None:
@@ -118,7 +118,7 @@ def test_the_manager_contract_with_no_round_trip_per_call(daemon: DaemonProcess)
     assert events(mgr) == [(set(k(1, 2)), False), (set(k(1)), True)]
     assert events(other) == [(set(k(1, 2)), False), (set(k(1)), True)]
     for m_ in (mgr, other):
-        assert m_.view.blocking_calls_total == 0  # type: ignore[attr-defined]
+        assert m_.view.blocking_calls_total == 0
         _workers.pop(id(m_)).shutdown()
         m_.shutdown()
 
@@ -138,7 +138,7 @@ def test_one_step_end_in_an_interval_writes_and_reads(daemon: DaemonProcess) -> 
         extra={"batch_interval_s": 3600.0},
     )
     mgr = rank.spec.get_manager()
-    client = mgr.client  # type: ignore[attr-defined]
+    client = mgr.client
     settled_leases(mgr)  # the first step end was due: it wrote and read
     writes, reads = client.writes_total, client.reads_total
     for i in range(5):  # a store, and its completion, in every step
@@ -147,16 +147,16 @@ def test_one_step_end_in_an_interval_writes_and_reads(daemon: DaemonProcess) -> 
         mgr.complete_store(k(40 + i), CTX)
         step(mgr)
     assert (client.writes_total, client.reads_total) == (writes, reads)
-    mgr._io_at = 0.0  # type: ignore[attr-defined]  # the interval is over
+    mgr._io_at = 0.0  # the interval is over
     step(mgr)
     assert (client.writes_total, client.reads_total) == (writes + 1, reads + 1)
-    assert mgr.blocking_calls_total == 0  # type: ignore[attr-defined]
+    assert mgr.blocking_calls_total == 0
     rank.shutdown()
 
 
 def settled_leases(mgr: OffloadingManager) -> None:
     deadline = time.monotonic() + 20
-    while not mgr.view.leases:  # type: ignore[attr-defined]
+    while not mgr.view.leases:
         assert time.monotonic() < deadline, "no lease grant"
         step(mgr)
         time.sleep(0.001)
@@ -211,7 +211,7 @@ def test_blocks_on_a_disk_tier_come_back_through_retry(tmp_path: pathlib.Path) -
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert admin.evict() == 4  # the region forgets them; the disk keeps them
-        while k(1)[0] in mgr.view.ready:  # type: ignore[attr-defined]
+        while k(1)[0] in mgr.view.ready:
             assert time.monotonic() < deadline
             step(mgr)
         # 1 is probed alone; the rest of the request waits for one batch at step end
@@ -266,7 +266,7 @@ def test_namespace_identity_is_one_for_the_scheduler_and_every_rank() -> None:
     stage), as does every engine of the same model and shape."""
 
     def names(config: object) -> list[str]:
-        spec = KVOffloadSpec(config)  # type: ignore[arg-type]
+        spec = KVOffloadSpec(config)
         return [spec.namespace(0, s) for s in range(spec.stages)]
 
     scheduler, ranks = offloading_configs("/nonexistent", "llama", pp=3)

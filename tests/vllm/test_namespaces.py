@@ -20,7 +20,8 @@ HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDI
 
 
 def key(i: int, group: int = 0) -> bytes:
-    return make_offload_key(b"block-%04d" % i, group)
+    made: bytes = make_offload_key(b"block-%04d" % i, group)
+    return made
 
 
 class FakeClient:
@@ -98,8 +99,11 @@ def manager(
     client = FakeClient()
     nss = [[FakeNamespace(client, g * stages + s) for s in range(stages)] for g in range(groups)]
     mgr = KVOffloadManager(
-        nss, list(range(groups)), batch_interval_s=interval_s, enable_events=True
-    )  # type: ignore[arg-type]
+        nss,  # type: ignore[arg-type]  # fakes of Namespace
+        list(range(groups)),
+        batch_interval_s=interval_s,
+        enable_events=True,
+    )
     for per in nss:
         for ns in per:
             ns.grant(*range(ns.ns_id * 100, ns.ns_id * 100 + 40))
@@ -136,7 +140,7 @@ def test_no_space_in_one_stage_stores_nothing_and_the_other_lets_its_slots_go() 
     s1.space = False
     assert mgr.prepare_store([key(1)], CTX) is None  # vLLM counts it, asks again later
     assert mgr.lookup(key(1), CTX) == MISS
-    mgr.on_schedule_end(None)  # type: ignore[arg-type]
+    mgr.on_schedule_end(None)
     (batch,) = [x for x in client.posted if isinstance(x, m.StepBatch) and x.claim_keys]
     assert batch.ns == s0.ns_id
     assert batch.claim_keys == batch.fail_keys == key(1)  # claimed, and given up at once
@@ -153,7 +157,7 @@ def test_keys_go_to_their_groups_namespaces() -> None:
     mgr, ((g0,), (g1,)), _ = manager(groups=2, stages=1)
     out = mgr.prepare_store([key(1, 0), key(2, 0), key(1, 1)], CTX)
     assert out is not None
-    assert out.store_spec.leases == [[g0.lease, g1.lease]]  # type: ignore[attr-defined]
+    assert out.store_spec.leases == [[g0.lease, g1.lease]]
     g1.stored([key(1, 1)], [5], 2)
     assert mgr.lookup(key(1, 1), CTX) == HIT and mgr.lookup(key(1, 0), CTX) == PENDING
     assert key(1, 0) in g0.view.writing and key(1, 1) not in g0.view.writing  # type: ignore[union-attr]
@@ -175,7 +179,7 @@ def test_an_engine_writes_and_reads_at_most_once_per_interval(interval_s: float)
     for _ in range(5):  # five steps, each storing in every namespace
         mgr.lookup(key(9), CTX)
         mgr.prepare_store([key(10 + client.adopts, 0), key(10 + client.adopts, 1)], CTX)
-        mgr.on_schedule_end(None)  # type: ignore[arg-type]
+        mgr.on_schedule_end(None)
     assert client.adopts == 5  # every step adopts a connection the keeper made
     if interval_s:
         assert (client.reads, client.writes) == (1, 1)  # the first step's only

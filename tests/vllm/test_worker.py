@@ -69,7 +69,7 @@ def committed(keys: list[bytes], *managers: OffloadingManager) -> None:
     for m in managers:
         while not all(m.lookup(k, CTX) == LookupResult.HIT for k in keys):
             assert time.monotonic() < deadline, "the store never became visible"
-            m.on_schedule_end(None)  # type: ignore[arg-type]
+            m.on_schedule_end(None)
             time.sleep(0.001)
 
 
@@ -93,7 +93,7 @@ def test_store_then_load_is_byte_identical(
     r = finish(a.worker, 1)
     assert r.success and r.transfer_size == len(gpu) * page  # type: ignore[attr-defined]
     mgr.complete_store(keys, CTX)
-    mgr.on_schedule_end(None)  # type: ignore[arg-type]
+    mgr.on_schedule_end(None)
 
     # the other engine loads from logical block `first` on (maybe inside a chunk)
     committed(keys, mgr, mgr_b)
@@ -141,7 +141,7 @@ def test_hybrid_groups_store_whole_slots_and_null_blocks_keep_their_places(
     assert finish(a.worker, 1).success  # type: ignore[attr-defined]
     assert a.worker.stores_dropped_total == 0  # every slot whole: the daemon took all
     mgr.complete_store(keys, CTX)
-    mgr.on_schedule_end(None)  # type: ignore[arg-type]
+    mgr.on_schedule_end(None)
     committed(keys, mgr, mgr_b)
 
     spec = mgr_b.prepare_load(keys, CTX)
