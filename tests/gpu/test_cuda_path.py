@@ -91,7 +91,7 @@ def test_engine_killed_mid_transfer(gpu_daemon: DaemonProcess, load: bool) -> No
     p.start()
     p.join(120)
     assert ready.is_set() and p.exitcode == -9
-    assert gpu_daemon.alive
+    assert gpu_daemon.alive()
     wait_handles_closed(sock)
     # The daemon still serves GPU engines, and the killed engine's blocks are intact
     # (load) or were never committed (store).
@@ -119,7 +119,7 @@ def test_expandable_segments_are_refused(gpu_daemon: DaemonProcess) -> None:
         else:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = old
     assert "expandable_segments:False" in message
-    assert gpu_daemon.alive
+    assert gpu_daemon.alive()
 
 
 def wait_pinned(sock: str) -> None:
