@@ -175,10 +175,20 @@ soak: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python -m kvoffloadd.configdoc
 
+# mypy --strict over the packages, then over the tests: each test directory on its own,
+# as pytest puts a test's directory on sys.path (``from helpers import poll``), so each
+# is an import root of its own (and their conftest modules would clash as one). vLLM
+# and SGLang are not in .venv: the tests see them untyped, as the packages do.
+TEST_DIRS := tests/unit tests/integration tests/vllm tests/sglang tests/gpu
+
 lint: $(STAMP)
 	$(BIN)/ruff check daemon libclient tools tests
 	$(BIN)/ruff format --check daemon libclient tools tests
 	$(BIN)/mypy
+	$(BIN)/mypy tests/conftest.py
+	@rc=0; for d in $(TEST_DIRS); do \
+		echo "mypy $$d"; MYPYPATH=$$d $(BIN)/mypy $$d || rc=1; \
+	done; exit $$rc
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .venv-gpu build *.egg-info
